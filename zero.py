@@ -1,0 +1,363 @@
+"""
+Data parallelism and ZeRO stages 0, 1 and 2, written on raw torch.distributed collectives.
+
+Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models".
+With mixed-precision Adam every parameter costs 2 (16-bit weight) + 2 (16-bit gradient) + 12
+(fp32 master weight, Adam's two moments) = 16 bytes, and plain data parallelism keeps all 16
+on every one of N ranks. ZeRO partitions the redundant parts:
+
+  stage 0  plain data parallelism: all-reduce the gradients          16Ψ per rank
+  stage 1  shard the optimizer side (master + Adam)                  4Ψ + 12Ψ/N
+  stage 2  shard the gradients too                                   2Ψ + 14Ψ/N
+  (stage 3, the parameters too, is the next step: 16Ψ/N)
+
+and all three move the same 2Ψ elements per step: a ring all-reduce *is* a reduce-scatter
+followed by an all-gather, and stages 1-2 simply do the two halves at different times,
+updating only their own shard in between.
+
+Layout. The trainable parameters (deduplicated by identity: the tied embedding / LM head is
+one tensor) are packed, last layer first, into buckets of about --bucket-mb. Each bucket is
+one flat tensor padded to a multiple of N, and the parameters become views into it, so every
+collective runs on contiguous memory without copies. Rank r owns the r-th 1/N of every
+bucket. Padding makes every world size legal and stays zero; it is never counted in norms,
+inf checks or checkpoints. The optimizer sees one 1-D view per (parameter, rank) piece, so
+weight-decay groups and per-parameter checkpoint metadata come for free.
+
+Overlap. A post-accumulate-grad hook counts the parameters of a bucket as their gradients
+land; once a bucket is complete its collective is launched asynchronously while backward
+goes on with earlier layers. Buckets are launched strictly in index order, so every rank
+issues the same collectives in the same order whatever order autograd finishes them in.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the tensor-in / tensor-out collectives; use the new names where they exist
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# ----------------------------------------------------------------------------------------------
+# The collectives, named. This is the one place that counts traffic, in elements, the way the
+# ZeRO paper counts it: an all-reduce of n elements moves 2n (its reduce-scatter and its
+# all-gather halves), a reduce-scatter or all-gather of an n-element buffer moves n.
+# On one rank they are local copies and count nothing.
+
+def all_reduce_grads(flat, traffic, world_size, group=None):
+    if world_size == 1:
+        return None
+    traffic["all_reduce"] += 2 * flat.numel()
+    traffic["bytes"] += 2 * flat.numel() * flat.element_size()
+    # SUM and an explicit division elsewhere, never ReduceOp.AVG (not supported on gloo)
+    return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def reduce_scatter_grads(shard, flat, traffic, world_size, group=None):
+    if world_size == 1:
+        shard.copy_(flat)
+        return None
+    traffic["reduce_scatter"] += flat.numel()
+    traffic["bytes"] += flat.numel() * flat.element_size()
+    # gloo has no native reduce-scatter: it runs an all-reduce and keeps one slice, so on CPU
+    # this half costs what a whole all-reduce costs. NCCL's ring does only the reduce half.
+    return _reduce_scatter(shard, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def all_gather_params(flat, shard, traffic, world_size, group=None):
+    if world_size == 1:
+        flat.copy_(shard)
+        return None
+    traffic["all_gather"] += flat.numel()
+    traffic["bytes"] += flat.numel() * flat.element_size()
+    return _all_gather(flat, shard, group=group, async_op=True)
+
+
+def all_reduce_scalar(x, world_size, group=None):
+    """A few bytes of control traffic (norms, counts), not counted as model traffic."""
+    if world_size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
+
+def new_traffic():
+    return {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "bytes": 0}
+
+
+# ----------------------------------------------------------------------------------------------
+
+class Bucket:
+    """A contiguous group of parameters: one flat buffer, padded to a multiple of N."""
+
+    def __init__(self, params, stage, rank, world_size, dtype, device):
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.numel = math.ceil(numel / world_size) * world_size if stage >= 1 else numel
+        shard = self.numel // world_size
+        # the range of the flat buffer whose optimizer state (and, stage 2, gradient) this rank owns
+        self.lo, self.hi = (rank * shard, (rank + 1) * shard) if stage >= 1 else (0, self.numel)
+        self.flat = torch.zeros(self.numel, dtype=dtype, device=device)
+        self.offsets, off = [], 0
+        for p in params:
+            self.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.flat[off:off + p.numel()].view_as(p)  # the parameter is now a view
+            self.offsets.append(off)
+            off += p.numel()
+        self.flat_grad = None  # stages 0-1: the full gradient, parameters' .grad are views into it
+        self.grad_shard = None  # stage 2: only this rank's reduced gradient slice
+        if stage <= 1:
+            self.flat_grad = torch.zeros_like(self.flat)
+            for p, off in zip(params, self.offsets):
+                p.grad = self.flat_grad[off:off + p.numel()].view_as(p)
+        else:
+            self.grad_shard = torch.zeros(self.hi - self.lo, dtype=dtype, device=device)
+        self.ready = 0  # parameters whose gradient has landed in this backward
+
+    def grad_piece(self):
+        """This rank's reduced gradient slice, in the working dtype."""
+        return self.grad_shard if self.grad_shard is not None else self.flat_grad[self.lo:self.hi]
+
+
+class ZeRO:
+    """Owns the trainable parameters' flat buffers, this rank's fp32 master slice and AdamW.
+
+    model must already be on its device and in its working dtype (fp32, bf16 or fp16).
+    Use: zero.backward(loss, sync) for each micro-step (sync on the last one), then
+    zero.step(lr, scaler, grad_clip)."""
+
+    def __init__(self, model, stage, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, bucket_mb=25.0,
+                 rank=0, world_size=1, group=None):
+        if stage not in (0, 1, 2):
+            raise ValueError(f"--zero {stage} is not a ZeRO stage this file implements (0, 1 or 2)")
+        self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
+        self.traffic = new_traffic()
+        # deduplicated by identity (named_parameters() already skips the second name of the tied
+        # weight); frozen parameters stay plain tensors outside every buffer (LoRA relies on it)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters")
+        self.frozen = [p for p in model.parameters() if not p.requires_grad]
+        self.dtype, device = named[0][1].dtype, named[0][1].device
+        self.psi = sum(p.numel() for _, p in named)  # Ψ, each weight counted once
+
+        # pack last layer first: gradients arrive in reverse order, so bucket 0 is ready first
+        self.buckets, group_params, size = [], [], 0
+        cap = max(1, int(bucket_mb * 2**20 / named[0][1].element_size()))
+        for _, p in reversed(named):
+            if group_params and size + p.numel() > cap:
+                self.buckets.append(Bucket(group_params, stage, rank, world_size, self.dtype, device))
+                group_params, size = [], 0
+            group_params.append(p)
+            size += p.numel()
+        self.buckets.append(Bucket(group_params, stage, rank, world_size, self.dtype, device))
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}  # tensors hash by id
+
+        # the fp32 master slice. In fp32 the parameters are the master (no copy): the slice is a
+        # view of the flat buffer. In 16 bits it is a separate fp32 tensor (Micikevicius et al.
+        # 2018): an update below ~2^-9 of a weight rounds away in bf16 and would be lost.
+        self.master_pieces = []
+        for b in self.buckets:
+            piece = b.flat[b.lo:b.hi]
+            self.master_pieces.append(piece if self.dtype == torch.float32 else piece.float())
+        # one optimizer tensor per (parameter, owned range) piece: segments record where it lives
+        decay, no_decay, self.segments = [], [], []
+        for bi, b in enumerate(self.buckets):
+            for p, off in zip(b.params, b.offsets):
+                lo, hi = max(off, b.lo), min(off + p.numel(), b.hi)
+                if lo >= hi:
+                    continue  # another rank owns all of this parameter
+                view = self.master_pieces[bi][lo - b.lo:hi - b.lo]
+                self.segments.append((view, bi, lo - b.lo, hi - b.lo, p, lo - off))
+                # decay 2-D weights (matmuls, embeddings), not biases or LayerNorm gains
+                (decay if p.dim() >= 2 else no_decay).append(view)
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas)
+        # allocate Adam's moments now, exactly as AdamW would on its first step, so the
+        # model-state bytes measured at start-up are the ones training holds
+        for view, *_ in self.segments:
+            self.opt.state[view] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(view),
+                                    "exp_avg_sq": torch.zeros_like(view)}
+
+        self.sync, self.next_bucket, self.pending = True, 0, []
+        for b in self.buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    # -- backward: bucketed, asynchronous gradient reduction ---------------------------------
+
+    def _grad_ready(self, p):
+        if not self.sync:
+            return  # stages 0-1, not the last micro-step: let gradients accumulate locally
+        self.bucket_of[id(p)].ready += 1
+        # launch every complete bucket in index order, so all ranks issue the same sequence
+        while self.next_bucket < len(self.buckets) and \
+                self.buckets[self.next_bucket].ready == len(self.buckets[self.next_bucket].params):
+            self._launch(self.buckets[self.next_bucket])
+            self.next_bucket += 1
+
+    def _launch(self, b):
+        N = self.world_size
+        if self.stage == 0:
+            # divide by N before the 16-bit sum: the sum of N gradients then stays within the
+            # range of one, so an fp16 reduction cannot overflow half way (PITFALLS 4)
+            b.flat_grad.div_(N)
+            self.pending.append((all_reduce_grads(b.flat_grad, self.traffic, N, self.group), None))
+        elif self.stage == 1:
+            b.flat_grad.div_(N)
+            out = torch.empty_like(b.flat_grad[b.lo:b.hi])
+            work = reduce_scatter_grads(out, b.flat_grad, self.traffic, N, self.group)
+            self.pending.append((work, lambda: b.flat_grad[b.lo:b.hi].copy_(out)))
+        else:
+            # stage 2: copy the bucket's gradients into a temporary flat buffer, free the
+            # parameters' own .grad, reduce-scatter; only the owner's slice survives backward
+            tmp = torch.zeros_like(b.flat)
+            for p, off in zip(b.params, b.offsets):
+                if p.grad is not None:  # None: the parameter was unused in this forward
+                    tmp[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                    p.grad = None
+            tmp.div_(N)
+            out = torch.empty_like(b.grad_shard)
+            work = reduce_scatter_grads(out, tmp, self.traffic, N, self.group)
+            # with gradient accumulation, stage 2 reduces every micro-step and sums into the
+            # slice: memory over traffic, since keeping full gradients until the last
+            # micro-step would hold the 2Ψ bytes that stage 2 exists to shard
+            self.pending.append((work, lambda: b.grad_shard.add_(out)))
+
+    def backward(self, loss, sync=True):
+        """loss.backward() with the gradient collectives overlapped. sync=False on all but the
+        last micro-step of gradient accumulation (stages 0-1 then communicate nothing)."""
+        self.sync = sync or self.stage == 2
+        self.next_bucket = 0
+        for b in self.buckets:
+            b.ready = 0
+        loss.backward()
+        if not self.sync:
+            return
+        while self.next_bucket < len(self.buckets):  # buckets with unused parameters
+            self._launch(self.buckets[self.next_bucket])
+            self.next_bucket += 1
+        for work, post in self.pending:  # always wait before reading a collective's output
+            if work is not None:
+                work.wait()
+            if post is not None:
+                post()
+        self.pending = []
+
+    # -- the optimizer step on this rank's slice --------------------------------------------
+
+    @torch.no_grad()
+    def step(self, lr, scaler, grad_clip=0.0, want_zero_frac=False):
+        """Unscale, check for inf/NaN (all ranks agree), clip by the global norm, step AdamW on
+        the owned slice, write the new weights back and all-gather them. Returns stats."""
+        N = self.world_size
+        # the fp32 gradient of the owned slice, transient: it lives only during the step
+        grads32 = [b.grad_piece().float() for b in self.buckets]
+        for view, bi, lo, hi, _, _ in self.segments:
+            view.grad = grads32[bi][lo:hi]
+        stats = {}
+        if want_zero_frac:  # underflow shows as exact zeros in the 16-bit gradients
+            counts = torch.tensor([sum((v.grad == 0).sum().item() for v, *_ in self.segments),
+                                   sum(v.numel() for v, *_ in self.segments)], dtype=torch.float64)
+            counts = all_reduce_scalar(counts, N if self.stage >= 1 else 1, self.group)
+            stats["grad_zero_frac"] = (counts[0] / counts[1]).item()
+        scaler.unscale_(self.opt)  # in fp32 on the master side; found-inf is all-reduced (MAX)
+        stats["grad_norm"] = float("nan")
+        if not scaler.found_inf:
+            stats["grad_norm"] = self.clip_grad_norm_(grad_clip)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        scaler.step(self.opt)  # skips the update when any rank found an inf/NaN
+        scaler.update()
+        stats["skipped"] = bool(scaler.found_inf)
+        for view, *_ in self.segments:
+            view.grad = None
+        if not stats["skipped"]:
+            self._publish_params()
+        self.zero_grad()
+        return stats
+
+    def clip_grad_norm_(self, max_norm):
+        """Global L2 norm of the unscaled gradient: each rank sums the squares of the elements it
+        owns (padding is in no segment), one all-reduce SUM, a square root, and every rank scales
+        by the same coefficient (PITFALLS 1). Stage 0 ranks own everything: no reduce needed."""
+        grads = [v.grad for v, *_ in self.segments]
+        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+        for g in grads:
+            sq += g.pow(2).sum()
+        total = all_reduce_scalar(sq, self.world_size if self.stage >= 1 else 1, self.group).sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as clip_grad_norm_ does
+            for g in grads:
+                g.mul_(coef)
+        return total.item()
+
+    def _publish_params(self):
+        """Copy the updated fp32 master slice into the 16-bit weights; stages 1-2 all-gather so
+        every rank holds the full new parameters again."""
+        works = []
+        for b, piece in zip(self.buckets, self.master_pieces):
+            if self.stage == 0:
+                if piece.data_ptr() != b.flat.data_ptr():
+                    b.flat.copy_(piece)
+            else:
+                # a fresh copy: the input of all-gather must not alias its output
+                works.append(all_gather_params(b.flat, piece.to(self.dtype, copy=True), self.traffic,
+                                               self.world_size, self.group))
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def zero_grad(self):
+        for b in self.buckets:
+            (b.flat_grad if b.flat_grad is not None else b.grad_shard).zero_()
+
+    # -- measurement -------------------------------------------------------------------------
+
+    def state_bytes(self):
+        """Model-state bytes this rank holds, by summing the tensors actually allocated.
+        Adam's scalar step counters (4 bytes each) are left out."""
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+        master = [] if self.dtype == torch.float32 else self.master_pieces
+        grads = [b.flat_grad if b.flat_grad is not None else b.grad_shard for b in self.buckets]
+        moments = [s[k] for s in self.opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        out = {"params": nbytes([b.flat for b in self.buckets]) + nbytes(self.frozen),
+               "grads": nbytes(grads), "master": nbytes(master), "optimizer": nbytes(moments)}
+        out["total"] = sum(out.values())
+        return out
+
+    @torch.no_grad()
+    def full_state_dict(self, model):
+        """fp32 weights with model.py's names, gathered onto rank 0 one bucket at a time (the
+        master values where they exist). Returns None on the other ranks."""
+        full = {}
+        for b, piece in zip(self.buckets, self.master_pieces):
+            flat = torch.empty(b.numel, dtype=torch.float32, device=piece.device)
+            if self.stage == 0:
+                flat.copy_(piece)
+            else:
+                w = all_gather_params(flat, piece.float().clone(), new_traffic(), self.world_size, self.group)
+                if w is not None:
+                    w.wait()
+            if self.rank == 0:
+                for p, off in zip(b.params, b.offsets):
+                    full[id(p)] = flat[off:off + p.numel()].view(p.shape).clone()
+        if self.rank != 0:
+            return None
+        state = {}
+        for name, t in model.state_dict(keep_vars=True).items():
+            state[name] = full[id(t)] if id(t) in full else t.detach().float().clone()
+        return state
+
+
+def zero_formula(psi, stage, world_size, dtype):
+    """The ZeRO paper's model-state bytes per rank for Ψ parameters: 2+2+12 in 16 bits,
+    4+4+8 in fp32 (the fp32 weights are the master: no copy)."""
+    w = 4 if dtype == torch.float32 else 2  # bytes of a working weight / gradient
+    k = 8 if dtype == torch.float32 else 12  # master (16-bit only) + Adam's two moments
+    N = world_size
+    params, grads, opt = w * psi, w * psi, k * psi
+    if stage >= 1:
+        opt /= N
+    if stage >= 2:
+        grads /= N
+    return {"params": params, "grads": grads, "optimizer_side": opt, "total": params + grads + opt}
