@@ -12,6 +12,7 @@ Several machines (run on each node, node_rank 0..nnodes-1):
         train.py --config config/gpt2_124m.py --zero 2 --bf16
 """
 import ast
+import hashlib
 import json
 import math
 import os
@@ -42,7 +43,8 @@ def opt(default, help):
 class TrainConfig:
     # I/O
     out_dir: str = opt("out", "where metrics.jsonl and ckpt.pt go")
-    dataset: str = opt("shakespeare_char", "a folder under data/ made by data/prepare.py")
+    dataset: str = opt("shakespeare_char", "a folder under --data-root made by data/prepare.py")
+    data_root: str = opt("data", "where the prepared data sets live (relative to this file)")
     eval_interval: int = opt(250, "evaluate train/val loss every this many steps")
     eval_iters: int = opt(20, "batches per loss estimate")
     log_interval: int = opt(10, "print and log every this many steps")
@@ -70,7 +72,9 @@ class TrainConfig:
     device: str = opt("auto", "auto | cpu | cuda")
     dtype: str = opt("fp32", "fp32 | bf16 | fp16 (the working precision of weights and gradients)")
     loss_scale: str = opt("auto", "dynamic | none | VALUE; auto = dynamic for fp16, none otherwise")
-    zero: int = opt(0, "ZeRO stage: 0 data parallel, 1 shard optimizer, 2 shard gradients too")
+    zero: int = opt(0, "ZeRO stage: 0 data parallel, 1 shard optimizer, 2 +gradients, 3 +parameters")
+    prefetch: bool = opt(True, "ZeRO-3: gather the next unit while this one computes")
+    grad_ckpt: bool = opt(False, "activation checkpointing: recompute each block in backward")
     bucket_mb: float = opt(25.0, "gradient bucket size in MiB for overlapped communication")
     peak_tflops: float = opt(0.0, "peak TFLOP/s per device for MFU; 0 = look the GPU up")
     seed: int = opt(1337, "the batch at step t depends only on (seed, t)")
@@ -141,8 +145,8 @@ def check_config(cfg):
         raise ConfigError(f"--dtype {cfg.dtype}: use fp32, bf16 or fp16")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device {cfg.device}: use auto, cpu or cuda")
-    if cfg.zero not in (0, 1, 2):
-        raise ConfigError(f"--zero {cfg.zero}: use 0, 1 or 2")
+    if cfg.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero {cfg.zero}: use 0, 1, 2 or 3")
     if cfg.loss_scale not in ("auto", "dynamic", "none"):
         try:
             if float(cfg.loss_scale) <= 0:
@@ -173,13 +177,13 @@ def load_data(cfg, rank, world_size):
     """Memory-map train.bin / val.bin, preparing the data set first if it is missing (the
     built-in ones only; rank 0 prepares, the others wait at a barrier)."""
     from data.prepare import DataError, load_meta, prepare
-    data_dir = os.path.join(ROOT, "data", cfg.dataset)
+    data_dir = os.path.join(ROOT, cfg.data_root, cfg.dataset)  # an absolute data_root wins
     missing = not os.path.isfile(os.path.join(data_dir, "val.bin"))
     if missing and cfg.dataset not in ("shakespeare_char", "shakespeare"):
         raise ConfigError(f"no prepared data in {data_dir}: run `python data/prepare.py --input FILE --name {cfg.dataset}`")
     if missing and rank == 0:
         try:
-            prepare(dataset=cfg.dataset)
+            prepare(dataset=cfg.dataset, out_root=os.path.join(ROOT, cfg.data_root))
         except DataError as e:
             raise ConfigError(str(e))
     if world_size > 1:
@@ -206,15 +210,17 @@ def get_lr(it, cfg):
 @torch.no_grad()
 def estimate_loss(model, train, val, cfg, rank, world_size, device):
     """Mean loss over eval_iters fixed batches per split; rank r takes batches r, r+N, ...
-    so the estimate is the same on any world size."""
+    so the estimate is the same on any world size. Every rank runs the same number of forwards
+    (a spare one is not counted): under ZeRO-3 each forward is a series of collectives."""
     model.eval()
     out = {}
     for si, (split, data) in enumerate((("train", train), ("val", val))):
         total = torch.zeros(2, dtype=torch.float64)
-        for k in range(rank, cfg.eval_iters, world_size):
+        for k in range(rank, math.ceil(cfg.eval_iters / world_size) * world_size, world_size):
             x, y = get_batch(data, cfg.seed + 7919 * (si + 1), k, 0, 0, 1, cfg.batch_size, cfg.block_size, 1)
             _, loss = model(x.to(device), y.to(device))
-            total += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+            if k < cfg.eval_iters:
+                total += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
         if world_size > 1:
             dist.all_reduce(total)
         out[split] = (total[0] / total[1]).item()
@@ -272,10 +278,12 @@ def main(argv=None):
     except ValueError as e:
         raise ConfigError(str(e))
     model = GPT(gptconf).to(device=device, dtype=dtype)  # 16-bit working weights in bf16 / fp16
+    model.grad_ckpt = cfg.grad_ckpt
     print0(f"model: {model.num_params(non_embedding=False):,} parameters (tied embedding counted once)")
 
     zero = ZeRO(model, cfg.zero, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                weight_decay=cfg.weight_decay, bucket_mb=cfg.bucket_mb, rank=rank, world_size=world_size)
+                weight_decay=cfg.weight_decay, bucket_mb=cfg.bucket_mb, rank=rank, world_size=world_size,
+                prefetch=cfg.prefetch)
     scale = {"auto": "dynamic" if cfg.dtype == "fp16" else "none"}.get(cfg.loss_scale, cfg.loss_scale)
     # a fixed scale of 1 is "no scaler", but still finds inf/NaN gradients and skips the step
     scaler = GradScaler(dynamic=True) if scale == "dynamic" else \
@@ -354,6 +362,17 @@ def main(argv=None):
                  "comm_bytes": zero.traffic["bytes"], "comm_theory_elements": 2 * zero.psi if world_size > 1 else 0})
         t_last = time.time()
         it += 1
+
+    # every rank must hold bitwise the same full parameters: compare fingerprints once, at the end
+    # (under ZeRO-3 no rank holds them between steps: the checkpoint below gathers them)
+    digest = "sharded" if cfg.zero == 3 else hashlib.sha256(
+        b"".join(p.detach().cpu().float().numpy().tobytes() for p in model.parameters())).hexdigest()
+    digests = [digest] * world_size
+    if distributed:
+        dist.all_gather_object(digests, digest)
+    if len(set(digests)) > 1:
+        print0(f"WARNING: ranks hold different parameters: {digests}")
+    log({"event": "end", "iter": it, "replica_sha256": digests})
 
     # weights + config at the end (fp32 master values, model.py's names), written by rank 0
     state = zero.full_state_dict(model)

@@ -9,11 +9,13 @@ on every one of N ranks. ZeRO partitions the redundant parts:
   stage 0  plain data parallelism: all-reduce the gradients          16Ψ per rank
   stage 1  shard the optimizer side (master + Adam)                  4Ψ + 12Ψ/N
   stage 2  shard the gradients too                                   2Ψ + 14Ψ/N
-  (stage 3, the parameters too, is the next step: 16Ψ/N)
+  stage 3  shard the parameters too (PyTorch calls it FSDP)          16Ψ/N
 
-and all three move the same 2Ψ elements per step: a ring all-reduce *is* a reduce-scatter
+Stages 0-2 move the same 2Ψ elements per step: a ring all-reduce *is* a reduce-scatter
 followed by an all-gather, and stages 1-2 simply do the two halves at different times,
-updating only their own shard in between.
+updating only their own shard in between. Stage 3 gathers each unit's parameters just before
+its forward, frees them after, gathers them again for its backward and reduce-scatters its
+gradients right after: 3Ψ per step, 1.5x data parallelism, for memory that falls as 1/N.
 
 Layout. The trainable parameters (deduplicated by identity: the tied embedding / LM head is
 one tensor) are packed, last layer first, into buckets of about --bucket-mb. Each bucket is
@@ -89,8 +91,8 @@ def new_traffic():
 class Bucket:
     """A contiguous group of parameters: one flat buffer, padded to a multiple of N."""
 
-    def __init__(self, params, stage, rank, world_size, dtype, device):
-        self.params = params
+    def __init__(self, params, stage, rank, world_size, dtype, device, module=None):
+        self.params, self.module = params, module  # stage 3: the module whose forward uses them
         numel = sum(p.numel() for p in params)
         self.numel = math.ceil(numel / world_size) * world_size if stage >= 1 else numel
         shard = self.numel // world_size
@@ -104,7 +106,12 @@ class Bucket:
             self.offsets.append(off)
             off += p.numel()
         self.flat_grad = None  # stages 0-1: the full gradient, parameters' .grad are views into it
-        self.grad_shard = None  # stage 2: only this rank's reduced gradient slice
+        self.grad_shard = None  # stages 2-3: only this rank's reduced gradient slice
+        self.shard = None  # stage 3: this rank's slice of the weights, the only copy kept
+        self.gathered, self.pending = True, None  # stage 3: full weights present / arriving
+        if stage == 3:
+            self.shard = self.flat[self.lo:self.hi].clone()
+            self.free()
         if stage <= 1:
             self.flat_grad = torch.zeros_like(self.flat)
             for p, off in zip(params, self.offsets):
@@ -112,6 +119,18 @@ class Bucket:
         else:
             self.grad_shard = torch.zeros(self.hi - self.lo, dtype=dtype, device=device)
         self.ready = 0  # parameters whose gradient has landed in this backward
+
+    def free(self):
+        """Release the full weights but keep the tensor objects: resizing the storage to 0 frees
+        the memory, and every view of it (the parameters, and the weights autograd or activation
+        checkpointing saved for backward) sees the data again once it is gathered back into the
+        same storage. Swapping .data instead would leave saved views on the old, full tensor
+        (PITFALLS 6: the "recomputed shape [0]" error)."""
+        self.flat.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def allocate(self):
+        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
 
     def grad_piece(self):
         """This rank's reduced gradient slice, in the working dtype."""
@@ -126,10 +145,11 @@ class ZeRO:
     zero.step(lr, scaler, grad_clip)."""
 
     def __init__(self, model, stage, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, bucket_mb=25.0,
-                 rank=0, world_size=1, group=None):
-        if stage not in (0, 1, 2):
-            raise ValueError(f"--zero {stage} is not a ZeRO stage this file implements (0, 1 or 2)")
+                 rank=0, world_size=1, group=None, prefetch=True):
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"--zero {stage}: the ZeRO stages are 0, 1, 2 and 3")
         self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
+        self.prefetch = prefetch
         self.traffic = new_traffic()
         # deduplicated by identity (named_parameters() already skips the second name of the tied
         # weight); frozen parameters stay plain tensors outside every buffer (LoRA relies on it)
@@ -140,16 +160,19 @@ class ZeRO:
         self.dtype, device = named[0][1].dtype, named[0][1].device
         self.psi = sum(p.numel() for _, p in named)  # Ψ, each weight counted once
 
-        # pack last layer first: gradients arrive in reverse order, so bucket 0 is ready first
-        self.buckets, group_params, size = [], [], 0
-        cap = max(1, int(bucket_mb * 2**20 / named[0][1].element_size()))
-        for _, p in reversed(named):
-            if group_params and size + p.numel() > cap:
-                self.buckets.append(Bucket(group_params, stage, rank, world_size, self.dtype, device))
-                group_params, size = [], 0
-            group_params.append(p)
-            size += p.numel()
-        self.buckets.append(Bucket(group_params, stage, rank, world_size, self.dtype, device))
+        if stage == 3:
+            self._make_units(model, device)
+        else:
+            # pack last layer first: gradients arrive in reverse order, so bucket 0 is ready first
+            self.buckets, group_params, size = [], [], 0
+            cap = max(1, int(bucket_mb * 2**20 / named[0][1].element_size()))
+            for _, p in reversed(named):
+                if group_params and size + p.numel() > cap:
+                    self.buckets.append(Bucket(group_params, stage, rank, world_size, self.dtype, device))
+                    group_params, size = [], 0
+                group_params.append(p)
+                size += p.numel()
+            self.buckets.append(Bucket(group_params, stage, rank, world_size, self.dtype, device))
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}  # tensors hash by id
 
         # the fp32 master slice. In fp32 the parameters are the master (no copy): the slice is a
@@ -157,7 +180,7 @@ class ZeRO:
         # 2018): an update below ~2^-9 of a weight rounds away in bf16 and would be lost.
         self.master_pieces = []
         for b in self.buckets:
-            piece = b.flat[b.lo:b.hi]
+            piece = b.shard if stage == 3 else b.flat[b.lo:b.hi]
             self.master_pieces.append(piece if self.dtype == torch.float32 else piece.float())
         # one optimizer tensor per (parameter, owned range) piece: segments record where it lives
         decay, no_decay, self.segments = [], [], []
@@ -182,6 +205,61 @@ class ZeRO:
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    # -- stage 3: units gathered just in time ---------------------------------------------------
+
+    def _make_units(self, model, device):
+        """One unit per transformer block, plus the root: embeddings, final LayerNorm and the
+        tied head, which the forward uses first and last, so it stays gathered from the model's
+        forward until the end of backward (one unit's worth of memory, and no second gather)."""
+        args = (3, self.rank, self.world_size, self.dtype, device)
+        blocks = list(model.transformer.h)
+        in_blocks = {id(p) for blk in blocks for p in blk.parameters()}
+        units = [Bucket([p for p in blk.parameters() if p.requires_grad], *args, module=blk) for blk in blocks]
+        root = Bucket([p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks], *args, module=model)
+        # gradients arrive last block first, root last (the tied embedding is the final use)
+        self.buckets, self.units, self.root = units[::-1] + [root], units, root
+        self.in_backward, self.gathered_bytes, self.peak_gathered_bytes = False, 0, 0
+        model.register_forward_pre_hook(lambda m, a: self._gather(root))
+        model.register_forward_hook(lambda m, a, out: None if torch.is_grad_enabled() else self._free(root))
+        for i, u in enumerate(units):
+            u.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
+            u.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
+
+    def _gather(self, u, wait=True):
+        if not u.gathered and u.pending is None:
+            u.allocate()
+            self.gathered_bytes += u.flat.numel() * u.flat.element_size()
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+            u.pending = all_gather_params(u.flat, u.shard, self.traffic, self.world_size, self.group) or "done"
+        if wait and u.pending is not None:
+            if u.pending != "done":
+                u.pending.wait()
+            u.pending, u.gathered = None, True
+
+    def _free(self, u):
+        if u.gathered:
+            u.free()
+            self.gathered_bytes -= u.flat.numel() * u.flat.element_size()
+
+    def _pre_forward(self, i):
+        self._gather(self.units[i])
+        if self.prefetch and not self.in_backward and i + 1 < len(self.units):
+            self._gather(self.units[i + 1], wait=False)  # overlap the next unit's gather with compute
+
+    def _post_forward(self, i, out):
+        if self.in_backward:
+            return  # activation checkpointing's recompute: backward needs the weights next
+        self._free(self.units[i])
+        if torch.is_grad_enabled() and out.requires_grad:
+            # the gradient of the block's output arrives just before the block's backward runs
+            out.register_hook(lambda grad, i=i: self._pre_backward(i))
+
+    def _pre_backward(self, i):
+        self.in_backward = True
+        self._gather(self.units[i])
+        if self.prefetch and i > 0:
+            self._gather(self.units[i - 1], wait=False)
 
     # -- backward: bucketed, asynchronous gradient reduction ---------------------------------
 
@@ -208,7 +286,7 @@ class ZeRO:
             work = reduce_scatter_grads(out, b.flat_grad, self.traffic, N, self.group)
             self.pending.append((work, lambda: b.flat_grad[b.lo:b.hi].copy_(out)))
         else:
-            # stage 2: copy the bucket's gradients into a temporary flat buffer, free the
+            # stages 2-3: copy the bucket's gradients into a temporary flat buffer, free the
             # parameters' own .grad, reduce-scatter; only the owner's slice survives backward
             tmp = torch.zeros_like(b.flat)
             for p, off in zip(b.params, b.offsets):
@@ -222,11 +300,13 @@ class ZeRO:
             # slice: memory over traffic, since keeping full gradients until the last
             # micro-step would hold the 2Ψ bytes that stage 2 exists to shard
             self.pending.append((work, lambda: b.grad_shard.add_(out)))
+            if self.stage == 3 and b is not self.root:
+                self._free(b)  # this unit's backward is done: its full weights can go
 
     def backward(self, loss, sync=True):
         """loss.backward() with the gradient collectives overlapped. sync=False on all but the
         last micro-step of gradient accumulation (stages 0-1 then communicate nothing)."""
-        self.sync = sync or self.stage == 2
+        self.sync = sync or self.stage >= 2
         self.next_bucket = 0
         for b in self.buckets:
             b.ready = 0
@@ -242,6 +322,9 @@ class ZeRO:
             if post is not None:
                 post()
         self.pending = []
+        if self.stage == 3:
+            self._free(self.root)
+            self.in_backward = False
 
     # -- the optimizer step on this rank's slice --------------------------------------------
 
@@ -296,7 +379,10 @@ class ZeRO:
         every rank holds the full new parameters again."""
         works = []
         for b, piece in zip(self.buckets, self.master_pieces):
-            if self.stage == 0:
+            if self.stage == 3:  # only the shard is kept; the next forward gathers it
+                if piece.data_ptr() != b.shard.data_ptr():
+                    b.shard.copy_(piece)
+            elif self.stage == 0:
                 if piece.data_ptr() != b.flat.data_ptr():
                     b.flat.copy_(piece)
             else:
@@ -320,7 +406,12 @@ class ZeRO:
         master = [] if self.dtype == torch.float32 else self.master_pieces
         grads = [b.flat_grad if b.flat_grad is not None else b.grad_shard for b in self.buckets]
         moments = [s[k] for s in self.opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
-        out = {"params": nbytes([b.flat for b in self.buckets]) + nbytes(self.frozen),
+        if self.stage == 3:  # shards, plus whatever full unit is gathered at this moment
+            weights = [b.shard for b in self.buckets]
+            gathered = sum(b.flat.untyped_storage().nbytes() for b in self.buckets)
+        else:
+            weights, gathered = [b.flat for b in self.buckets], 0
+        out = {"params": nbytes(weights) + gathered + nbytes(self.frozen),
                "grads": nbytes(grads), "master": nbytes(master), "optimizer": nbytes(moments)}
         out["total"] = sum(out.values())
         return out
@@ -360,4 +451,6 @@ def zero_formula(psi, stage, world_size, dtype):
         opt /= N
     if stage >= 2:
         grads /= N
+    if stage >= 3:
+        params /= N
     return {"params": params, "grads": grads, "optimizer_side": opt, "total": params + grads + opt}

@@ -1,0 +1,29 @@
+# The two commands of the README. Both create .venv and install requirements.txt first.
+#   make demo   a short distributed training run on Tiny Shakespeare (offline-safe), then a sample
+#   make test   the test suite (CPU, gloo; CUDA paths too when a GPU is present)
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# one process per GPU; two gloo processes on a CPU
+NGPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+NPROC ?= $(if $(filter-out 0,$(NGPU)),$(NGPU),2)
+DEMO_FLAGS ?= --zero 2 $(if $(filter-out 0,$(NGPU)),--bf16,) --max-iters 1000 --lr-decay-iters 1000 --out-dir out-demo
+
+.PHONY: demo test clean
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) data/prepare.py --dataset shakespeare_char
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(DEMO_FLAGS)
+	$(PY) sample.py --out-dir out-demo --num-samples 1 --max-new-tokens 300
+
+test: $(VENV)/.installed
+	$(PY) -m pytest
+
+clean:
+	rm -rf out-demo .pytest_cache

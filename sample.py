@@ -1,0 +1,118 @@
+"""
+Generate text from a checkpoint that train.py wrote.
+
+    python sample.py                                    # out/ckpt.pt: 3 samples of 500 tokens
+    python sample.py --out-dir out-shakespeare-char-cpu --start "ROMEO:" --num-samples 5
+    python sample.py --ckpt run/ckpt.pt --start FILE:prompt.txt --device cuda --dtype bf16
+
+The checkpoint carries everything needed: the weights (fp32, model.py's names), the GPTConfig
+arguments and the data's meta.json (hence the tokenizer). It is read with weights_only=True:
+tensors and plain data only, so a checkpoint from elsewhere can never run code when loaded
+(nanoGPT's pickled ckpt.pt and meta.pkl could).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+from data.prepare import DataError, get_codec
+from model import GPT, GPTConfig
+from precision import resolve_dtype
+
+
+class SampleError(Exception):
+    """Bad input from the user: printed as one line, never a traceback."""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="sample.py", description="Generate text from a checkpoint of train.py.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out-dir", default="out", help="read OUT_DIR/ckpt.pt (train.py's --out-dir)")
+    p.add_argument("--ckpt", default=None, metavar="PATH", help="a checkpoint file; overrides --out-dir")
+    p.add_argument("--start", default="\n", help='the prompt; "FILE:prompt.txt" reads it from a file '
+                                                  "(default: %(default)r)")
+    p.add_argument("--num-samples", type=int, default=3, metavar="N", help="samples to draw")
+    p.add_argument("--max-new-tokens", type=int, default=500, metavar="N", help="tokens after the prompt")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="<1 safer, >1 wilder, 0 greedy")
+    p.add_argument("--top-k", type=int, default=200, metavar="K", help="draw from the K likeliest; 0 = all")
+    p.add_argument("--seed", type=int, default=1337, help="same seed, checkpoint and flags: same text")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if visible")
+    p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16: the weights while sampling")
+    args = p.parse_args(argv)
+    if args.num_samples < 1:
+        p.error("--num-samples must be at least 1")
+    for name in ("max_new_tokens", "top_k", "temperature"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must not be negative")
+    return args
+
+
+def load_checkpoint(path):
+    if not os.path.isfile(path):
+        raise SampleError(f"no checkpoint at {path}: train one first, e.g. "
+                          f"`python train.py --out-dir {os.path.dirname(path) or '.'}`")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch's messages run over many lines: keep the one that names the cause
+        # weights_only refuses any global outside its allow-list ("Trying to load unsupported GLOBAL ...")
+        why = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), None)
+        if why:
+            raise SampleError(f"refused {path}: it holds Python objects, which could run code ({why})")
+        raise SampleError(f"cannot read {path}: truncated, corrupt or not a checkpoint ({type(e).__name__})")
+    if not isinstance(ckpt, dict) or not {"model", "model_args", "meta"} <= ckpt.keys():
+        raise SampleError(f"{path} is not a checkpoint of train.py (it needs model, model_args and meta)")
+    return ckpt
+
+
+def sample(args):
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise SampleError("--device cuda but no CUDA device is visible: use --device cpu")
+    device = torch.device("cuda" if use_cuda else "cpu")
+    try:
+        dtype = resolve_dtype(args.dtype, device)
+    except ValueError as e:
+        raise SampleError(str(e))
+    ckpt = load_checkpoint(args.ckpt or os.path.join(args.out_dir, "ckpt.pt"))
+    try:
+        model = GPT(GPTConfig(**ckpt["model_args"]))
+        model.load_state_dict(ckpt["model"])  # strict: every name and shape must match model.py
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise SampleError("checkpoint does not fit model.py: " + " ".join(str(e).split()))
+    model.eval().to(device=device, dtype=dtype)  # eval: no dropout
+
+    start = args.start
+    if start.startswith("FILE:"):
+        try:
+            with open(start[len("FILE:"):], encoding="utf-8") as f:
+                start = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SampleError(f"cannot read the prompt {start[len('FILE:'):]}: {e}")
+    encode, decode = get_codec(ckpt["meta"])
+    ids = encode(start)  # DataError for characters outside a char vocabulary
+    if not ids:
+        raise SampleError("the prompt is empty: --start needs at least one token")
+
+    # all samples in one batch: one forward per new token, not one per token and sample
+    x = torch.tensor([ids], dtype=torch.long, device=device).expand(args.num_samples, -1)  # (S, T)
+    # torch.multinomial draws on the logits' device, and a CPU generator cannot drive a CUDA draw
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    y = model.generate(x, args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k or None, generator=gen)  # (S, T + max_new_tokens)
+    for row in y.tolist():
+        print(decode(row), "-" * 40, sep="\n")
+
+
+def main(argv=None):
+    """Returns the exit status: 0, or 2 after a one-line error (argparse exits 2 itself)."""
+    try:
+        sample(parse_args(argv))
+    except (SampleError, DataError) as e:
+        print(f"sample.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Tests for model.py on the CPU with tiny configs: shapes, causality, weight tying, GPT-2's
+initialisation, the parameter count and MFU formula (checked by hand on GPT-2 124M), config
+errors, generate() and activation checkpointing."""
+import math
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig, peak_flops_for
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a busy machine a thread waiting for
+    a descheduled peer turns a millisecond forward into seconds."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+TINY = dict(block_size=16, vocab_size=11, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
+
+
+def tiny(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**TINY, **overrides}))
+
+
+def tokens(B, T, seed=1, vocab=TINY["vocab_size"]):
+    return torch.randint(vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_output_shapes():
+    model = tiny()
+    idx = tokens(3, 10)
+    logits, loss = model(idx, targets=tokens(3, 10, seed=2))
+    assert logits.shape == (3, 10, TINY["vocab_size"])  # training: every position
+    assert loss.shape == () and torch.isfinite(loss)
+    # at init the logits are near zero, so the loss is near ln(vocab)
+    assert abs(loss.item() - math.log(TINY["vocab_size"])) < 0.5
+    logits, loss = model(idx)
+    assert logits.shape == (3, 1, TINY["vocab_size"]) and loss is None  # inference: last position only
+
+
+def test_causality():
+    """Changing the token at position t never changes the logits at positions < t."""
+    model = tiny().eval()
+    idx = tokens(2, TINY["block_size"])
+    targets = torch.zeros_like(idx)  # passing targets makes forward return every position's logits
+    with torch.no_grad():
+        base, _ = model(idx, targets)
+        for t in range(idx.size(1)):
+            changed = idx.clone()
+            changed[:, t] = (changed[:, t] + 1) % TINY["vocab_size"]
+            logits, _ = model(changed, targets)
+            # masked positions enter as exact zeros after the softmax, so earlier rows are bitwise equal
+            assert torch.equal(logits[:, :t], base[:, :t]), f"position {t} leaked backwards"
+            assert not torch.equal(logits[:, t], base[:, t])  # and the test can see a change
+
+
+def test_weight_tying():
+    model = tiny()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    # the state dict names the tied tensor twice; num_params counts it once
+    d, V = TINY["n_embd"], TINY["vocab_size"]
+    by_name = sum(t.numel() for t in model.state_dict().values())
+    assert model.num_params(non_embedding=False) == by_name - V * d
+    assert model.num_params(non_embedding=True) == by_name - V * d - TINY["block_size"] * d
+    # and it stays tied through training: a gradient step moves both names together
+    _, loss = model(tokens(2, 8), tokens(2, 8, seed=3))
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+    assert torch.equal(model.state_dict()["lm_head.weight"], model.state_dict()["transformer.wte.weight"])
+
+
+def test_init_statistics():
+    torch.manual_seed(0)
+    n_layer = 4
+    model = GPT(GPTConfig(block_size=64, vocab_size=512, n_layer=n_layer, n_head=4, n_embd=256))
+    checked = 0
+    for name, p in model.named_parameters():
+        if name.endswith("c_proj.weight"):  # residual projections: 0.02 / sqrt(2 * n_layer)
+            assert p.std().item() == pytest.approx(0.02 / math.sqrt(2 * n_layer), rel=0.1), name
+        elif p.dim() == 2:  # c_attn, c_fc, wte (= lm_head), wpe
+            assert p.std().item() == pytest.approx(0.02, rel=0.1), name
+        elif name.endswith("ln_1.weight") or name.endswith("ln_2.weight") or name.endswith("ln_f.weight"):
+            assert torch.equal(p, torch.ones_like(p)), name
+        else:  # every bias, Linear and LayerNorm
+            assert name.endswith(".bias") and torch.equal(p, torch.zeros_like(p)), name
+        if p.dim() == 2:
+            assert abs(p.mean().item()) < 0.002, name
+        checked += 1
+    assert checked == len(list(model.parameters()))
+
+
+def test_param_count_and_mfu_gpt2_124m():
+    cfg = GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)
+    with torch.device("meta"):  # shapes only: no 500 MB of weights, no init time
+        model = GPT(cfg)
+    V, T, L, H, d = cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd
+    per_layer = (2 * 2 * d                  # ln_1, ln_2: weight and bias
+                 + 3 * d * d + 3 * d        # c_attn
+                 + d * d + d                # attn c_proj
+                 + 4 * d * d + 4 * d        # c_fc
+                 + 4 * d * d + d)           # mlp c_proj
+    total = V * d + T * d + L * per_layer + 2 * d  # wte (= lm_head, once), wpe, blocks, ln_f
+    assert total == 124_439_808  # GPT-2 small, "124M"
+    assert model.num_params(non_embedding=False) == total
+    assert model.num_params(non_embedding=True) == total - T * d == 123_653_376  # nanoGPT prints 123.65M
+
+    # PaLM appendix B: 6N + 12*L*H*Q*T, Q the head size
+    flops = 6 * 123_653_376 + 12 * L * H * (d // H) * T
+    assert flops == 855_166_464
+    assert model.flops_per_token() == flops
+    tps, peak = 150_000.0, 989e12
+    assert model.estimate_mfu(tps, peak) == pytest.approx(flops * tps / peak, rel=1e-12)
+    assert model.estimate_mfu(tps, None) is None and model.estimate_mfu(tps, 0) is None
+
+    assert peak_flops_for("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops_for("NVIDIA A100-SXM4-80GB") == 312e12  # not the A10 entry, a prefix of it
+    assert peak_flops_for("NVIDIA A10") == 125e12
+    assert peak_flops_for("Some Unknown Accelerator") is None
+    assert peak_flops_for(None) is None
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match=r"n_embd=10 is not divisible by n_head=3"):
+        GPTConfig(n_embd=10, n_head=3)
+    for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+        with pytest.raises(ValueError, match=rf"{name}=0 must be at least 1"):
+            GPTConfig(**{**TINY, name: 0})
+    with pytest.raises(ValueError, match="dropout"):
+        GPTConfig(dropout=1.0)
+
+
+def test_too_long_sequence():
+    model = tiny()
+    with pytest.raises(ValueError, match=r"length 17 is longer than block_size=16"):
+        model(tokens(1, TINY["block_size"] + 1))
+
+
+def test_generate():
+    model = tiny().eval()
+    prompt = tokens(2, 5)
+    gen = lambda seed, **kw: model.generate(prompt, 30, generator=torch.Generator().manual_seed(seed), **kw)
+    out = gen(7, temperature=1.0, top_k=5)
+    # 5 + 30 tokens: past block_size=16, so generate() must crop its context
+    assert out.shape == (2, 35) and torch.equal(out[:, :5], prompt)
+    assert out.min() >= 0 and out.max() < TINY["vocab_size"]
+    assert torch.equal(gen(7, temperature=1.0, top_k=5), out)  # same seed, same tokens
+    assert not torch.equal(gen(8, temperature=1.0, top_k=5), out)
+    # top_k=1 leaves one candidate, whatever the temperature: greedy decoding
+    greedy = model.generate(prompt, 30, temperature=0.0)
+    assert torch.equal(gen(9, temperature=1.5, top_k=1), greedy)
+    # greedy is the argmax of a plain forward, token by token
+    logits, _ = model(greedy[:, :5])
+    assert torch.equal(greedy[:, 5], logits[:, -1].argmax(-1))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_grad_ckpt_same_loss_and_grads(dropout):
+    model = tiny(dropout=dropout)
+    x, y = tokens(4, 16), tokens(4, 16, seed=2)
+    recomputed = []
+    # a pre-hook: non-reentrant checkpointing stops the recompute as soon as it has every saved
+    # tensor back, before the block's own forward hooks would run
+    model.transformer.h[0].register_forward_pre_hook(lambda *a: recomputed.append(1))
+
+    def loss_and_grads(grad_ckpt):
+        model.grad_ckpt = grad_ckpt
+        model.zero_grad(set_to_none=True)
+        recomputed.clear()
+        torch.manual_seed(123)  # same dropout masks; checkpoint replays the RNG in its recompute
+        _, loss = model(x, y)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, len(recomputed)
+
+    loss0, grads0, calls0 = loss_and_grads(False)
+    loss1, grads1, calls1 = loss_and_grads(True)
+    assert (calls0, calls1) == (1, 2)  # with the flag, backward runs block 0's forward again
+    # fp32 on the CPU: the recompute does the very same ops on the same inputs, so bitwise equal
+    assert torch.equal(loss0, loss1)
+    for name in grads0:
+        assert torch.equal(grads0[name], grads1[name]), name

@@ -1,0 +1,151 @@
+"""train.py end to end: batch determinism, bad input, and real torchrun runs on gloo."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, free_port
+from data.prepare import prepare
+from train import ConfigError, get_batch, main, parse_args
+
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
+        "--eval-iters", "2", "--log-interval", "1", "--warmup-iters", "2", "--learning-rate", "3e-3"]
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    """A small character-level data set in a temporary data root."""
+    root = tmp_path_factory.mktemp("data")
+    text = open(os.path.join(ROOT, "README.md")).read() * 3 if os.path.exists(os.path.join(ROOT, "README.md")) else ""
+    text = (text + "To be, or not to be, that is the question.\n" * 400)[:40000]
+    src = root / "input.txt"
+    src.write_text(text)
+    prepare(input_path=str(src), name="tiny", out_root=str(root))
+    return str(root)
+
+
+def test_rank_slices_make_the_global_batch():
+    """N ranks see exactly the batches of one rank with an N-times larger micro-batch."""
+    data = np.arange(5000, dtype=np.uint16)
+    for world in (2, 4):
+        for step in (0, 7):
+            for micro in range(3):
+                x1, y1 = get_batch(data, 42, step, micro, 0, 1, 3 * world, 16, 3)
+                parts = [get_batch(data, 42, step, micro, r, world, 3, 16, 3) for r in range(world)]
+                assert torch.equal(torch.cat([p[0] for p in parts]), x1)
+                assert torch.equal(torch.cat([p[1] for p in parts]), y1)
+                assert torch.equal(x1[:, 1:], y1[:, :-1])  # targets are the inputs shifted by one
+    a, _ = get_batch(data, 42, 3, 0, 0, 1, 4, 16, 1)
+    b, _ = get_batch(data, 42, 4, 0, 0, 1, 4, 16, 1)
+    assert not torch.equal(a, b)  # and steps differ
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bogus"], "unrecognized arguments"),
+    (["--bf16", "--fp16"], "conflict"),
+    (["--dtype", "fp32", "--bf16"], "conflicts"),
+    (["--n-layer", "x"], "invalid int"),
+    (["--zero", "5"], "--zero 5"),
+    (["--loss-scale", "-3"], "--loss-scale"),
+    (["--config", "no_such_preset"], "no preset"),
+])
+def test_bad_flags_are_config_errors(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(argv)
+
+
+def test_bad_runs_are_config_errors(data_root, tmp_path):
+    base = TINY + ["--data-root", data_root, "--out-dir", str(tmp_path), "--max-iters", "1"]
+    with pytest.raises(ConfigError, match="not divisible by n_head"):
+        main(base + ["--dataset", "tiny", "--n-embd", "30", "--n-head", "4"])
+    with pytest.raises(ConfigError, match="data/prepare.py"):
+        main(base + ["--dataset", "nothing_here"])
+    with pytest.raises(ConfigError, match="too few tokens"):
+        main(base + ["--dataset", "tiny", "--block-size", "100000"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="--device cpu"):
+            main(base + ["--dataset", "tiny", "--device", "cuda"])
+
+
+def test_preset_files_parse_and_reject_unknown_keys(tmp_path):
+    for name in os.listdir(os.path.join(ROOT, "config")):
+        parse_args(["--config", os.path.join(ROOT, "config", name)])
+    bad = tmp_path / "bad.py"
+    bad.write_text("n_layer = 2\nlearning_rat = 1e-3\n")
+    with pytest.raises(ConfigError, match="unknown setting 'learning_rat'"):
+        parse_args(["--config", str(bad)])
+    bad.write_text("n_layer = '2'\n")
+    with pytest.raises(ConfigError, match="must be int"):
+        parse_args(["--config", str(bad)])
+    bad.write_text("import os\n")
+    with pytest.raises(ConfigError, match="only `name = value`"):
+        parse_args(["--config", str(bad)])
+    # explicit flags override the preset
+    cfg = parse_args(["--config", os.path.join(ROOT, "config", "shakespeare_char.py"), "--n-layer", "3"])
+    assert cfg.n_layer == 3 and cfg.n_embd == 384
+
+
+def test_cli_error_is_one_line_without_traceback(tmp_path):
+    r = subprocess.run([sys.executable, "train.py", "--zero", "2", "--bf16", "--fp16"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+    assert "train.py: error:" in r.stderr
+
+
+def run(args, out_dir, nproc=1):
+    """train.py as a user runs it: plain python for one process, torchrun for several."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "train.py"] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+         f"--master_port={free_port()}", "train.py"]
+    r = subprocess.run(cmd + args + ["--out-dir", str(out_dir)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+
+
+def losses(rows):
+    return np.array([r["loss"] for r in rows if "loss" in r])
+
+
+def test_two_rank_training_learns_and_replicas_agree(data_root, tmp_path):
+    """A 2-process gloo run: the loss falls, both ranks end bitwise identical, the model-state
+    bytes are logged, and ZeRO-2 follows data parallelism and a 1-process run on the same
+    global batch (fp32: 1e-4; the three differ only in summation order)."""
+    common = TINY + ["--data-root", data_root, "--dataset", "tiny", "--max-iters", "12", "--eval-interval", "6"]
+    z2 = run(common + ["--zero", "2"], tmp_path / "z2", nproc=2)
+    z0 = run(common + ["--zero", "0"], tmp_path / "z0", nproc=2)
+    one = run(common[:common.index("--batch-size")] + ["--batch-size", "8"] + common[common.index("--batch-size") + 2:],
+              tmp_path / "one", nproc=1)
+    l2, l0, l1 = losses(z2), losses(z0), losses(one)
+    assert len(l2) == 12 and l2[-1] < l2[0] - 0.3
+    np.testing.assert_allclose(l2, l0, rtol=1e-4)
+    np.testing.assert_allclose(l2, l1, rtol=1e-4)
+    end = [r for r in z2 if r.get("event") == "end"][0]
+    assert len(end["replica_sha256"]) == 2 and len(set(end["replica_sha256"])) == 1
+    state = [r for r in z2 if r.get("event") == "model_state"][0]
+    assert state["world_size"] == 2 and len(state["per_rank"]) == 2
+    assert abs(state["per_rank"][0]["total"] - state["formula"]["total"]) < 0.01 * state["formula"]["total"]
+    assert all("val_loss" in r for r in z2 if "train_loss" in r)
+    assert all(r["comm_elements"] > 0 for r in z2 if "loss" in r)
+    ckpt = torch.load(tmp_path / "z2" / "ckpt.pt", weights_only=True)
+    assert ckpt["model"]["lm_head.weight"].dtype == torch.float32
+
+
+def test_two_rank_bf16_zero2_matches_zero0_and_one_process(data_root, tmp_path):
+    """The issue's end-to-end check in bf16 (tiny: bf16 matmuls are slow on CPUs without bf16
+    units). bf16 rounds each gradient to 8 bits in a different order on 1 and 2 ranks; over
+    a few steps the losses agree to about 1%."""
+    common = TINY + ["--data-root", data_root, "--dataset", "tiny", "--max-iters", "6",
+                     "--eval-interval", "100", "--bf16"]
+    z2 = losses(run(common + ["--zero", "2"], tmp_path / "z2", nproc=2))
+    z0 = losses(run(common + ["--zero", "0"], tmp_path / "z0", nproc=2))
+    i = common.index("--batch-size")
+    one = losses(run(common[:i] + ["--batch-size", "8"] + common[i + 2:], tmp_path / "one"))
+    np.testing.assert_allclose(z2, z0, rtol=1e-2)
+    np.testing.assert_allclose(z2, one, rtol=1e-2)
