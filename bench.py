@@ -41,6 +41,8 @@ from zero import ZeRO, zero_formula
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CUDA = torch.cuda.is_available()
 SECTIONS = ("loop", "zero", "precision")
+METHODS = {"ddp": "DDP + AdamW", "zro": "DDP + ZeroRedundancyOptimizer(AdamW)",
+           "ours0": "ours, stage 0", "ours1": "ours, stage 1", "ours2": "ours, stage 2"}
 
 
 def machine():
@@ -52,9 +54,8 @@ def machine():
     return f"{name}, torch {torch.__version__}"
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def loadavg():
+    return open("/proc/loadavg").read().split()[0] if os.path.isfile("/proc/loadavg") else "?"
 
 
 def load_data():
@@ -114,8 +115,8 @@ def make_ours(cfg, vocab, device, dtype, stage, rank, ws):
 
 
 def timed(fn, n, device):
-    """Per-step wall times in ms of n calls fn(i)."""
-    out = []
+    """Per-step wall times in ms of n calls fn(i), the GPU synchronized around each."""
+    sync, out = torch.cuda.synchronize if device.type == "cuda" else (lambda d: None), []
     for i in range(n):
         sync(device)
         t0 = time.perf_counter()
@@ -130,33 +131,26 @@ def table(header, rows):
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
-# ----------------------------------------------------------------------------------------------
-
 def bench_loop(args):
     torch.set_num_threads(2)
     device = torch.device("cuda:0" if CUDA else "cpu")
     cfg, (data, vocab) = TrainConfig(), load_data()
-    K, rounds = args.steps or 50, 3
+    rounds = 5
+    K = max(1, (args.steps or 100) // rounds)
     plain = build(cfg, vocab, device, torch.float32)
     opt = torch.optim.AdamW(adamw_groups(plain, cfg), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
     ours = make_ours(cfg, vocab, device, torch.float32, 0, 0, 1)
-    it = {"a": 0, "b": 0}
-
-    def run(which, n):
-        def one(_):
-            if which == "a":
-                ref_step(plain, opt, cfg, data, it["a"], 0, 1, device)
-            else:
-                our_step(*ours, cfg, data, it["b"], 0, 1, device)
-            it[which] += 1
-        return sum(timed(one, n, device)) / n
-
-    run("a", 5), run("b", 5)  # warmup
-    ms = {"a": [], "b": []}
-    for r in range(rounds):  # a b, b a, a b: neither always runs first
-        for which in ("ab" if r % 2 == 0 else "ba"):
-            ms[which].append(run(which, K))
-    a, b = statistics.median(ms["a"]), statistics.median(ms["b"])
+    steps = {"a": lambda it: ref_step(plain, opt, cfg, data, it, 0, 1, device),
+             "b": lambda it: our_step(*ours, cfg, data, it, 0, 1, device)}
+    done, ms = {"a": 0, "b": 0}, {"a": [], "b": []}
+    for r in range(-1, rounds):  # round -1 warms up; then a b, b a, a b, ...: neither always first
+        for w in ("ab" if r % 2 == 0 else "ba"):
+            n = 5 if r < 0 else K
+            t = timed(lambda i: steps[w](done[w] + i), n, device)  # fresh batches all along
+            done[w] += n
+            ms[w] += [sum(t) / n] if r >= 0 else []
+    a, b = (statistics.median(ms[w]) for w in "ab")
+    spread = {w: f"{min(ms[w]):.1f}-{max(ms[w]):.1f}" for w in "ab"}
 
     # (c) train.py itself: logs every step (loss.item(), zero-fraction count, a JSON line)
     with tempfile.TemporaryDirectory() as tmp:
@@ -164,24 +158,23 @@ def bench_loop(args):
         cmd = [sys.executable, "train.py", "--max-iters", "60", "--eval-interval", "1000",
                "--log-interval", "1", "--out-dir", tmp]
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
-        rows = [json.loads(l) for l in open(os.path.join(tmp, "metrics.jsonl"))]
-        c = statistics.median(r["ms"] for r in rows if "ms" in r and r["iter"] >= 10)
+        ms_c = [r["ms"] for r in map(json.loads, open(os.path.join(tmp, "metrics.jsonl")))
+                if "ms" in r and r["iter"] >= 10]
+        c, spread["c"] = statistics.median(ms_c), f"{min(ms_c):.1f}-{max(ms_c):.1f} (steps)"
     pct = lambda x: f"{(x / a - 1) * 100:+.1f}%"
-    body = table(["path", "ms/step", "overhead vs (a)", "target < 5%"], [
-        ["(a) plain PyTorch: forward, backward, clip_grad_norm_, AdamW", f"{a:.2f}", "-", "-"],
-        ["(b) our train path: ZeRO stage 0 (N=1) + GradScaler(1, fixed)", f"{b:.2f}", pct(b),
-         "met" if b / a - 1 < 0.05 else "**missed**"],
-        ["(c) `train.py --max-iters 60 --eval-interval 1000 --log-interval 1`", f"{c:.2f}", pct(c),
-         "met" if c / a - 1 < 0.05 else "**missed**"]])
+    met = lambda x: "met" if x / a - 1 < 0.05 else "**missed**"
+    body = table(["path", "ms/step", "spread (round means)", "overhead vs (a)", "target < 5%"], [
+        ["(a) plain PyTorch: forward, backward, clip_grad_norm_, AdamW", f"{a:.2f}", spread["a"], "-", "-"],
+        ["(b) our train path: ZeRO stage 0 (N=1) + GradScaler(1, fixed)", f"{b:.2f}", spread["b"], pct(b), met(b)],
+        ["(c) `train.py --max-iters 60 --eval-interval 1000 --log-interval 1`", f"{c:.2f}", spread["c"], pct(c),
+         met(c)]])
     notes = (f"CPU demo model (4 layers, 4 heads, 128 wide, block 64, batch 12), fp32, one process, "
              f"{torch.get_num_threads()} threads. (a) and (b): {K} steps per round after 5 warm-up steps, "
-             f"{rounds} alternating rounds, median of the rounds' means; batches from get_batch on "
+             f"{rounds} alternating rounds, the median of the rounds' means; batches from get_batch on "
              f"shakespeare_char. (c): median of metrics.jsonl's `ms` after the first 10 of 60 steps; it "
              f"logs every step, so it also pays loss.item(), the gradient zero-fraction count and a print.")
     return "the training loop's own overhead", body, notes
 
-
-# ----------------------------------------------------------------------------------------------
 
 def _zero_worker(rank, ws, port, args, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -198,9 +191,9 @@ def _zero_worker(rank, ws, port, args, out_path):
     results = []
     for dname in args.dtypes:
         dtype = DTYPES[dname]
-        # 16-bit matmuls crawl on CPUs without bf16/fp16 units: a few steps only
-        n = (args.steps or 30) if (dtype == torch.float32 or CUDA) else max(3, (args.steps or 30) // 6)
-        per_round, warm = max(1, n // 3), 3
+        slow = dtype != torch.float32 and not CUDA  # 16-bit matmuls crawl on CPUs: a few steps only
+        rounds, warm = (3, 1) if slow else (5, 2)
+        per_round = 1 if slow else max(1, (args.steps or 30) // rounds)
         amp = None if dtype == torch.float32 else dtype
 
         def make(method):
@@ -221,9 +214,9 @@ def _zero_worker(rank, ws, port, args, out_path):
                                    [s[k] for s in local.state.values() for k in ("exp_avg", "exp_avg_sq")]),
                     lambda: None)
 
-        methods = ["ddp", "zro", "ours0", "ours1", "ours2"]
+        methods = list(METHODS)
         times, info = {m: [] for m in methods}, {}
-        for r in range(3):  # rounds, the order rotated, each method built fresh (its memory alone)
+        for r in range(rounds):  # the order rotated, each method built fresh (its memory alone)
             for m in methods[r % 5:] + methods[:r % 5]:
                 step, state, traffic = make(m)
                 if CUDA:
@@ -232,16 +225,14 @@ def _zero_worker(rank, ws, port, args, out_path):
                     step(i)
                 dist.barrier()
                 times[m] += timed(lambda i: step(warm + r * per_round + i), per_round, device)
-                peak = torch.cuda.max_memory_allocated(device) if CUDA else 0
                 peaks = [None] * ws
-                dist.all_gather_object(peaks, peak)
+                dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(device) if CUDA else 0)
                 info[m] = dict(bytes=state(), traffic=traffic(), peaks=peaks)
                 del step, state, traffic
-                gc.collect()
-                if CUDA:
-                    torch.cuda.empty_cache()
+                gc.collect()  # free this method's model before the next is built
+                torch.cuda.empty_cache() if CUDA else None
         psi = sum(p.numel() for p in build(cfg, vocab, "cpu", torch.float32).parameters())
-        results.append(dict(dtype=dname, psi=psi, steps=per_round * 3,
+        results.append(dict(dtype=dname, psi=psi, steps=f"{rounds} x {per_round} (+{warm} warm-up)",
                             ms={m: statistics.median(times[m]) for m in methods}, info=info))
     if rank == 0:
         json.dump(results, open(out_path, "w"))
@@ -251,15 +242,13 @@ def _zero_worker(rank, ws, port, args, out_path):
 def bench_zero(args):
     ws = args.world_size or (torch.cuda.device_count() if CUDA else 2)
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("127.0.0.1", 0))  # port 0: the OS hands out a free one
         port = s.getsockname()[1]
     load_data()  # prepare once, before the ranks race for it
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "zero.json")
         mp.start_processes(_zero_worker, args=(ws, port, args, out), nprocs=ws, join=True, start_method="spawn")
         results = json.load(open(out))
-    names = {"ddp": "DDP + AdamW", "zro": "DDP + ZeroRedundancyOptimizer(AdamW)",
-             "ours0": "ours, stage 0", "ours1": "ours, stage 1", "ours2": "ours, stage 2"}
     header = ["method", "dtype", "ms/step", "vs DDP", "vs ZeRO-Opt", "state bytes/rank (measured)",
               "formula", "traffic elements/step", "target"] + (["max GPU MiB per rank"] if CUDA else [])
     rows, missed = [], []
@@ -268,7 +257,7 @@ def bench_zero(args):
         ref_dt = torch.float32  # the references keep fp32 weights (autocast computes in 16 bits)
         formula = {"ddp": zero_formula(psi, 0, ws, ref_dt), "zro": zero_formula(psi, 1, ws, ref_dt),
                    **{f"ours{s}": zero_formula(psi, s, ws, dt) for s in range(3)}}
-        for m in ("ddp", "zro", "ours0", "ours1", "ours2"):
+        for m, name in METHODS.items():
             tr = info[m]["traffic"]
             tr = f"{tr:,} ({tr / psi:.3f}Ψ)" if tr is not None else \
                 (f"{2 * psi:,} (2Ψ, theory)" if m == "ddp" else f"{3 * psi:,} (3Ψ, theory)")
@@ -276,29 +265,26 @@ def bench_zero(args):
             target = {"ours0": ("≤ 1.10× DDP", rd <= 1.10), "ours2": ("≤ 1.10× DDP", rd <= 1.10),
                       "ours1": ("≤ 1.0× ZeRO-Opt", rz <= 1.0)}.get(m)
             if target and not target[1]:
-                missed.append(f"{names[m]} ({res['dtype']}): {target[0]}")
-            label = names[m] + (f" (autocast {res['dtype']})" if m in ("ddp", "zro") and res["dtype"] != "fp32" else "")
-            row = [label, res["dtype"], f"{ms[m]:.2f}", f"{rd:.2f}×", f"{rz:.2f}×",
+                missed.append(f"{name} ({res['dtype']}): {target[0]}")
+            autocast = m in ("ddp", "zro") and res["dtype"] != "fp32"
+            row = [name + (f" (autocast {res['dtype']})" if autocast else ""), res["dtype"], f"{ms[m]:.2f}", f"{rd:.2f}×", f"{rz:.2f}×",
                    f"{info[m]['bytes']:,}", f"{int(formula[m]['total']):,}", tr,
                    "-" if not target else f"{target[0]}: {'met' if target[1] else '**missed**'}"]
             if CUDA:
                 row.append(" / ".join(f"{p / 2**20:.1f}" for p in info[m]["peaks"]))
             rows.append(row)
     steps = ", ".join(f"{r['dtype']} {r['steps']}" for r in results)
-    notes = (f"World size {ws} ({'nccl, one GPU per rank' if CUDA else 'gloo on the CPU, 1 thread per rank'}), "
-             f"CPU demo model, batch 12 x 64 tokens per rank, the same batches for every method; median per-step "
-             f"time over 3 rounds (timed steps: {steps}; 3 warm-up steps per round, methods rebuilt and "
-             f"rotated each round). State bytes: ours from `zero.state_bytes()`; DDP: parameters + "
-             f".grad + Adam moments summed by hand (DDP's own gradient bucket copies, another 4Ψ bytes by "
-             f"default, not counted); ZeRO-Opt: the same with only its local optimizer's moments. Traffic "
-             f"counts elements the ZeRO paper's way; ZeroRedundancyOptimizer = DDP's all-reduce (2Ψ) plus "
-             f"the owners' parameter broadcasts (Ψ). On gloo a reduce-scatter runs as a full all-reduce, "
-             f"so stages 1-2 physically move 3Ψ per step there. "
+    notes = (f"World size {ws} ({'nccl, one GPU per rank' if CUDA else 'gloo, 1 thread per rank'}), CPU demo "
+             f"model, 12 x 64 tokens per rank, the same batches for every method. ms/step: median per-step time "
+             f"on rank 0 (rounds x steps: {steps}; methods rebuilt each round, order rotated). State bytes: "
+             f"ours `zero.state_bytes()`; DDP: parameters + .grad + Adam moments summed by hand (its gradient "
+             f"bucket copies, another 4Ψ bytes by default, not counted); ZeRO-Opt: the same with its local "
+             f"optimizer's moments. Traffic in elements, the ZeRO paper's way; ZeroRedundancyOptimizer = DDP's "
+             f"all-reduce (2Ψ) + the owners' broadcasts (Ψ). Gloo runs a reduce-scatter as a whole all-reduce: "
+             f"stages 1-2 physically move 3Ψ there. "
              + ("Targets missed: " + "; ".join(missed) + "." if missed else "All targets met."))
     return f"ZeRO stages vs DDP and ZeroRedundancyOptimizer, N = {ws}", table(header, rows), notes
 
-
-# ----------------------------------------------------------------------------------------------
 
 def bench_precision(args):
     torch.set_num_threads(2)
@@ -311,8 +297,7 @@ def bench_precision(args):
         dtype = DTYPES[dname]
         n = (args.steps or 30) if (dtype == torch.float32 or CUDA) else 5
         if CUDA and dname == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
-            rows.append([dname, "-", "-", "-", "no native bf16 on this GPU", "-"])
-            continue
+            continue  # pre-Ampere: train.py refuses bf16 there too
         model, zero, scaler = make_ours(cfg, vocab, device, dtype, 0, 0, 1)
         stats = [our_step(model, zero, scaler, cfg, data, i, 0, 1, device) for i in range(2)]  # warmup
         ms = timed(lambda i: stats.append(our_step(model, zero, scaler, cfg, data, 2 + i, 0, 1, device)), n, device)
@@ -322,8 +307,8 @@ def bench_precision(args):
                      f"{sum(s['skipped'] for s in stats)} / {scaler.get_scale():g}"])
         del model, zero, scaler
     body = table(["dtype", "timed steps", "ms/step", "tokens/s", "vs fp32", "skipped steps / final scale"], rows)
-    model_desc = (f"{cfg.n_layer} layers, {cfg.n_embd} wide, block {cfg.block_size}, batch {cfg.batch_size}")
-    notes = (f"One process, ZeRO stage 0 + GradScaler (dynamic for fp16, a fixed 1.0 otherwise), {model_desc}; "
+    notes = (f"One process, ZeRO stage 0 + GradScaler (dynamic for fp16, a fixed 1.0 otherwise), {cfg.n_layer} "
+             f"layers, {cfg.n_embd} wide, block {cfg.block_size}, batch {cfg.batch_size}; "
              f"median step time after 2 warm-up steps (skips counted over all steps). 16-bit runs hold "
              f"16-bit weights and gradients and an fp32 master copy. "
              + ("On a GPU bf16 must beat fp32 (tensor cores)." if CUDA else
@@ -332,8 +317,6 @@ def bench_precision(args):
                 "few 16-bit steps. On a GPU bf16 must beat fp32: rerun this section there."))
     return "tokens/s by precision", body, notes
 
-
-# ----------------------------------------------------------------------------------------------
 
 def write_section(name, text, path=os.path.join(ROOT, "BENCHMARKS.md")):
     block = f"<!-- bench:{name} -->\n{text}\n<!-- /bench:{name} -->"
@@ -349,20 +332,21 @@ def write_section(name, text, path=os.path.join(ROOT, "BENCHMARKS.md")):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False)
     p.add_argument("--only", choices=SECTIONS, action="append", help="run only this section (repeatable)")
-    p.add_argument("--steps", type=int, help="timed steps (defaults: loop 50 per round, zero 30, precision 30)")
+    p.add_argument("--steps", type=int, help="timed steps per method (defaults: loop 100, zero 30, precision 30)")
     p.add_argument("--world-size", type=int, help="ranks for the zero section (default: GPUs, or 2 on CPU)")
     p.add_argument("--dtypes", default="fp32", help="comma list for the zero section: fp32,bf16,fp16")
     p.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
     args = p.parse_args()
+    if any(d not in DTYPES for d in args.dtypes.split(",")):
+        p.error(f"--dtypes {args.dtypes}: use fp32, bf16, fp16")
     args.dtypes = args.dtypes.split(",")
-    if any(d not in DTYPES for d in args.dtypes):
-        p.error(f"--dtypes {','.join(args.dtypes)}: use fp32, bf16, fp16")
     command = " ".join(["python", "bench.py"] + [shlex.quote(a) for a in sys.argv[1:]])
     for name in args.only or SECTIONS:
-        t0 = time.time()
+        t0, load0 = time.time(), loadavg()
         title, body, notes = {"loop": bench_loop, "zero": bench_zero, "precision": bench_precision}[name](args)
-        text = (f"## {name}: {title}\n\n`{command}` on {machine()}, "
-                f"{time.strftime('%Y-%m-%d')} ({time.time() - t0:.0f} s)\n\n{body}\n\n{notes}\n")
+        text = (f"## {name}: {title}\n\n`{command}` on {machine()}, {time.strftime('%Y-%m-%d')}, "
+                f"{time.time() - t0:.0f} s, 1-minute load average {load0} before / {loadavg()} after"
+                f"\n\n{body}\n\n{notes}\n")
         print(text, flush=True)
         if not args.no_write:
             write_section(name, text)

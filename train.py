@@ -382,6 +382,9 @@ def main(argv=None):
         print0(f"saved {os.path.join(cfg.out_dir, 'ckpt.pt')}")
         metrics.close()
     if distributed:
+        # leave together: a gloo rank that tears down while its peer is still busy saving can
+        # abort with "terminate called without an active exception"
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -29,10 +29,9 @@ def _worker(rank, world_size, port, fn, args):
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # N ranks share 2 cores: oversubscription makes gloo tests crawl
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world_size, *args)
+    dist.barrier()  # leave together: gloo can abort a rank that tears down while a peer still works
+    dist.destroy_process_group()
 
 
 def run_distributed(fn, world_size, *args):
