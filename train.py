@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from model import GPT, GPTConfig, peak_flops_for
 from precision import GradScaler, resolve_dtype
-from zero import ZeRO, zero_formula
+from zero import ZeRO, traffic_formula, zero_formula
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -228,6 +229,33 @@ def estimate_loss(model, train, val, cfg, rank, world_size, device):
     return out
 
 
+@contextmanager
+def saved_activation_bytes(model, out):
+    """Adds to out[0] the bytes autograd keeps for backward during the enclosed forward: every
+    saved tensor's storage once, weights left out. Under activation checkpointing autograd
+    saves almost nothing inside a block; what the checkpoint keeps is the block's input, which
+    the pre-hooks count. Exact on any device: it counts tensors, not allocator pages."""
+    seen = set()
+
+    def count(t):
+        ptr = t.untyped_storage().data_ptr()
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        if ptr not in seen and ptr not in weights:
+            seen.add(ptr)
+            out[0] += t.untyped_storage().nbytes()
+
+    def pack(t):
+        count(t)
+        return t
+
+    hooks = [b.register_forward_pre_hook(lambda m, a: count(a[0])) for b in model.transformer.h] \
+        if model.grad_ckpt else []
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+    for h in hooks:
+        h.remove()
+
+
 def atomic_save(obj, path):
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
@@ -333,7 +361,13 @@ def main(argv=None):
         for micro in range(cfg.grad_accum):
             x, y = get_batch(train, cfg.seed, it, micro, rank, world_size, cfg.batch_size, cfg.block_size, cfg.grad_accum)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            _, loss = model(x, y)
+            act = [0]  # activation bytes, measured on the first micro-step of the run
+            with saved_activation_bytes(model, act) if it == 0 and micro == 0 else nullcontext():
+                _, loss = model(x, y)
+            if it == 0 and micro == 0:
+                print0(f"activations saved for backward: {act[0] / 2**20:.2f} MiB per micro-step"
+                       f"{' (with --grad-ckpt)' if cfg.grad_ckpt else ''}")
+                log({"event": "activations", "saved_bytes": act[0], "grad_ckpt": cfg.grad_ckpt})
             loss = loss / cfg.grad_accum  # the gradient of the mean over micro-steps
             loss_sum += loss.detach()
             zero.backward(scaler.scale(loss), sync=micro == cfg.grad_accum - 1)
@@ -357,9 +391,10 @@ def main(argv=None):
                    + (f", mfu {running_mfu * 100:.2f}%" if running_mfu is not None else ""))
             log({"iter": it, "loss": lossf, "lr": lr, "ms": dt * 1000, "tokens_per_sec": tps,
                  "mfu": running_mfu, "loss_scale": scaler.get_scale(), "skipped": stats["skipped"],
+                 "cuda_max_mem": torch.cuda.max_memory_allocated(device) if use_cuda else None,
                  "grad_norm": stats["grad_norm"], "grad_zero_frac": stats["grad_zero_frac"],
                  "comm_elements": sum(zero.traffic[k] for k in ("all_reduce", "reduce_scatter", "all_gather")),
-                 "comm_bytes": zero.traffic["bytes"], "comm_theory_elements": 2 * zero.psi if world_size > 1 else 0})
+                 "comm_bytes": zero.traffic["bytes"], "comm_theory_elements": traffic_formula(zero.psi, cfg.zero, world_size, cfg.grad_accum)})
         t_last = time.time()
         it += 1
 

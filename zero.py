@@ -440,6 +440,15 @@ class ZeRO:
         return state
 
 
+def traffic_formula(psi, stage, world_size, grad_accum=1):
+    """Elements each rank sends per optimizer step, as the ZeRO paper counts them: 2Ψ for
+    stages 0-2 (stage 2 reduce-scatters on every micro-step: (accum+1)Ψ), 3Ψ per micro-step for
+    stage 3 (our root unit skips its backward gather, so we measure a little less)."""
+    if world_size == 1:
+        return 0
+    return {0: 2, 1: 2, 2: grad_accum + 1, 3: 3 * grad_accum}[stage] * psi
+
+
 def zero_formula(psi, stage, world_size, dtype):
     """The ZeRO paper's model-state bytes per rank for Ψ parameters: 2+2+12 in 16 bits,
     4+4+8 in fp32 (the fp32 weights are the master: no copy)."""
