@@ -1,12 +1,13 @@
 """
 Generate text from a checkpoint that train.py wrote.
 
-    python sample.py                                    # out/ckpt.pt: 3 samples of 500 tokens
+    python sample.py                                    # newest checkpoint in out/: 3 samples
     python sample.py --out-dir out-shakespeare-char-cpu --start "ROMEO:" --num-samples 5
-    python sample.py --ckpt run/ckpt.pt --start FILE:prompt.txt --device cuda --dtype bf16
+    python sample.py --ckpt out/ckpt-0002000 --start FILE:prompt.txt --device cuda --dtype bf16
 
-The checkpoint carries everything needed: the weights (fp32, model.py's names), the GPTConfig
-arguments and the data's meta.json (hence the tokenizer). It is read with weights_only=True:
+The checkpoint (a folder in either of checkpoint.py's formats, or one file holding model,
+model_args and meta) carries everything needed: the weights (fp32, model.py's names), the
+GPTConfig arguments and the data's meta.json (hence the tokenizer). It is read with weights_only=True:
 tensors and plain data only, so a checkpoint from elsewhere can never run code when loaded
 (nanoGPT's pickled ckpt.pt and meta.pkl could).
 """
@@ -16,6 +17,7 @@ import sys
 
 import torch
 
+from checkpoint import CheckpointError, Reader, list_checkpoints
 from data.prepare import DataError, get_codec
 from model import GPT, GPTConfig
 from precision import resolve_dtype
@@ -28,8 +30,8 @@ class SampleError(Exception):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="sample.py", description="Generate text from a checkpoint of train.py.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out-dir", default="out", help="read OUT_DIR/ckpt.pt (train.py's --out-dir)")
-    p.add_argument("--ckpt", default=None, metavar="PATH", help="a checkpoint file; overrides --out-dir")
+    p.add_argument("--out-dir", default="out", help="use the newest checkpoint in train.py's --out-dir")
+    p.add_argument("--ckpt", default=None, metavar="PATH", help="a checkpoint folder or file; overrides --out-dir")
     p.add_argument("--start", default="\n", help='the prompt; "FILE:prompt.txt" reads it from a file '
                                                   "(default: %(default)r)")
     p.add_argument("--num-samples", type=int, default=3, metavar="N", help="samples to draw")
@@ -48,7 +50,18 @@ def parse_args(argv=None):
     return args
 
 
+def find_checkpoint(out_dir):
+    ckpts = list_checkpoints(out_dir)
+    return ckpts[-1] if ckpts else os.path.join(out_dir, "ckpt.pt")
+
+
 def load_checkpoint(path):
+    if os.path.isdir(path):
+        try:
+            reader = Reader(path)
+            return {"model": reader.weights(), "model_args": reader.header["model_args"], "meta": reader.header["meta"]}
+        except CheckpointError as e:
+            raise SampleError(str(e))
     if not os.path.isfile(path):
         raise SampleError(f"no checkpoint at {path}: train one first, e.g. "
                           f"`python train.py --out-dir {os.path.dirname(path) or '.'}`")
@@ -74,7 +87,7 @@ def sample(args):
         dtype = resolve_dtype(args.dtype, device)
     except ValueError as e:
         raise SampleError(str(e))
-    ckpt = load_checkpoint(args.ckpt or os.path.join(args.out_dir, "ckpt.pt"))
+    ckpt = load_checkpoint(args.ckpt or find_checkpoint(args.out_dir))
     try:
         model = GPT(GPTConfig(**ckpt["model_args"]))
         model.load_state_dict(ckpt["model"])  # strict: every name and shape must match model.py

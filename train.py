@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -25,6 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import checkpoint
+from checkpoint import CheckpointError, Reader, check_compatible, list_checkpoints, restore
 from model import GPT, GPTConfig, peak_flops_for
 from precision import GradScaler, resolve_dtype
 from zero import ZeRO, traffic_formula, zero_formula
@@ -49,6 +52,11 @@ class TrainConfig:
     eval_interval: int = opt(250, "evaluate train/val loss every this many steps")
     eval_iters: int = opt(20, "batches per loss estimate")
     log_interval: int = opt(10, "print and log every this many steps")
+    save_interval: int = opt(0, "save a checkpoint every this many steps (and always at the end); 0 = end only")
+    ckpt_format: str = opt("consolidated", "consolidated (one file, gathered on rank 0) | sharded (a file per rank)")
+    keep_last: int = opt(2, "keep the newest K checkpoints in out_dir")
+    resume: bool = opt(False, "carry on from the newest checkpoint in out_dir (start fresh if there is none)")
+    init_from: str = opt("", "start a new run from this checkpoint's weights (e.g. to fine-tune)")
     # model (nanoGPT's CPU shakespeare_char recipe by default)
     n_layer: int = opt(4, "transformer blocks")
     n_head: int = opt(4, "attention heads")
@@ -159,6 +167,12 @@ def check_config(cfg):
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if cfg.bucket_mb <= 0:
         raise ConfigError("--bucket-mb must be positive")
+    if cfg.ckpt_format not in ("consolidated", "sharded"):
+        raise ConfigError(f"--ckpt-format {cfg.ckpt_format}: use consolidated or sharded")
+    if cfg.resume and cfg.init_from:
+        raise ConfigError("--resume and --init-from conflict: resume continues a run, init-from starts a new one")
+    if cfg.save_interval < 0 or cfg.keep_last < 1:
+        raise ConfigError("--save-interval must be >= 0 and --keep-last >= 1")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,15 +270,6 @@ def saved_activation_bytes(model, out):
         h.remove()
 
 
-def atomic_save(obj, path):
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 # ----------------------------------------------------------------------------------------------
 
 def main(argv=None):
@@ -289,7 +294,7 @@ def main(argv=None):
         dtype = resolve_dtype(cfg.dtype, device)
     except ValueError as e:
         raise ConfigError(str(e))
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank (reseeded per rank below)
     if use_cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -305,8 +310,15 @@ def main(argv=None):
                             n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)
     except ValueError as e:
         raise ConfigError(str(e))
-    model = GPT(gptconf).to(device=device, dtype=dtype)  # 16-bit working weights in bf16 / fp16
+    model = GPT(gptconf)
+    if cfg.init_from:  # weights of another run (either checkpoint format), checked against this model
+        reader = Reader(cfg.init_from)
+        check_compatible(reader.header, asdict(gptconf), meta, cfg.init_from)
+        model.load_state_dict(reader.weights())
+        print0(f"initialised from {cfg.init_from} (iteration {reader.header['iter']})")
+    model = model.to(device=device, dtype=dtype)  # 16-bit working weights in bf16 / fp16
     model.grad_ckpt = cfg.grad_ckpt
+    torch.manual_seed(cfg.seed + rank)  # dropout: different masks on different ranks
     print0(f"model: {model.num_params(non_embedding=False):,} parameters (tied embedding counted once)")
 
     zero = ZeRO(model, cfg.zero, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
@@ -317,6 +329,21 @@ def main(argv=None):
     scaler = GradScaler(dynamic=True) if scale == "dynamic" else \
         GradScaler(init_scale=1.0 if scale == "none" else float(scale), dynamic=False)
 
+    start_it = 0
+    if cfg.resume:  # read everything before touching any file of the run
+        ckpts = list_checkpoints(cfg.out_dir)
+        if ckpts:
+            start_it = restore(ckpts[-1], zero, model, scaler, asdict(gptconf), meta, rank, world_size)
+            print0(f"resumed from {ckpts[-1]} at iteration {start_it}")
+        else:
+            print0(f"--resume: no checkpoint in {cfg.out_dir} yet, starting fresh")
+    header = {"config": asdict(cfg), "model_args": asdict(gptconf), "meta": meta}
+
+    # a preemption (SIGTERM) or Ctrl-C (SIGINT) asks every rank to finish its step, save and exit
+    stop = {"signal": None}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.update(signal=signum))
+
     # what we hold vs what the ZeRO paper predicts, per rank
     held = zero.state_bytes()
     formula = zero_formula(zero.psi, cfg.zero, world_size, dtype)
@@ -325,8 +352,15 @@ def main(argv=None):
         dist.all_gather_object(per_rank, held)
     else:
         per_rank = [held]
-    os.makedirs(cfg.out_dir, exist_ok=True) if master else None
-    metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") if master else None
+    metrics = None
+    if master:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        # on resume keep the rows before the checkpoint: the steps after it are about to be redone
+        kept = [line for line in open(path) if json.loads(line).get("iter", -1) < start_it] \
+            if start_it and os.path.exists(path) else []
+        metrics = open(path, "w")
+        metrics.writelines(kept)
 
     def log(row):
         if master:
@@ -344,7 +378,7 @@ def main(argv=None):
 
     peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else (
         peak_flops_for(torch.cuda.get_device_name(device)) if use_cuda else None)
-    running_mfu, t_last, it = None, time.time(), 0
+    running_mfu, t_last, it, stopped = None, time.time(), start_it, False
     while True:
         if it % cfg.eval_interval == 0 or it == cfg.max_iters:
             losses = estimate_loss(model, train, val, cfg, rank, world_size, device)
@@ -395,8 +429,20 @@ def main(argv=None):
                  "grad_norm": stats["grad_norm"], "grad_zero_frac": stats["grad_zero_frac"],
                  "comm_elements": sum(zero.traffic[k] for k in ("all_reduce", "reduce_scatter", "all_gather")),
                  "comm_bytes": zero.traffic["bytes"], "comm_theory_elements": traffic_formula(zero.psi, cfg.zero, world_size, cfg.grad_accum)})
-        t_last = time.time()
         it += 1
+        # every rank must agree to stop at the same step: one tiny all-reduce of the signal flag
+        flag = torch.tensor([stop["signal"] is not None], dtype=torch.float32, device=device)
+        if distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        stopped = bool(flag.item())
+        if (cfg.save_interval and it % cfg.save_interval == 0 and it < cfg.max_iters) or stopped:
+            path = checkpoint.save(cfg.out_dir, it, zero, model, scaler, header, cfg.ckpt_format, cfg.keep_last,
+                                   rank, world_size)
+            print0(f"saved {path}")
+        if stopped:
+            print0(f"stopped by a signal after iteration {it}: resume with --resume")
+            break
+        t_last = time.time()
 
     # every rank must hold bitwise the same full parameters: compare fingerprints once, at the end
     # (under ZeRO-3 no rank holds them between steps: the checkpoint below gathers them)
@@ -409,12 +455,9 @@ def main(argv=None):
         print0(f"WARNING: ranks hold different parameters: {digests}")
     log({"event": "end", "iter": it, "replica_sha256": digests})
 
-    # weights + config at the end (fp32 master values, model.py's names), written by rank 0
-    state = zero.full_state_dict(model)
+    if not stopped:  # the final checkpoint (a signal's was just written)
+        print0(f"saved {checkpoint.save(cfg.out_dir, it, zero, model, scaler, header, cfg.ckpt_format, cfg.keep_last, rank, world_size)}")
     if master:
-        atomic_save({"model": state, "model_args": asdict(gptconf), "config": asdict(cfg),
-                     "iter_num": it, "meta": meta}, os.path.join(cfg.out_dir, "ckpt.pt"))
-        print0(f"saved {os.path.join(cfg.out_dir, 'ckpt.pt')}")
         metrics.close()
     if distributed:
         # leave together: a gloo rank that tears down while its peer is still busy saving can
@@ -426,6 +469,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except ConfigError as e:
+    except (ConfigError, CheckpointError) as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -154,6 +154,7 @@ class ZeRO:
         # deduplicated by identity (named_parameters() already skips the second name of the tied
         # weight); frozen parameters stay plain tensors outside every buffer (LoRA relies on it)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = {id(p): n for n, p in named}  # for checkpoints: model.py's name of each tensor
         if not named:
             raise ValueError("the model has no trainable parameters")
         self.frozen = [p for p in model.parameters() if not p.requires_grad]
@@ -416,28 +417,68 @@ class ZeRO:
         out["total"] = sum(out.values())
         return out
 
+    # -- checkpoints: every (parameter, slice) this rank owns, by model.py's name -----------------
+
+    def shard_state(self):
+        """This rank's slices: {name: {"lo", "hi", "master", "exp_avg", "exp_avg_sq"}}, lo/hi
+        indexing the flattened parameter. A topology-free layout: any world size and any stage
+        can read it back (PITFALLS 13)."""
+        out = {}
+        for view, _, _, _, p, p_lo in self.segments:
+            st = self.opt.state[view]
+            out[self.names[id(p)]] = {"lo": p_lo, "hi": p_lo + view.numel(), "master": view.detach().clone(),
+                                      "exp_avg": st["exp_avg"].clone(), "exp_avg_sq": st["exp_avg_sq"].clone()}
+        return out
+
+    def adam_step(self):
+        return int(next(iter(self.opt.state.values()))["step"].item())
+
     @torch.no_grad()
-    def full_state_dict(self, model):
-        """fp32 weights with model.py's names, gathered onto rank 0 one bucket at a time (the
-        master values where they exist). Returns None on the other ranks."""
+    def load_shard_state(self, read, adam_step):
+        """Fill this rank's slices from read(name, key, lo, hi) -> fp32 1-D tensor, then publish
+        the weights to the working (16-bit) parameters on every rank."""
+        for view, _, _, _, p, p_lo in self.segments:
+            name, hi = self.names[id(p)], p_lo + view.numel()
+            view.copy_(read(name, "master", p_lo, hi))
+            st = self.opt.state[view]
+            st["exp_avg"].copy_(read(name, "exp_avg", p_lo, hi))
+            st["exp_avg_sq"].copy_(read(name, "exp_avg_sq", p_lo, hi))
+            st["step"].fill_(adam_step)
+        self._publish_params()
+
+    @torch.no_grad()
+    def full_state_dict(self, model, kind="master"):
+        """Full fp32 tensors with model.py's names, gathered onto rank 0 one bucket at a time
+        (under ZeRO-3 no rank ever holds more than one unit beyond its shards). kind: "master"
+        (the weights: fp32 master values where they exist; frozen parameters too), "exp_avg"
+        or "exp_avg_sq" (Adam's moments, trainable parameters only). None on other ranks."""
         full = {}
-        for b, piece in zip(self.buckets, self.master_pieces):
+        for bi, b in enumerate(self.buckets):
+            piece = self.master_pieces[bi].float().clone() if kind == "master" else \
+                torch.zeros(b.hi - b.lo, dtype=torch.float32, device=self.master_pieces[bi].device)
+            if kind != "master":
+                for view, sbi, lo, hi, _, _ in self.segments:
+                    if sbi == bi:
+                        piece[lo:hi] = self.opt.state[view][kind]
             flat = torch.empty(b.numel, dtype=torch.float32, device=piece.device)
             if self.stage == 0:
                 flat.copy_(piece)
             else:
-                w = all_gather_params(flat, piece.float().clone(), new_traffic(), self.world_size, self.group)
+                w = all_gather_params(flat, piece, new_traffic(), self.world_size, self.group)
                 if w is not None:
                     w.wait()
             if self.rank == 0:
                 for p, off in zip(b.params, b.offsets):
-                    full[id(p)] = flat[off:off + p.numel()].view(p.shape).clone()
+                    full[self.names[id(p)]] = flat[off:off + p.numel()].view(p.shape).clone()
         if self.rank != 0:
             return None
-        state = {}
-        for name, t in model.state_dict(keep_vars=True).items():
-            state[name] = full[id(t)] if id(t) in full else t.detach().float().clone()
-        return state
+        if kind != "master":
+            return full
+        # model.state_dict() order and names; the tied weight appears under both of its names
+        names = {id(t): n for n, t in model.named_parameters()}
+        other = lambda t: t.detach().float().clone() if t.is_floating_point() else t.detach().clone()
+        return {name: full[names[id(t)]] if names.get(id(t)) in full else other(t)
+                for name, t in model.state_dict(keep_vars=True).items()}
 
 
 def traffic_formula(psi, stage, world_size, grad_accum=1):

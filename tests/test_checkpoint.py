@@ -1,0 +1,195 @@
+"""Checkpoints: exact resume, resharding across world sizes and stages, both formats, bad files,
+preemption (SIGTERM) and a killed rank under torchrun --max-restarts."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoint import CheckpointError, Reader, list_checkpoints
+from conftest import ROOT, free_port
+from data.prepare import prepare
+from train import main
+
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
+        "--eval-iters", "2", "--eval-interval", "1000", "--log-interval", "1", "--warmup-iters", "2",
+        "--learning-rate", "3e-3", "--lr-decay-iters", "12", "--dataset", "tiny"]
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    (root / "input.txt").write_text("Now is the winter of our discontent, made glorious summer.\n" * 500)
+    prepare(input_path=str(root / "input.txt"), name="tiny", out_root=str(root))
+    return str(root)
+
+
+def cmd(nproc, extra=()):
+    if nproc == 1:
+        return [sys.executable, "train.py"]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}", *extra, "train.py"]
+
+
+def run(args, out_dir, nproc=1, expect=0, extra=()):
+    r = subprocess.run(cmd(nproc, extra) + args + ["--out-dir", str(out_dir)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == expect, r.stdout[-2000:] + r.stderr[-3000:]
+    return r
+
+
+def losses(out_dir):
+    """iter -> loss, the last row for each iteration."""
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    return {r["iter"]: r["loss"] for r in rows if "loss" in r}
+
+
+def final_weights(out_dir):
+    return Reader(list_checkpoints(out_dir)[-1]).weights()
+
+
+def assert_same_weights(a, b, exact=True):
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), k
+        else:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("nproc, flags", [(1, ["--zero", "0", "--dropout", "0.1"]),
+                                          (2, ["--zero", "2", "--ckpt-format", "sharded", "--dropout", "0.1"])])
+def test_exact_continuation(data_root, tmp_path, nproc, flags):
+    """2k steps in one run == k steps, resume, k more: bitwise (fp32, CPU, same world size). Dropout is
+    on, so the RNG states have to come back too."""
+    args = TINY + flags + ["--data-root", data_root]
+    run(args + ["--max-iters", "12"], tmp_path / "full", nproc)
+    run(args + ["--max-iters", "6"], tmp_path / "split", nproc)
+    run(args + ["--max-iters", "12", "--resume"], tmp_path / "split", nproc)
+    full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
+    assert sorted(full) == sorted(split) == list(range(12))
+    assert [full[i] for i in range(12)] == [split[i] for i in range(12)]
+    assert_same_weights(final_weights(tmp_path / "full"), final_weights(tmp_path / "split"))
+
+
+def test_reshard_across_world_sizes_stages_and_formats(data_root, tmp_path):
+    """Save with ZeRO-3 on 4 ranks (sharded), resume with ZeRO-1 on 2 (consolidated), then with
+    ZeRO-3 on 4 again: the end equals an uninterrupted run within the equivalence tolerance
+    (the same global batch; only summation order differs)."""
+    base = TINY + ["--data-root", data_root, "--batch-size", "2"]  # 4 ranks x 2 == 2 ranks x 4
+    run(base + ["--max-iters", "12", "--zero", "1", "--batch-size", "4"], tmp_path / "ref", 2)
+    out = tmp_path / "resharded"
+    run(base + ["--max-iters", "4", "--zero", "3", "--ckpt-format", "sharded"], out, 4)
+    run(base + ["--max-iters", "8", "--zero", "1", "--batch-size", "4", "--resume"], out, 2)
+    assert os.path.exists(os.path.join(list_checkpoints(out)[-1], "ckpt.pt"))  # consolidated now
+    run(base + ["--max-iters", "12", "--zero", "3", "--resume", "--ckpt-format", "sharded"], out, 4)
+    ref, got = losses(tmp_path / "ref"), losses(out)
+    np.testing.assert_allclose([got[i] for i in range(12)], [ref[i] for i in range(12)], rtol=1e-4)
+    assert_same_weights(final_weights(tmp_path / "ref"), final_weights(out), exact=False)
+
+
+def test_bad_checkpoints_give_one_line_and_touch_nothing(data_root, tmp_path):
+    out = tmp_path / "run"
+    args = TINY + ["--data-root", data_root, "--max-iters", "4", "--save-interval", "2", "--keep-last", "2"]
+    run(args + ["--ckpt-format", "sharded"], out)
+    assert [os.path.basename(c) for c in list_checkpoints(out)] == ["ckpt-0000002", "ckpt-0000004"]
+
+    def snapshot():
+        return {os.path.join(d, f): open(os.path.join(d, f), "rb").read() for d, _, fs in os.walk(out) for f in fs}
+
+    def expect_error(extra, message):
+        """In-process (fast); the one-line CLI form is checked once below and in test_train.py."""
+        before = snapshot()
+        with pytest.raises(CheckpointError, match=message):
+            main(args + ["--max-iters", "6", "--out-dir", str(out)] + extra)
+        assert snapshot() == before  # nothing overwritten, nothing added
+
+    r = run(args + ["--max-iters", "6", "--resume", "--n-embd", "48"], out, expect=2)  # mismatched shape
+    assert "another model" in r.stderr and "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
+    newest = list_checkpoints(out)[-1]
+    shard = os.path.join(newest, "shard-00000.pt")
+    data = open(shard, "rb").read()
+    open(shard, "wb").write(data[: len(data) // 2])  # truncated
+    expect_error(["--resume"], "cannot read")
+    open(shard, "wb").write(b"\x00garbage" * 100)  # corrupt
+    expect_error(["--resume"], "cannot read")
+
+    # a checkpoint carrying a pickle that would run code is refused without running it
+    marker = tmp_path / "pwned"
+    torch.save({"format": "consolidated", "payload": Evil(str(marker))}, os.path.join(newest, "ckpt.pt"))
+    expect_error(["--resume"], "cannot read")
+    assert not marker.exists()
+    with pytest.raises(CheckpointError, match="cannot read"):
+        main(TINY + ["--data-root", data_root, "--max-iters", "1", "--init-from", newest, "--out-dir", str(tmp_path / "new")])
+    assert not marker.exists()
+
+
+class Evil:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_sigterm_saves_and_resumes(data_root, tmp_path):
+    out = tmp_path / "run"
+    args = TINY + ["--data-root", data_root, "--max-iters", "100000", "--lr-decay-iters", "100000"]
+    p = subprocess.Popen(cmd(1) + args + ["--out-dir", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(losses(out)) >= 3):
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr[-2000:]
+    assert "stopped by a signal" in stdout
+    stopped_at = max(losses(out)) + 1
+    assert os.path.basename(list_checkpoints(out)[-1]) == f"ckpt-{stopped_at:07d}"
+    run(args[:-4] + ["--max-iters", str(stopped_at + 2), "--resume"], out)
+    assert sorted(losses(out)) == list(range(stopped_at + 2))
+
+
+def test_sigkill_one_rank_under_torchrun_restarts_and_ends_the_same(data_root, tmp_path):
+    """torchrun --max-restarts=1 restarts the group after a rank is killed (even mid-save); the
+    run carries on from the newest complete checkpoint and ends with the uninterrupted loss."""
+    args = TINY + ["--data-root", data_root, "--max-iters", "40", "--lr-decay-iters", "40", "--save-interval", "5",
+                   "--zero", "2", "--resume", "--ckpt-format", "sharded"]
+    run(args, tmp_path / "ref", 2)
+    out = tmp_path / "killed"
+    p = subprocess.Popen(cmd(2, ["--max-restarts=1"]) + args + ["--out-dir", str(out)], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline, victim = time.time() + 120, None
+    while time.time() < deadline and victim is None:
+        if (out / "metrics.jsonl").exists() and len(losses(out)) >= 12:
+            victim = rank_pid(str(out), 1)
+        time.sleep(0.05)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0, stderr[-3000:]
+    assert "resumed from" in stdout
+    ref, got = losses(tmp_path / "ref"), losses(out)
+    assert got[39] == ref[39]
+    assert_same_weights(final_weights(tmp_path / "ref"), final_weights(out))
+
+
+def rank_pid(out_dir, local_rank):
+    """The pid of the training process of this run with LOCAL_RANK=local_rank."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"train.py" in cmdline and out_dir.encode() in cmdline and f"LOCAL_RANK={local_rank}".encode() in env \
+                and not any(b"torch.distributed.run" in c for c in cmdline):
+            return int(pid)
+    return None
