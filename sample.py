@@ -19,6 +19,7 @@ import torch
 
 from checkpoint import CheckpointError, Reader, list_checkpoints
 from data.prepare import DataError, get_codec
+from lora import AdapterError, load_adapter, merge_lora
 from model import GPT, GPTConfig
 from precision import resolve_dtype
 
@@ -32,6 +33,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out-dir", default="out", help="use the newest checkpoint in train.py's --out-dir")
     p.add_argument("--ckpt", default=None, metavar="PATH", help="a checkpoint folder or file; overrides --out-dir")
+    p.add_argument("--adapter", default=None, metavar="PATH",
+                   help="a LoRA adapter (train.py --lora writes OUT_DIR/adapter.pt) to load onto the base and merge")
     p.add_argument("--start", default="\n", help='the prompt; "FILE:prompt.txt" reads it from a file '
                                                   "(default: %(default)r)")
     p.add_argument("--num-samples", type=int, default=3, metavar="N", help="samples to draw")
@@ -93,6 +96,9 @@ def sample(args):
         model.load_state_dict(ckpt["model"])  # strict: every name and shape must match model.py
     except (TypeError, ValueError, RuntimeError) as e:
         raise SampleError("checkpoint does not fit model.py: " + " ".join(str(e).split()))
+    if args.adapter:  # base + adapter, merged: W0 + B·A·alpha/r, so sampling costs what the base costs
+        load_adapter(model, args.adapter)  # checks the base fingerprint and every shape
+        merge_lora(model)
     model.eval().to(device=device, dtype=dtype)  # eval: no dropout
 
     start = args.start
@@ -121,7 +127,7 @@ def main(argv=None):
     """Returns the exit status: 0, or 2 after a one-line error (argparse exits 2 itself)."""
     try:
         sample(parse_args(argv))
-    except (SampleError, DataError) as e:
+    except (SampleError, DataError, AdapterError) as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 import checkpoint
 from checkpoint import CheckpointError, Reader, check_compatible, list_checkpoints, restore
+from lora import adapter_state, apply_lora, base_fingerprint, parse_targets, quantize_base, save_adapter
 from model import GPT, GPTConfig, peak_flops_for
 from precision import GradScaler, resolve_dtype
 from zero import ZeRO, traffic_formula, zero_formula
@@ -56,7 +57,16 @@ class TrainConfig:
     ckpt_format: str = opt("consolidated", "consolidated (one file, gathered on rank 0) | sharded (a file per rank)")
     keep_last: int = opt(2, "keep the newest K checkpoints in out_dir")
     resume: bool = opt(False, "carry on from the newest checkpoint in out_dir (start fresh if there is none)")
-    init_from: str = opt("", "start a new run from this checkpoint's weights (e.g. to fine-tune)")
+    init_from: str = opt("", "start from this checkpoint's weights, e.g. to fine-tune (--resume wins once the run has its own)")
+    input: str = opt("", "train on this UTF-8 text file (prepared into data/<its name>, in --init-from's vocabulary)")
+    # LoRA (Hu et al. 2021) and a quantized frozen base (Dettmers et al. 2023, QLoRA): lora.py
+    lora: bool = opt(False, "freeze the model and train low-rank adapters B·A only")
+    lora_rank: int = opt(8, "r, the adapters' rank")
+    lora_alpha: float = opt(1.0, "alpha; the update is scaled by alpha / r")
+    lora_dropout: float = opt(0.0, "dropout on the adapters' input")
+    lora_targets: str = opt("q,v", "which projections to adapt: q,k,v,attn_out,mlp_fc,mlp_proj or all")
+    quantize: str = opt("", "int8 | nf4: store the frozen base Linear weights quantized (needs --lora)")
+    double_quant: bool = opt(False, "nf4: quantize the block scales too (QLoRA's double quantization)")
     # model (nanoGPT's CPU shakespeare_char recipe by default)
     n_layer: int = opt(4, "transformer blocks")
     n_head: int = opt(4, "attention heads")
@@ -102,7 +112,9 @@ def load_preset(path):
         raise ConfigError(f"no preset {path!r}: see the files in config/")
     known = {f.name: f for f in fields(TrainConfig)}
     out = {}
-    for node in ast.parse(open(path).read(), path).body:
+    with open(path) as f:
+        source = f.read()
+    for node in ast.parse(source, path).body:
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
             raise ConfigError(f"{path}:{node.lineno}: presets hold only `name = value` lines")
         name = node.targets[0].id
@@ -169,8 +181,19 @@ def check_config(cfg):
         raise ConfigError("--bucket-mb must be positive")
     if cfg.ckpt_format not in ("consolidated", "sharded"):
         raise ConfigError(f"--ckpt-format {cfg.ckpt_format}: use consolidated or sharded")
-    if cfg.resume and cfg.init_from:
-        raise ConfigError("--resume and --init-from conflict: resume continues a run, init-from starts a new one")
+    if cfg.quantize not in ("", "int8", "nf4"):
+        raise ConfigError(f"--quantize {cfg.quantize}: use int8 or nf4")
+    if (cfg.quantize or cfg.double_quant) and not cfg.lora:
+        raise ConfigError("--quantize stores a frozen base: it needs --lora")
+    if cfg.double_quant and cfg.quantize != "nf4":
+        raise ConfigError("--double-quant quantizes nf4's block scales: it needs --quantize nf4")
+    if cfg.lora:
+        try:
+            parse_targets(cfg.lora_targets)
+        except ValueError as e:
+            raise ConfigError(str(e))
+        if cfg.lora_rank < 1:
+            raise ConfigError("--lora-rank must be at least 1")
     if cfg.save_interval < 0 or cfg.keep_last < 1:
         raise ConfigError("--save-interval must be >= 0 and --keep-last >= 1")
 
@@ -188,17 +211,20 @@ def get_batch(data, seed, step, micro, rank, world_size, batch_size, block_size,
     return xy[:, :-1], xy[:, 1:]  # inputs, next-token targets: (B, T) each
 
 
-def load_data(cfg, rank, world_size):
+def load_data(cfg, rank, world_size, base_meta=None):
     """Memory-map train.bin / val.bin, preparing the data set first if it is missing (the
-    built-in ones only; rank 0 prepares, the others wait at a barrier)."""
+    built-in ones, or --input FILE in base_meta's vocabulary; rank 0 prepares, the others wait)."""
     from data.prepare import DataError, load_meta, prepare
+    if cfg.input:
+        cfg.dataset = os.path.splitext(os.path.basename(cfg.input))[0]
     data_dir = os.path.join(ROOT, cfg.data_root, cfg.dataset)  # an absolute data_root wins
     missing = not os.path.isfile(os.path.join(data_dir, "val.bin"))
-    if missing and cfg.dataset not in ("shakespeare_char", "shakespeare"):
+    if missing and not cfg.input and cfg.dataset not in ("shakespeare_char", "shakespeare"):
         raise ConfigError(f"no prepared data in {data_dir}: run `python data/prepare.py --input FILE --name {cfg.dataset}`")
-    if missing and rank == 0:
+    if (missing or cfg.input) and rank == 0:
         try:
-            prepare(dataset=cfg.dataset, out_root=os.path.join(ROOT, cfg.data_root))
+            prepare(dataset="shakespeare_char" if cfg.input else cfg.dataset, input_path=cfg.input or None,
+                    out_root=os.path.join(ROOT, cfg.data_root), base_meta=base_meta)
         except DataError as e:
             raise ConfigError(str(e))
     if world_size > 1:
@@ -299,7 +325,8 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    train, val, meta = load_data(cfg, rank, world_size)
+    init = Reader(cfg.init_from) if cfg.init_from else None
+    train, val, meta = load_data(cfg, rank, world_size, base_meta=init.header["meta"] if init else None)
     tokens_per_step = cfg.batch_size * cfg.grad_accum * world_size * cfg.block_size
     print0(f"world size {world_size} on {device.type} ({'nccl' if use_cuda else 'gloo'} if distributed), "
            f"{cfg.dtype}, ZeRO stage {cfg.zero}; {tokens_per_step:,} tokens per step "
@@ -311,13 +338,21 @@ def main(argv=None):
     except ValueError as e:
         raise ConfigError(str(e))
     model = GPT(gptconf)
-    if cfg.init_from:  # weights of another run (either checkpoint format), checked against this model
-        reader = Reader(cfg.init_from)
-        check_compatible(reader.header, asdict(gptconf), meta, cfg.init_from)
-        model.load_state_dict(reader.weights())
-        print0(f"initialised from {cfg.init_from} (iteration {reader.header['iter']})")
+    if init:  # weights of another run (either checkpoint format), checked against this model
+        check_compatible(init.header, asdict(gptconf), meta, cfg.init_from)
+        model.load_state_dict(init.weights())
+        print0(f"initialised from {cfg.init_from} (iteration {init.header['iter']})")
     model = model.to(device=device, dtype=dtype)  # 16-bit working weights in bf16 / fp16
     model.grad_ckpt = cfg.grad_ckpt
+    if cfg.lora:  # freeze the base, add adapters: only they reach ZeRO's buffers and the optimizer
+        base_id = base_fingerprint(init.weights() if init else model)  # what an adapter file checks
+        apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, parse_targets(cfg.lora_targets))
+        if cfg.quantize:
+            quantize_base(model, cfg.quantize, cfg.double_quant)
+        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        n_all = n_train + sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        print0(f"LoRA r={cfg.lora_rank} on {cfg.lora_targets}: {n_train:,} trainable of {n_all:,} parameters "
+               f"({100 * n_train / n_all:.2f}%)" + (f", base in {cfg.quantize}" if cfg.quantize else ""))
     torch.manual_seed(cfg.seed + rank)  # dropout: different masks on different ranks
     print0(f"model: {model.num_params(non_embedding=False):,} parameters (tied embedding counted once)")
 
@@ -457,6 +492,12 @@ def main(argv=None):
 
     if not stopped:  # the final checkpoint (a signal's was just written)
         print0(f"saved {checkpoint.save(cfg.out_dir, it, zero, model, scaler, header, cfg.ckpt_format, cfg.keep_last, rank, world_size)}")
+    if cfg.lora:  # the adapter alone: kilobytes, full tensors gathered onto rank 0 (also under ZeRO-3)
+        full = zero.full_state_dict(model)
+        if master:
+            path = os.path.join(cfg.out_dir, "adapter.pt")
+            save_adapter(path, adapter_state(full), model.lora_settings, base_id)
+            print0(f"saved {path} ({os.path.getsize(path) / 1024:.1f} KiB)")
     if master:
         metrics.close()
     if distributed:

@@ -145,7 +145,7 @@ class ZeRO:
     zero.step(lr, scaler, grad_clip)."""
 
     def __init__(self, model, stage, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, bucket_mb=25.0,
-                 rank=0, world_size=1, group=None, prefetch=True):
+                 rank=0, world_size=1, group=None, prefetch=True, eps=1e-8):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero {stage}: the ZeRO stages are 0, 1, 2 and 3")
         self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
@@ -195,7 +195,7 @@ class ZeRO:
                 # decay 2-D weights (matmuls, embeddings), not biases or LayerNorm gains
                 (decay if p.dim() >= 2 else no_decay).append(view)
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas)
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
         # allocate Adam's moments now, exactly as AdamW would on its first step, so the
         # model-state bytes measured at start-up are the ones training holds
         for view, *_ in self.segments:
@@ -216,10 +216,13 @@ class ZeRO:
         args = (3, self.rank, self.world_size, self.dtype, device)
         blocks = list(model.transformer.h)
         in_blocks = {id(p) for blk in blocks for p in blk.parameters()}
-        units = [Bucket([p for p in blk.parameters() if p.requires_grad], *args, module=blk) for blk in blocks]
-        root = Bucket([p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks], *args, module=model)
+        # a unit with nothing to train (the root under LoRA: all frozen) is no unit at all (None)
+        unit = lambda ps, m: Bucket(ps, *args, module=m) if ps else None
+        units = [unit([p for p in blk.parameters() if p.requires_grad], blk) for blk in blocks]
+        root = unit([p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks], model)
         # gradients arrive last block first, root last (the tied embedding is the final use)
-        self.buckets, self.units, self.root = units[::-1] + [root], units, root
+        self.buckets = [u for u in units[::-1] + [root] if u is not None]
+        self.units, self.root = units, root
         self.in_backward, self.gathered_bytes, self.peak_gathered_bytes = False, 0, 0
         model.register_forward_pre_hook(lambda m, a: self._gather(root))
         model.register_forward_hook(lambda m, a, out: None if torch.is_grad_enabled() else self._free(root))
@@ -228,6 +231,8 @@ class ZeRO:
             u.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
 
     def _gather(self, u, wait=True):
+        if u is None:
+            return
         if not u.gathered and u.pending is None:
             u.allocate()
             self.gathered_bytes += u.flat.numel() * u.flat.element_size()
@@ -239,7 +244,7 @@ class ZeRO:
             u.pending, u.gathered = None, True
 
     def _free(self, u):
-        if u.gathered:
+        if u is not None and u.gathered:
             u.free()
             self.gathered_bytes -= u.flat.numel() * u.flat.element_size()
 

@@ -207,8 +207,10 @@ def load_meta(data_dir):
 
 # ----------------------------------------------------------------------------- prepare
 
-def prepare(dataset="shakespeare_char", input_path=None, tokenizer=None, name=None, out_root=None):
-    """Tokenize one text into out_root/name/{train.bin,val.bin,meta.json}; returns that folder."""
+def prepare(dataset="shakespeare_char", input_path=None, tokenizer=None, name=None, out_root=None, base_meta=None):
+    """Tokenize one text into out_root/name/{train.bin,val.bin,meta.json}; returns that folder.
+    base_meta: encode with another data set's tokenizer (fine-tuning keeps the base's vocabulary;
+    characters a char vocabulary lacks are dropped, and counted)."""
     if dataset not in DATASETS:
         raise DataError(f"unknown dataset {dataset!r}; choose from {', '.join(DATASETS)}")
     tokenizer = tokenizer or DATASETS[dataset]
@@ -225,7 +227,15 @@ def prepare(dataset="shakespeare_char", input_path=None, tokenizer=None, name=No
         text, source = shakespeare_text(out_dir)
     print(f"source: {source}")
 
-    if tokenizer == "char":
+    if base_meta is not None and base_meta["tokenizer"] == "char":
+        stoi = base_meta["stoi"]
+        kept = [c for c in text if c in stoi]
+        if len(kept) < len(text):
+            print(f"dropped {len(text) - len(kept):,} characters the base vocabulary lacks "
+                  f"({''.join(sorted(set(text) - set(stoi)))[:40]!r})")
+        meta = {k: base_meta[k] for k in ("tokenizer", "vocab_size", "stoi", "itos")}
+        ids = [stoi[c] for c in kept]
+    elif tokenizer == "char" and base_meta is None:
         chars = sorted(set(text))  # the vocabulary: every character the text uses, in a fixed order
         stoi = {c: i for i, c in enumerate(chars)}
         meta = {"tokenizer": "char", "vocab_size": len(chars), "stoi": stoi, "itos": chars}

@@ -1,0 +1,402 @@
+"""
+Will my model fit, and which flags do I need? Memory per GPU, from the same code that trains.
+
+References:
+  - Rajbhandari et al. 2019, "ZeRO": model-state bytes per stage (zero.py implements them)
+  - Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
+    per layer s*b*h*(34 + 5*a*s/h) bytes of activations in 16 bits, 2*s*b*h with full recomputation
+  - Hu et al. 2021, "LoRA"; Dettmers et al. 2023, "QLoRA" (4-bit NF4 base weights)
+
+    python memory.py                                          # the lecture's tables
+    python memory.py --config config/gpt2_124m.py --dtype bf16 --world-size 8 --zero 2 --gpu-mem 80GB
+    python memory.py --params 7e9 --world-size 8 --gpu-mem 80GB --advise   # which flags, as a command
+
+Model state is exact: it counts what zero.py allocates, padding included, and tests/test_memory.py
+holds it equal to ZeRO.state_bytes(). Activations count what train.py's saved_activation_bytes
+measures (tensors saved for backward, weights left out), term by term; on CPU they match to the
+byte. Not estimated: the CUDA context, allocator fragmentation, transient buffers (the logits'
+gradient, communication buckets): --advise keeps HEADROOM of the GPU free for them.
+Sizes are decimal, as the lecture counts them: 1 GB = 1e9 bytes.
+"""
+import argparse
+import math
+import sys
+
+from model import GPTConfig
+from train import ConfigError, TrainConfig, load_preset
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "nf4": 0.5}  # bytes per value
+# stored bytes per quantized weight: two 4-bit codes per byte plus one fp32 absmax per block of
+# 64 (our assumption for lora.py; QLoRA's double quantization brings the scales to 0.127 bits)
+QUANT_BYTES = {"nf4": 0.5 + 4 / 64}
+# lora.py's targets: (fan-in, fan-out) in units of n_embd, so an adapter holds r*h*(in + out) parameters
+# (A: r x in, B: out x r). q, k, v are slices of the fused c_attn
+LORA_TARGETS = {"q": (1, 1), "k": (1, 1), "v": (1, 1), "attn_out": (1, 1), "mlp_fc": (1, 4), "mlp_proj": (4, 1)}
+# the activation each adapter's A reads (and so keeps for its gradient), as activation_bytes() names it
+ADAPTER_INPUT = {"q": "c_attn input", "k": "c_attn input", "v": "c_attn input",
+                 "attn_out": "attention output = c_proj input", "mlp_fc": "c_fc input",
+                 "mlp_proj": "gelu output = c_proj input"}
+HEADROOM = 0.10  # fraction of the GPU kept free for what the estimate leaves out
+GB = 1e9
+
+
+def param_numels(cfg):
+    """(unit, numel) of every parameter in GPT.named_parameters() order, the tied head counted once
+    (as the wte it is). unit: the block index, or "root" for embeddings and ln_f (ZeRO-3's units)."""
+    h, nb = cfg.n_embd, 2 if cfg.bias else 1  # a LayerNorm has a gain, and a bias if cfg.bias
+    out = [("root", cfg.vocab_size * h), ("root", cfg.block_size * h)]  # wte (= lm_head), wpe
+    for i in range(cfg.n_layer):
+        for fan_in, fan_out in ((0, 0), (h, 3 * h), (h, h), (0, 0), (h, 4 * h), (4 * h, h)):
+            if fan_in == 0:  # ln_1 / ln_2
+                out += [(i, h)] * nb
+            else:  # c_attn, attn.c_proj, c_fc, mlp.c_proj: weight, then bias
+                out += [(i, fan_in * fan_out)] + ([(i, fan_out)] if cfg.bias else [])
+    return out + [("root", h)] * nb  # ln_f
+
+
+def param_count(n_layer, n_embd, n_head, vocab, block, bias=True):
+    """= GPT(...).num_params(non_embedding=False). Per block 12h^2 of matmuls (qkv 3h^2, attention
+    output h^2, MLP 4h^2 + 4h^2), two LayerNorm gains, and with bias 9h of Linear biases + 2h of
+    LayerNorm biases. n_head splits the width but adds nothing."""
+    h = n_embd
+    block_params = 12 * h * h + 2 * h + (11 * h if bias else 0)
+    return vocab * h + block * h + n_layer * block_params + (2 * h if bias else h)
+
+
+def bucket_sizes(params, stage, dtype, bucket_mb=25.0):
+    """Real (unpadded) numel of each ZeRO flat buffer, by zero.py's rules. Stage 3: the root unit
+    (embeddings, ln_f), then one unit per block. Stages 0-2: last parameter first, a new bucket when
+    the next one would pass bucket_mb (a larger parameter gets a bucket of its own).
+    params: param_numels(cfg), less any frozen ones."""
+    if stage == 3:
+        units = {}
+        for unit, n in params:
+            units[unit] = units.get(unit, 0) + n
+        return list(units.values())
+    cap, sizes, size = max(1, int(bucket_mb * 2**20 / BYTES[dtype])), [], 0
+    for _, n in reversed(params):
+        if size and size + n > cap:
+            sizes, size = sizes + [size], 0
+        size += n
+    return sizes + [size]
+
+
+def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, frozen_psi=0,
+                      quantized_psi=0, quantize=None):
+    """Bytes of model state on one rank, as ZeRO.state_bytes() counts them at start-up.
+    psi: trainable parameters (Ψ), in flat buffers of sizes `buckets` (default: one). Stages 1-3
+    pad each buffer to a multiple of N, so every rank owns P/N elements (P: the padded total).
+    frozen_psi: frozen parameters (LoRA's base model), whole on every rank: zero.py keeps them out
+    of its buffers, and ZeRO-3 does not shard them; quantized_psi of them are stored as `quantize`."""
+    E, N, buckets = BYTES[dtype], world_size, buckets or [psi]
+    assert sum(buckets) == psi, "the buckets must hold exactly psi parameters"
+    padded = [math.ceil(n / N) * N if stage >= 1 else n for n in buckets]
+    P = sum(padded)
+    owned = P // N if stage >= 1 else P
+    # Adam's moments exist for real parameters only: the slice of the last rank may end in padding
+    real = sum(max(0, min(n, (rank + 1) * p // N) - rank * p // N) for n, p in zip(buckets, padded)) \
+        if stage >= 1 else psi
+    frozen = E * (frozen_psi - quantized_psi) + (QUANT_BYTES[quantize] * quantized_psi if quantize else 0)
+    out = {"params": E * (owned if stage == 3 else P) + frozen,  # 16-bit (or fp32) working weights
+           "grads": E * (owned if stage >= 2 else P),
+           "master": 0 if E == 4 else 4 * owned,  # fp32 weights are their own master: no copy
+           "optimizer": 8 * real}  # Adam's exp_avg and exp_avg_sq, fp32
+    out["total"] = sum(out.values())
+    return out
+
+
+def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_targets=()):
+    """Bytes autograd saves for backward in one micro-step, as {term: bytes} per layer and outside
+    the blocks. Korthikanti et al. count 34*s*b*h per layer in 16 bits: 4 (two LayerNorm inputs) +
+    11 (attention) + 19 (MLP), 2 of them dropout masks, plus 5*a*s^2*b for the attention matrix,
+    its softmax and dropout. Ours differs: LayerNorm keeps its input in fp32 (model.py upcasts),
+    SDPA's fused kernels keep a logsumexp per row instead of the a*s^2 matrix, there is no mask
+    with dropout 0, and in fp32 every 16-bit term doubles. Under LoRA the base weights are frozen,
+    so autograd skips the inputs that only a weight's gradient needs, and everything in front of
+    the first adapter."""
+    E, b, s, h, a = BYTES[dtype], batch, seq, cfg.n_embd, cfg.n_head
+    bsh, lora = b * s * h, lora_rank > 0
+    needed = {ADAPTER_INPUT[t] for t in lora_targets}
+    keep = lambda term: not lora or term in needed  # a Linear's input, saved for its weight gradient
+    # dropout: a bool mask per dropout (CUDA). Not modelled: on CPU the masks are float, and with
+    # dropout SDPA falls back to its math kernel there, which does keep the a*s^2 matrices
+    drop = bsh if cfg.dropout > 0 else 0
+    ln = lambda name: {f"{name} input (fp32: LayerNorm upcasts)": 4 * bsh, f"{name} mean, rstd (fp32)": 8 * b * s,
+                       f"{name} gain/bias cast to fp32": 0 if E == 4 else 4 * h * (2 if cfg.bias else 1)}
+    if grad_ckpt:  # the checkpoint keeps the block's input; the rest is recomputed in backward
+        layer = {"block input (kept by the checkpoint)": E * bsh}
+    else:  # in forward order
+        layer = {**ln("ln_1"), "c_attn input": E * bsh * keep("c_attn input"),
+                 "q, k, v (one c_attn output)": 3 * E * bsh,
+                 "attention logsumexp (fp32; no a*s^2 matrix)": 4 * b * a * s,
+                 "attention output = c_proj input": E * bsh,  # SDPA keeps it, with the logsumexp
+                 "residual dropout masks": 2 * drop, **ln("ln_2"), "c_fc input": E * bsh * keep("c_fc input"),
+                 "c_fc output = gelu input": 4 * E * bsh,
+                 "gelu output = c_proj input": 4 * E * bsh * keep("gelu output = c_proj input"),
+                 "LoRA A outputs (r wide)": E * b * s * lora_rank * len(lora_targets)}
+    outside = {"token ids, positions (int64)": 0 if lora else 8 * b * s + 8 * s, "embedding dropout mask": drop,
+               **ln("ln_f"), "lm_head input": 0 if lora else E * bsh,
+               "log-softmax of the logits (fp32, b*s*vocab)": 4 * b * s * cfg.vocab_size,
+               "targets (int64), loss weight": 8 * b * s + 4}
+    first = layer  # under LoRA the first layer saves from its first adapter's input on
+    if lora and not grad_ckpt:
+        start = min(list(layer).index(term) for term in needed)
+        first = {k: v * (i >= start) for i, (k, v) in enumerate(layer.items())}
+    per_layer = sum(layer.values())
+    return {"layer": layer, "outside": outside, "per_layer": per_layer,
+            "total": sum(first.values()) + (cfg.n_layer - 1) * per_layer + sum(outside.values())}
+
+
+def shape_for(psi, vocab=50257, block=2048):
+    """A GPT shape for a bare parameter count, for the activations: width 128 x depth and heads
+    128 wide (GPT-3 175B: 96 layers of 12288). Model state uses psi itself."""
+    L = max(1, round((psi / (12 * 128**2)) ** (1 / 3)))
+    return GPTConfig(block_size=block, vocab_size=vocab, n_layer=L, n_head=L, n_embd=128 * L, bias=False)
+
+
+def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_ckpt=False, lora_rank=0,
+             lora_targets=("q", "v"), quantize=None, psi=None, bucket_mb=25.0, rank=0, prefetch=True):
+    """Everything one GPU holds. psi overrides the parameter count of cfg (then cfg only shapes the
+    activations). Peak: model state + the larger of the forward/backward working set (activations,
+    and under ZeRO-3 the gathered root + 1 block, + 1 more with prefetch) and the optimizer step's
+    fp32 copy of this rank's gradient slice (16-bit only)."""
+    seq, L, h, E = seq or cfg.block_size, cfg.n_layer, cfg.n_embd, BYTES[dtype]
+    total = psi or param_count(L, h, cfg.n_head, cfg.vocab_size, cfg.block_size, cfg.bias)
+    buckets = bucket_sizes(param_numels(cfg), stage, dtype, bucket_mb) if psi is None else None
+    trainable, frozen, quantized = total, 0, 0
+    if lora_rank:  # the base model frozen, an A (r x in) and a B (out x r) per target per layer
+        trainable, frozen = L * lora_rank * h * sum(sum(LORA_TARGETS[t]) for t in lora_targets), total
+        quantized, buckets = (L * 12 * h * h if quantize else 0), None  # the blocks' matmul weights
+    state = model_state_bytes(trainable, stage, world_size, dtype, buckets, rank, frozen, quantized, quantize)
+    acts = activation_bytes(cfg, batch, seq, dtype, grad_ckpt, lora_rank, lora_targets)
+    pad = lambda n: math.ceil(n / world_size) * world_size
+    # ZeRO-3's units: from the layout (root first), else blocks of 12h^2 + 13h and the rest in the root
+    block = max(buckets[1:]) if stage == 3 and buckets else 12 * h * h + 13 * h
+    root = buckets[0] if stage == 3 and buckets else max(0, total - L * block)
+    # (under LoRA only the adapters are gathered: nothing to speak of)
+    gathered = E * (pad(root) + (2 if prefetch else 1) * pad(block)) if stage == 3 and not lora_rank else 0
+    step = state["master"]  # step(): an fp32 copy of the owned gradient slice (none needed in fp32)
+    peak = state["total"] + max(acts["total"] + gathered, step)
+    return {"psi": total, "trainable": trainable, "state": state, "activations": acts,
+            "gathered": gathered, "step": step, "peak": peak}
+
+
+def fits(est, gpu_bytes):
+    return est["peak"] <= (1 - HEADROOM) * gpu_bytes
+
+
+def max_batch(fits_at, limit=4096):
+    """Largest micro-batch b <= limit with fits_at(b) (memory grows with b), 0 if none."""
+    if not fits_at(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits_at(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
+    return min(lo, limit)
+
+
+def command(world_size, shape_args, stage, dtype, batch, grad_ckpt=False, lora=False, quantize=None, per_node=8):
+    """The train.py launch line; beyond one node, run it on each node with its own --node_rank."""
+    N = world_size
+    launch = "python" if N == 1 else f"torchrun --nproc_per_node={N}" if N <= per_node else \
+        f"torchrun --nnodes={math.ceil(N / per_node)} --nproc_per_node={per_node} --node_rank=0 " \
+        "--master_addr=HOST --master_port=29500"
+    flags = list(shape_args) + [f"--zero {stage}"] * (stage > 0) + [f"--{dtype}"] * (dtype != "fp32") \
+        + [f"--batch-size {batch}"] + ["--grad-ckpt"] * grad_ckpt \
+        + ["--lora --lora-rank 8 --lora-targets q,v"] * lora + [f"--quantize {quantize}"] * bool(quantize)
+    return " ".join([launch, "train.py"] + flags)
+
+
+def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=()):
+    """The lecture's decision flow, each step checked with estimate(). Returns (lines, command or None).
+    LoRA runs on ZeRO-2: its trainable state is tiny, and our ZeRO-3 does not shard frozen weights."""
+    N, z = world_size, 2 if world_size > 1 else 0
+    est = lambda **k: estimate(cfg, **{"world_size": N, "dtype": dtype, "psi": psi, **k})
+    lines = [f"mixed precision, always: {dtype}" + (" with the loss scaler (this GPU has no bf16)" if dtype == "fp16"
+             else " (Ampere or newer; on older GPUs pass --dtype fp16: fp16 with the loss scaler)")]
+    one = est(world_size=1)
+    ok = fits(one, gpu_bytes)
+    lines.append(f"batch 1 on one GPU, no ZeRO: peak {one['peak'] / GB:.2f} GB of "
+                 f"{(1 - HEADROOM) * gpu_bytes / GB:.1f} GB usable ({gpu_bytes / GB:.0f} GB less {HEADROOM:.0%}): "
+                 + ("fits" if ok else "does not fit"))
+    if ok:  # (stage, grad_ckpt, LoRA rank, quantize, why)
+        plans = [(z, False, 0, None, f"yes: ZeRO-2 on {N} GPUs (the traffic of data parallelism, less memory) "
+                  "and a larger micro-batch" if N > 1 else "yes: one GPU has nothing to shard; a larger micro-batch")]
+    else:
+        plans = [(3, False, 0, None, f"no: ZeRO-3 on {N} GPUs shards the weights too (1.5x the traffic)")] * (N > 1) \
+            + [(3 if N > 1 else 0, True, 0, None, "+ activation checkpointing: each block keeps only its input"),
+               (z, True, 8, None, "+ LoRA on q,v, r=8: only the adapters train; the frozen base is whole on each GPU"),
+               (z, True, 8, "nf4", "+ QLoRA: the frozen base weights in 4-bit NF4")]
+    for stage, ckpt, r, quant, why in plans:
+        run = dict(stage=stage, grad_ckpt=ckpt, lora_rank=r, quantize=quant)
+        b = max_batch(lambda b: fits(est(batch=b, **run), gpu_bytes))
+        peak = est(batch=max(b, 1), **run)["peak"] / GB
+        lines.append(f"{why}: " + (f"micro-batch up to {b} fits (peak {peak:.2f} GB)" if b
+                                   else f"batch 1 needs {peak:.2f} GB"))
+        if b:
+            break
+    else:
+        more = next((n for n in (2**k for k in range(13))
+                     if fits(est(world_size=n, stage=3, grad_ckpt=True), gpu_bytes)), 0)
+        lines.append("does not fit: shorten the sequence or take bigger GPUs"
+                     + (f"; a full fine-tune with ZeRO-3 + checkpointing fits on {more} of these GPUs" if more else ""))
+    lines = [f"{i + 1}. {line}" for i, line in enumerate(lines)]
+    return lines, command(N, shape_args, stage, dtype, b, ckpt, r > 0, quant) if b else None
+
+
+def fmt(n):
+    return f"{n / GB:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB" if n >= 1e4 else f"{n:.0f} B"
+
+
+def table(rows, header):
+    """Plain text: the first column and notes (header "") left-aligned, numbers right-aligned."""
+    w = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  " + "  ".join(str(c).ljust(w[i]) if i == 0 or header[i] == "" else str(c).rjust(w[i])
+                               for i, c in enumerate(r)).rstrip())
+    print()
+
+
+def lecture():
+    print("Bytes per value:")
+    notes = ["", "fp32's 8 exponent bits, 7 of mantissa", "5 exponent bits: needs the loss scaler", "",
+             f"+ an fp32 absmax per 64 values: {QUANT_BYTES['nf4']:g} as we store it"]
+    table([[d, f"{v:g}", note] for (d, v), note in zip(BYTES.items(), notes)], ["dtype", "bytes", ""])
+    print("Training bytes per parameter with Adam, model_state_bytes(1, ...):")
+    f32, b16 = model_state_bytes(1, 0, 1, "fp32"), model_state_bytes(1, 0, 1, "bf16")
+    names = {"params": "weights", "grads": "gradients", "master": "fp32 master weights",
+             "optimizer": "Adam m and v", "total": "model state"}
+    table([[v, f32[k], b16[k]] for k, v in names.items()] + [["activations", "b*s*h*L", "(below)"]],
+          ["", "fp32", "bf16/fp16 mixed"])
+    psi, s = 10**9, 2048
+    cfg = shape_for(psi, block=s)
+    full = {d: max_batch(lambda b: estimate(cfg, dtype=d, batch=b, psi=psi)["peak"] <= 80 * GB)
+            for d in ("fp32", "bf16")}  # the largest micro-batch an 80 GB GPU holds, no headroom
+    print("The 1B example. The lecture notes: 4 bytes to hold a weight + 20 to train it, then 'about 80 GB'.\n"
+          f"The arithmetic: 24 bytes x 1e9 parameters = {24 * psi / GB:.0f} GB, not 80. Weights, gradients and "
+          f"Adam\ntake 16 bytes x 1e9 = {16 * psi / GB:.0f} GB (fp32 and mixed alike); what fills a GPU is "
+          "activations, which\ngrow with batch x sequence, not with parameters. A 1B GPT "
+          f"(L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, vocab {cfg.vocab_size}), {s} tokens,\n"
+          f"one GPU: 80 GB is full at micro-batch {full['fp32']} in fp32, {full['bf16']} in bf16.")
+    rows = []
+    for b in (1, 4, 8, 16):
+        e32, e16 = estimate(cfg, batch=b, psi=psi), estimate(cfg, dtype="bf16", batch=b, psi=psi)
+        rows.append([b] + [fmt(x) for x in (e32["activations"]["total"], e32["peak"],
+                                             e16["activations"]["total"], e16["peak"])])
+    table(rows, ["micro-batch", "activations fp32", "peak fp32", "activations bf16", "peak bf16"])
+    print(f"What each technique saves, per GPU (the 1B GPT, micro-batch 8 x {s} tokens):")
+    rows = []
+    for name, dt, st, ck, r, q in [
+            ("fp32, Adam", "fp32", 0, 0, 0, None), ("bf16 mixed precision", "bf16", 0, 0, 0, None),
+            ("+ ZeRO-1", "bf16", 1, 0, 0, None), ("+ ZeRO-2", "bf16", 2, 0, 0, None),
+            ("+ ZeRO-3", "bf16", 3, 0, 0, None), ("+ activation checkpointing", "bf16", 3, 1, 0, None),
+            ("LoRA q,v r=8 (ZeRO-2, ckpt)", "bf16", 2, 1, 8, None),
+            ("QLoRA nf4 (ZeRO-2, ckpt)", "bf16", 2, 1, 8, "nf4")]:
+        e1, e8 = (estimate(cfg, n, st, dt, 8, None, ck, r, quantize=q, psi=psi) for n in (1, 8))
+        rows.append([name] + [fmt(x) for x in (e1["state"]["total"], e1["activations"]["total"], e1["peak"],
+                                                e8["state"]["total"], e8["peak"])])
+    table(rows, ["", "state, 1 GPU", "activations", "peak, 1 GPU", "state, 8 GPUs", "peak, 8 GPUs"])
+    print("Model state on N GPUs: 16 bytes per parameter -> 4 + 12/N (ZeRO-1), 2 + 14/N (ZeRO-2), 16/N (ZeRO-3).\n"
+          "Mixed precision shrinks activations and traffic, not model state. LoRA keeps the frozen base whole\n"
+          "on every GPU (2 bytes per parameter, 0.56 in NF4) and trains almost nothing.")
+
+
+def parse_bytes(text):
+    """'80GB' -> 80e9, '24GiB' -> 24 * 2**30 (an '80GB' H100 holds 80 GiB = 85.9 GB)."""
+    units = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "TB": 1e12, "GB": 1e9, "MB": 1e6, "B": 1}
+    t = text.strip().upper()
+    unit = next((u for u in units if t.endswith(u)), "")
+    try:
+        return float(t[:len(t) - len(unit)]) * units.get(unit, 1)
+    except ValueError:
+        raise ConfigError(f"--gpu-mem {text}: use a size such as 80GB or 24GiB")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        return lecture()
+    p = argparse.ArgumentParser(description="Memory per GPU of a nanoZeRO run; no flags: the lecture's tables.",
+                                allow_abbrev=False)
+    p.error = lambda msg: (_ for _ in ()).throw(ConfigError(msg))  # one line, as in train.py
+    p.add_argument("--config", help="a preset from config/: its model, batch size, dtype and --zero")
+    p.add_argument("--params", type=float, help="a bare parameter count, e.g. 1e9 (a GPT shape is assumed)")
+    for name in ("n_layer", "n_embd", "n_head", "vocab", "batch_size", "lora_rank"):
+        p.add_argument("--" + name.replace("_", "-"), type=int)
+    p.add_argument("--block-size", "--seq", dest="block_size", type=int,
+                   help="sequence length: train.py trains on sequences of exactly --block-size tokens")
+    p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--world-size", type=int, default=1, help="GPUs (ranks)")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--grad-ckpt", action="store_true")
+    p.add_argument("--lora", action="store_true", help="LoRA adapters (rank 8 unless --lora-rank)")
+    p.add_argument("--lora-targets", default="q,v", help=f"'all' or some of {','.join(LORA_TARGETS)}")
+    p.add_argument("--quantize", choices=tuple(QUANT_BYTES), help="LoRA's frozen base in 4 bits (QLoRA)")
+    p.add_argument("--gpu-mem", default="80GB", help="memory of one GPU, e.g. 80GB, 24GiB")
+    p.add_argument("--advise", action="store_true", help="the lecture's decision flow, ending in a command")
+    a = p.parse_args(argv)
+    for name in ("world_size", "batch_size", "lora_rank", "params"):
+        if (getattr(a, name) or 1) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    # train.py's defaults < the preset < these flags; a bare --params gets its shape from shape_for()
+    tc = TrainConfig(**(load_preset(a.config) if a.config else {}))
+    psi = int(a.params) if a.params else None
+    vocab = a.vocab or (65 if tc.dataset == "shakespeare_char" and not psi else 50257)
+    block = a.block_size or (2048 if psi else tc.block_size)
+    base = shape_for(psi, vocab, block) if psi else tc
+    shape = {k: getattr(a, k) or getattr(base, k) for k in ("n_layer", "n_embd", "n_head")}
+    bias = a.bias if a.bias is not None else (not psi and tc.bias)
+    try:
+        cfg = GPTConfig(block_size=block, vocab_size=vocab, bias=bias, dropout=0.0 if psi else tc.dropout, **shape)
+    except ValueError as e:
+        raise ConfigError(str(e))
+    targets = tuple(LORA_TARGETS) if a.lora_targets == "all" else tuple(a.lora_targets.split(","))
+    if any(t not in LORA_TARGETS for t in targets):
+        raise ConfigError(f"--lora-targets {a.lora_targets}: use some of {','.join(LORA_TARGETS)}")
+    if a.quantize and not a.lora:
+        raise ConfigError("--quantize stores LoRA's frozen base in 4 bits: add --lora")
+    gpu = parse_bytes(a.gpu_mem)
+    # the command's model flags: the preset and what overrides it, or the whole shape
+    shape_args = ([f"--config {a.config}"] if a.config and not psi else []) \
+        + [f"--{k.replace('_', '-')} {v}" for k, v in {**shape, "block_size": block}.items()
+           if psi or not a.config or getattr(a, k)] + ["--bias"] * (bias and (psi or not a.config))
+    if a.advise:
+        lines, cmd = advise(cfg, a.world_size, gpu, "fp16" if a.dtype == "fp16" else "bf16", psi, shape_args)
+        print("\n".join(lines) + ("\n\n" + cmd if cmd else "")
+              + ("\n(the vocabulary comes from --dataset; a bare --params gets this shape: pass yours)" if psi else ""))
+        return cmd
+    dtype, stage = a.dtype or tc.dtype, tc.zero if a.zero is None else a.zero
+    batch, r = a.batch_size or (1 if psi else tc.batch_size), (a.lora_rank or 8) if a.lora else 0
+    e = estimate(cfg, a.world_size, stage, dtype, batch, block, a.grad_ckpt, r, targets, a.quantize, psi,
+                 tc.bucket_mb)
+    st, act = e["state"], e["activations"]
+    print(f"GPT: {e['psi']:,} parameters (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, vocab {vocab}, "
+          f"block {block}{', bias' if bias else ''}), {e['trainable']:,} trainable; {dtype}, ZeRO-{stage}, "
+          f"{a.world_size} GPU(s), micro-batch {batch} x {block} tokens" + ", --grad-ckpt" * a.grad_ckpt
+          + (f", LoRA r={r} on {a.lora_targets}" if r else "") + (f", {a.quantize} base" if a.quantize else ""))
+    table([["weights", fmt(st["params"]), "working weights (+ the frozen base)"],
+           ["gradients", fmt(st["grads"]), ""], ["fp32 master weights", fmt(st["master"]), "16-bit only"],
+           ["Adam moments", fmt(st["optimizer"]), "fp32 exp_avg, exp_avg_sq"],
+           ["model state", fmt(st["total"]), "= ZeRO.state_bytes() at start-up"
+            + " + lora.quantized_bytes()" * bool(a.quantize)],
+           ["activations", fmt(act["total"]), f"{cfg.n_layer} layers x {fmt(act['per_layer'])} + the rest, below"],
+           ["ZeRO-3 gathered units", fmt(e["gathered"]), "root + a block (+ the prefetched one)"],
+           ["step: fp32 grad slice", fmt(e["step"]), "in the optimizer step, activations freed"],
+           ["peak", fmt(e["peak"]), "state + max(activations + gathered, step)"]], ["per GPU", "bytes", ""])
+    print(f"GPU {fmt(gpu)}, {(1 - HEADROOM) * gpu / GB:.2f} GB usable ({HEADROOM:.0%} kept for the CUDA context, "
+          f"fragmentation, transient buffers): {'fits' if fits(e, gpu) else 'does NOT fit: try --advise'}\n")
+    print("Activations saved for backward, per layer and outside the blocks:")
+    table([[k, fmt(v)] for k, v in {**act["layer"], **act["outside"]}.items() if v], ["term", "bytes"])
+    return e
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as e:
+        print(f"memory.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

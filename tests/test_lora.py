@@ -1,0 +1,341 @@
+"""LoRA, adapter files and the quantized (QLoRA) base, alone and under ZeRO (PITFALLS 6, 7, 10).
+
+Tiny fp32 models on the CPU. The multi-rank test compares LoRA training under ZeRO stages 1-3
+(stage 3 with activation checkpointing: the frozen-weights-under-recompute case) with one
+process running torch.optim.AdamW on the global batch, as tests/test_zero.py does.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import lora
+from conftest import run_distributed
+from lora import AdapterError
+from model import GPT, GPTConfig
+from precision import GradScaler
+from train import get_batch
+from zero import ZeRO
+
+CFG = dict(block_size=16, vocab_size=17, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
+B, T, ACCUM, STEPS, LR, CLIP, SEED = 2, 16, 2, 3, 1e-2, 0.03, 99
+DATA = np.random.default_rng(0).integers(0, 17, 4000).astype(np.uint16)
+C = CFG["n_embd"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: threads only add waiting
+    yield
+    torch.set_num_threads(n)
+
+
+def make_model(seed=0, **lora_kw):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**CFG))
+    if lora_kw:
+        lora.apply_lora(model, **lora_kw)
+    return model
+
+
+def batch(step=0, micro=0, rank=0, world_size=1, b=B, accum=1):
+    return get_batch(DATA, SEED, step, micro, rank, world_size, b, T, accum)
+
+
+def train(model, steps, stage=0, lr=LR, fixed_batch=False):
+    """ZeRO on one rank (no process group needed): returns the losses."""
+    zero = ZeRO(model, stage, lr=lr, bucket_mb=0.002)
+    scaler, losses = GradScaler(init_scale=1.0, dynamic=False), []
+    for step in range(steps):
+        loss = model(*batch(0 if fixed_batch else step))[1]
+        zero.backward(loss)
+        zero.step(lr, scaler, CLIP)
+        losses.append(loss.item())
+    return zero, losses
+
+
+def lora_numel(model):
+    return sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_parse_targets():
+    assert lora.parse_targets("v, q") == ("q", "v")  # TARGETS' order, spaces allowed
+    assert lora.parse_targets("all") == lora.TARGETS
+    assert lora.parse_targets(["mlp_fc"]) == ("mlp_fc",)
+    for bad in ("q,x", "", "qkv"):
+        with pytest.raises(ValueError, match="attn_out, mlp_fc"):
+            lora.parse_targets(bad)
+
+
+def test_zero_delta_at_init_and_only_lora_trains():
+    x, y = batch()
+    base = make_model()
+    ref_logits, _ = base(x, y)
+    model = make_model()
+    names = lora.apply_lora(model, rank=4, alpha=8.0, targets="all")
+    assert len(names) == 4 * CFG["n_layer"]
+    assert set(base.state_dict()) <= set(model.state_dict())  # model.py's names survive
+    logits, loss = model(x, y)
+    assert torch.equal(logits, ref_logits)  # B = 0: the model is the base, bitwise
+    loss.backward()
+    for n, p in model.named_parameters():
+        assert p.requires_grad == ("lora_" in n) and (p.grad is not None) == ("lora_" in n), n
+    assert all(m.lora_B.grad.abs().sum() > 0 for m in model.modules() if isinstance(m, lora.LoRALinear))
+    c_attn = model.transformer.h[0].attn.c_attn
+    assert c_attn.lora_A.shape == (3 * 4, C) and c_attn.lora_B.shape == (3 * C, 4)
+    assert c_attn.scaling == 2.0
+    with pytest.raises(ValueError, match="already"):
+        lora.apply_lora(model)
+    # LoRA tensors take the base's dtype (no 16-bit forward here: slow on this CPU)
+    half = make_model().to(torch.bfloat16)
+    lora.apply_lora(half)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+
+
+def test_zero_holds_only_lora_and_qv_leaves_k_untouched():
+    model = make_model(rank=4, targets="q,v")
+    w0 = model.transformer.h[1].attn.c_attn.weight.detach().clone()
+    zero, _ = train(model, steps=4, stage=1)
+    assert zero.psi == lora_numel(model) == CFG["n_layer"] * 2 * (4 * C + C * 4)
+    assert sum(v.numel() for g in zero.opt.param_groups for v in g["params"]) == zero.psi
+    c_attn = model.transformer.h[1].attn.c_attn
+    effective = c_attn.weight + c_attn.delta_weight()  # the weight the model computes with
+    assert torch.equal(c_attn.weight, w0)  # the base never moves
+    assert torch.equal(effective[C:2 * C], w0[C:2 * C])  # k: exactly zero delta
+    assert (effective[:C] - w0[:C]).abs().max() > 1e-4  # q and v trained
+    assert (effective[2 * C:] - w0[2 * C:]).abs().max() > 1e-4
+    x = torch.randn(3, C)  # and in the forward path: the k outputs are the base's, bitwise
+    k_base = torch.nn.functional.linear(x, w0[C:2 * C], c_attn.bias[C:2 * C])
+    assert torch.equal(c_attn(x)[:, C:2 * C], k_base)
+
+
+def test_merge_unmerge():
+    model = make_model(rank=4, alpha=4.0, targets="all")
+    train(model, steps=3)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, _ = batch(5)
+    model.eval()
+    with torch.no_grad():
+        unmerged = model(x)[0]
+        lora.merge_lora(model)
+        assert model.transformer.h[0].attn.c_attn.merged
+        merged = model(x)[0]
+        w = model.transformer.h[0].mlp.c_fc.weight
+        assert (w - weights["transformer.h.0.mlp.c_fc.weight"]).abs().max() > 1e-4  # B @ A is in
+        lora.merge_lora(model)  # a second merge is a no-op
+        assert torch.equal(model(x)[0], merged)
+        lora.unmerge_lora(model)
+    torch.testing.assert_close(merged, unmerged, rtol=0, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, weights[n], rtol=0, atol=1e-6, msg=n)
+
+
+def test_merge_in_bf16_and_dropout():
+    # bf16 weight: the delta is added in fp32 and rounded once (no 16-bit matmul here: slow on CPU)
+    half = make_model().to(torch.bfloat16)
+    lora.apply_lora(half, rank=4, targets="q,v")
+    m = half.transformer.h[0].attn.c_attn
+    torch.nn.init.normal_(m.lora_B)
+    w0 = m.weight.detach().clone()
+    m.merge()
+    assert torch.equal(m.weight, (w0.float() + m.delta_weight()).to(torch.bfloat16))
+    # dropout acts on the LoRA input only: in eval mode the model is the dropout-free one
+    x = batch()[0]
+    a, b = make_model(rank=4, dropout=0.5), make_model(rank=4)
+    for m in (a, b):
+        torch.nn.init.normal_(m.transformer.h[0].attn.c_attn.lora_B, generator=torch.Generator().manual_seed(3))
+    assert not torch.equal(a.train()(x)[0], a(x)[0])
+    assert torch.equal(a.eval()(x)[0], b.eval()(x)[0])
+
+
+def test_adapter_save_load_swap(tmp_path):
+    x, _ = batch(7)
+    run = lambda m: m.eval()(x)[0].detach()
+    base_out = run(make_model())
+    paths, outs = {}, {}
+    for name, seed in (("A", 1), ("B", 2)):  # two adapters on the same base
+        model = make_model(rank=4, targets="q,v,mlp_fc")
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+        paths[name], outs[name] = str(tmp_path / f"{name}.pt"), run(model)
+        lora.save_adapter(paths[name], lora.adapter_state(model.state_dict()), model.lora_settings,
+                          lora.base_fingerprint(model))
+    assert not (outs["A"] == base_out).all() and sorted(os.listdir(tmp_path)) == ["A.pt", "B.pt"]
+
+    model = make_model()  # no LoRA yet: load_adapter applies it from the file's settings
+    assert torch.equal(run(model), base_out)
+    assert lora.load_adapter(model, paths["A"])["targets"] == ["q", "v", "mlp_fc"]
+    assert torch.equal(run(model), outs["A"])
+    lora.load_adapter(model, paths["B"])
+    assert torch.equal(run(model), outs["B"])
+    lora.remove_adapter(model)
+    assert torch.equal(run(model), base_out)  # back to the base, bitwise
+
+    with pytest.raises(AdapterError, match="trained on base"):
+        lora.load_adapter(make_model(seed=1), paths["A"])  # another base
+    with pytest.raises(AdapterError, match="settings"):
+        lora.load_adapter(make_model(rank=8, targets="q,v,mlp_fc"), paths["A"])
+    other = make_model(rank=4, targets="q,v,mlp_fc")
+    other.lora_settings["rank"] = 8  # settings that claim a match, shapes that do not
+    with pytest.raises(AdapterError, match="settings"):
+        lora.load_adapter(other, paths["A"])
+    with open(paths["A"], "r+b") as f:  # a corrupt file: half of it
+        f.truncate(os.path.getsize(paths["A"]) // 2)
+    with pytest.raises(AdapterError, match="not a readable adapter"):
+        lora.load_adapter(make_model(), paths["A"])
+
+
+def test_adapter_shape_mismatch(tmp_path):
+    model = make_model(rank=4, targets="q")
+    state = lora.adapter_state(model.state_dict())
+    state["transformer.h.0.attn.c_attn.lora_A"] = torch.zeros(3, C)
+    path = str(tmp_path / "bad.pt")
+    lora.save_adapter(path, state, model.lora_settings, lora.base_fingerprint(model))
+    with pytest.raises(AdapterError, match="shapes differ"):
+        lora.load_adapter(make_model(), path)
+
+
+def test_nf4_code_values():
+    # bitsandbytes' NF4 table (functional.py), which the QLoRA paper's construction produces
+    bnb = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+           -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+           0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+           0.7229568362236023, 1.0]
+    torch.testing.assert_close(lora.nf4_code(), torch.tensor(bnb), rtol=0, atol=2e-6)
+
+
+def test_quantization_error_and_bytes():
+    w = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))
+    q8 = lora.QuantizedWeight(w, "int8")
+    absmax = w.abs().amax(1)
+    assert ((q8.dequantize() - w).abs().amax(1) <= absmax / 254 + 1e-7).all()
+    # NF4 against uniform symmetric 4-bit absmax quantization, same blocks of 64 (Gaussian weights)
+    blocks = w.view(-1, 64)
+    scale = blocks.abs().amax(1, keepdim=True) / 7
+    uniform = (torch.round(blocks / scale).clamp(-7, 7) * scale).view_as(w)
+    nf4, nf4_dq = lora.QuantizedWeight(w, "nf4"), lora.QuantizedWeight(w, "nf4", double_quant=True)
+    mse = lambda q: (q.dequantize() - w).pow(2).mean().item()
+    assert mse(nf4) < 0.9 * (uniform - w).pow(2).mean().item()
+    assert mse(nf4_dq) < 1.05 * mse(nf4)  # the 8-bit scales cost little accuracy
+    # storage: codes packed two per byte; the bits per parameter that the QLoRA paper counts
+    assert nf4.codes.dtype == torch.uint8 and nf4.codes.numel() == w.numel() // 2
+    assert q8.codes.dtype == torch.int8 and q8.codes.numel() == w.numel()
+    model = torch.nn.Module()
+    model.a, model.b, model.c = q8, nf4, nf4_dq
+    bits = {k: v["bits_per_param"] for k, v in lora.quantized_bytes(model).items()}
+    assert bits["a"] == pytest.approx(8 + 32 / 64)  # one fp32 scale per row of 64 inputs
+    assert bits["b"] == pytest.approx(4 + 32 / 64)  # one fp32 absmax per block of 64
+    assert abs(bits["c"] - (4 + 8 / 64 + 32 / (64 * 256))) < 0.01  # ~4.127
+
+
+def test_quantized_base_backward_and_call_order():
+    x = torch.randn(3, 5, C, requires_grad=True)
+    qw = lora.QuantizedWeight(torch.randn(2 * C, C), "nf4", double_quant=True)
+    y = lora._linear(x, qw, None)
+    y.backward(torch.ones_like(y))
+    dense = x.detach().clone().requires_grad_()
+    torch.nn.functional.linear(dense, qw.dequantize()).backward(torch.ones_like(y))
+    torch.testing.assert_close(y, torch.nn.functional.linear(dense, qw.dequantize()))
+    torch.testing.assert_close(x.grad, dense.grad)
+    # apply_lora then quantize_base, or the other way round: the same model
+    a, b = make_model(rank=4, targets="all"), make_model()
+    lora.quantize_base(a, "int8")
+    lora.quantize_base(b, "int8")
+    lora.apply_lora(b, rank=4, targets="all")
+    assert a.state_dict().keys() == b.state_dict().keys()
+    assert torch.equal(a(batch()[0])[0], b(batch()[0])[0])
+    # the block Linears' weights are buffers now: no parameter but biases, LayerNorms and LoRA
+    assert {n.split(".")[-1] for n, _ in a.transformer.h.named_parameters() if "ln_" not in n} == \
+        {"bias", "lora_A", "lora_B"}
+    with pytest.raises(RuntimeError, match="quantized"):
+        lora.merge_lora(a)
+
+
+def test_qlora_lowers_the_loss():
+    """30 steps on one fixed batch of random tokens. The frozen ln_f and tied head cap the logits
+    (|logit| <~ 0.7 at this init), so the loss cannot fall far below ~2.1 from ln(17) = 2.83."""
+    model = make_model(rank=8, alpha=16.0, targets="all")
+    lora.quantize_base(model, "nf4", double_quant=True)
+    zero, losses = train(model, steps=30, fixed_batch=True)
+    assert zero.psi == lora_numel(model)  # the quantized base is nowhere in the optimizer
+    assert losses[-1] < 0.85 * losses[0], losses  # measured 2.84 -> 2.25
+    _, dense = train(make_model(rank=8, alpha=16.0, targets="all"), steps=30, fixed_batch=True)
+    assert abs(losses[-1] - dense[-1]) < 0.05  # QLoRA tracks LoRA on the unquantized base
+
+
+# ----------------------------------------------------------------------------------------------
+# Several ranks: LoRA under ZeRO stages 1-3, against one process with torch.optim.AdamW
+
+# Adam's first step maps g to ~sign(g): an entry with |g| near eps (1e-8) turns the last-bit
+# differences of another summation order into update differences up to lr * dg / eps (measured:
+# 2.3e-5 for an entry of |g| = 9e-9 among a median of 1e-3). LoRA's B = 0 makes it worse: A's
+# first gradient comes a step later and depends on B's sign-like first step. So this test starts
+# mid-training (B random, the same on every rank) and uses eps = 1e-6 on both sides, which bounds
+# the effect below 1e-6 (measured worst 1.1e-6 over 10 data seeds); every reduction, shard,
+# gather, the accumulation and the (active) clipping are still compared.
+EPS, LORA_KW = 1e-6, dict(rank=4, alpha=4.0, targets="all")
+
+
+def lora_model(quant=None):
+    model = make_model(**LORA_KW)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+    if quant:
+        lora.quantize_base(model, quant, double_quant=True)
+    return model
+
+
+def reference(world_size, quant=None):
+    model = lora_model(quant)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=EPS, weight_decay=0.1)  # all 2-D
+    for step in range(STEPS):
+        for micro in range(ACCUM):
+            x, y = batch(step, micro, 0, 1, B * world_size, ACCUM)
+            (model(x, y)[1] / ACCUM).backward()
+        assert torch.nn.utils.clip_grad_norm_(params, CLIP) > CLIP  # clipping is active
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def _lora_under_zero(rank, world_size):
+    refs = {None: reference(world_size), "nf4": reference(world_size, "nf4")}
+    # stage 3 with activation checkpointing: the recompute re-runs each block's forward over its
+    # frozen, replicated weights and its re-gathered LoRA shards (PITFALLS 6, 7); and over an NF4 base
+    for stage, ckpt, quant in ((1, False, None), (2, False, None), (3, False, None), (3, True, None),
+                               (3, True, "nf4")):
+        model, ref = lora_model(quant), refs[quant]
+        model.grad_ckpt = ckpt
+        zero = ZeRO(model, stage, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, bucket_mb=0.002,
+                    rank=rank, world_size=world_size)
+        for group in zero.opt.param_groups:
+            group["eps"] = EPS
+        scaler = GradScaler(init_scale=1.0, dynamic=False)
+        for step in range(STEPS):
+            for micro in range(ACCUM):
+                x, y = batch(step, micro, rank, world_size, B, ACCUM)
+                zero.backward(model(x, y)[1] / ACCUM, sync=micro == ACCUM - 1)
+            zero.step(LR, scaler, CLIP)
+        full = zero.full_state_dict(model)  # a collective: every rank calls it
+        if rank != 0:
+            continue
+        adapter = lora.adapter_state(full)
+        assert adapter.keys() == ref.keys()
+        for n, t in adapter.items():  # full shapes, not ZeRO-3's shape-[0] shards (PITFALLS 10)
+            torch.testing.assert_close(t, ref[n], rtol=1e-5, atol=5e-6, msg=f"stage {stage} {n}")
+        assert lora.base_fingerprint(full) == lora.base_fingerprint(lora_model(quant))  # base intact
+        if stage == 3:
+            with pytest.raises(AdapterError, match="ZeRO-3"):
+                lora.adapter_state(model.state_dict())
+
+
+def test_lora_under_zero_world_2():
+    run_distributed(_lora_under_zero, 2)
