@@ -163,7 +163,10 @@ def test_sigkill_one_rank_under_torchrun_restarts_and_ends_the_same(data_root, t
                    "--zero", "2", "--resume", "--ckpt-format", "sharded"]
     run(args, tmp_path / "ref", 2)
     out = tmp_path / "killed"
-    p = subprocess.Popen(cmd(2, ["--max-restarts=1"]) + args + ["--out-dir", str(out)], cwd=ROOT,
+    # --standalone: c10d rendezvous on a free port; a restarted group then gets a fresh store prefix
+    # (with the static --master_port rendezvous, the restarted gloo mesh can meet stale addresses)
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "--max-restarts=1", "train.py"] + args + ["--out-dir", str(out)], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     deadline, victim = time.time() + 120, None

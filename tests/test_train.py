@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from checkpoint import Reader, list_checkpoints
 from conftest import ROOT, free_port
 from data.prepare import prepare
 from train import ConfigError, get_batch, main, parse_args
@@ -133,8 +134,8 @@ def test_two_rank_training_learns_and_replicas_agree(data_root, tmp_path):
     assert abs(state["per_rank"][0]["total"] - state["formula"]["total"]) < 0.01 * state["formula"]["total"]
     assert all("val_loss" in r for r in z2 if "train_loss" in r)
     assert all(r["comm_elements"] > 0 for r in z2 if "loss" in r)
-    ckpt = torch.load(tmp_path / "z2" / "ckpt.pt", weights_only=True)
-    assert ckpt["model"]["lm_head.weight"].dtype == torch.float32
+    weights = Reader(list_checkpoints(tmp_path / "z2")[-1]).weights()
+    assert weights["lm_head.weight"].dtype == torch.float32
 
 
 def test_two_rank_bf16_zero2_matches_zero0_and_one_process(data_root, tmp_path):
