@@ -97,6 +97,7 @@ class TrainConfig:
     bucket_mb: float = opt(25.0, "gradient bucket size in MiB for overlapped communication")
     peak_tflops: float = opt(0.0, "peak TFLOP/s per device for MFU; 0 = look the GPU up")
     seed: int = opt(1337, "the batch at step t depends only on (seed, t)")
+    nan_at: int = opt(-1, "a lesson in skipped steps: make the last rank's loss NaN at this step")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -398,7 +399,8 @@ def main(argv=None):
         metrics.writelines(kept)
 
     def log(row):
-        if master:
+        if master:  # NaN / inf become null: metrics.jsonl stays valid JSON for every reader
+            row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
 
@@ -438,6 +440,8 @@ def main(argv=None):
                        f"{' (with --grad-ckpt)' if cfg.grad_ckpt else ''}")
                 log({"event": "activations", "saved_bytes": act[0], "grad_ckpt": cfg.grad_ckpt})
             loss = loss / cfg.grad_accum  # the gradient of the mean over micro-steps
+            if it == cfg.nan_at and rank == world_size - 1:
+                loss = loss * float("nan")  # only this rank's gradients go bad: every rank must skip
             loss_sum += loss.detach()
             zero.backward(scaler.scale(loss), sync=micro == cfg.grad_accum - 1)
         stats = zero.step(lr, scaler, cfg.grad_clip, want_zero_frac=logging)

@@ -196,3 +196,18 @@ def test_lora_fine_tuning_flow_end_to_end(data_root, tmp_path):
                         "--max-new-tokens", "20", "--num-samples", "1", "--start", "T"], cwd=ROOT,
                        capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0 and r.stdout.startswith("T"), r.stderr
+
+
+def test_nan_on_one_rank_makes_both_skip_under_torchrun(data_root, tmp_path):
+    """fp16 with the dynamic scaler, ZeRO-1, 2 gloo ranks under torchrun: a NaN loss on the last rank
+    at step 2 makes both ranks skip, the scale halves, and the ranks still end bitwise identical.
+    (That an inf in one rank's *slice only* makes every rank skip is tested in test_zero.py.)"""
+    rows = run(["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8", "--batch-size", "2",
+                "--eval-iters", "2", "--eval-interval", "100", "--log-interval", "1", "--data-root", data_root,
+                "--dataset", "tiny", "--fp16", "--zero", "1", "--max-iters", "4", "--nan-at", "2"], tmp_path, nproc=2)
+    steps = {r["iter"]: r for r in rows if "loss" in r}
+    assert [steps[i]["skipped"] for i in range(4)] == [False, False, True, False]
+    assert steps[2]["loss_scale"] == steps[1]["loss_scale"] / 2
+    assert steps[2]["loss"] is None and steps[2]["grad_norm"] is None  # NaN is logged as null: valid JSON
+    end = [r for r in rows if r.get("event") == "end"][0]
+    assert len(set(end["replica_sha256"])) == 1

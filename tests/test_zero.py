@@ -231,3 +231,28 @@ def test_gradient_accumulation_stage2_frees_full_gradients():
         else:
             assert all(g is not None and g.untyped_storage().data_ptr() in
                        {b.flat_grad.untyped_storage().data_ptr() for b in zero.buckets} for g in grads)
+
+
+def test_16_bit_training_follows_the_fp32_loss_curve():
+    """bf16 and fp16 (with the dynamic scaler) against fp32, one process, 10 steps, the same batches.
+    The weights and activations are rounded to 8 (bf16) or 11 (fp16) significant bits, but the
+    update is computed on fp32 masters, so the curves do not drift apart: measured at most 0.05%
+    (bf16) and 0.004% (fp16) apart per step; we allow 10x that: 0.5% and 0.05%."""
+    torch.set_num_threads(1)
+    curves = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        model = make_model(dtype)
+        zero = ZeRO(model, 0, lr=LR, betas=(0.9, 0.95))
+        scaler = GradScaler(dynamic=True) if dtype == torch.float16 else GradScaler(init_scale=1.0, dynamic=False)
+        curve = []
+        for step in range(10):
+            x, y = get_batch(DATA, SEED, step, 0, 0, 1, 4, T, 1)
+            loss = model(x, y)[1]
+            curve.append(loss.item())
+            zero.backward(scaler.scale(loss))
+            assert not zero.step(LR, scaler, CLIP)["skipped"]
+        curves[dtype] = np.array(curve)
+        assert all(piece.dtype == torch.float32 for piece in zero.master_pieces)
+    assert curves[torch.float32][-1] < curves[torch.float32][0] - 0.03  # it learns
+    np.testing.assert_allclose(curves[torch.bfloat16], curves[torch.float32], rtol=5e-3)
+    np.testing.assert_allclose(curves[torch.float16], curves[torch.float32], rtol=5e-4)
