@@ -257,12 +257,12 @@ def estimate_loss(model, train, val, cfg, rank, world_size, device):
     model.eval()
     out = {}
     for si, (split, data) in enumerate((("train", train), ("val", val))):
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(2, dtype=torch.float64, device=device)  # nccl reduces device tensors only
         for k in range(rank, math.ceil(cfg.eval_iters / world_size) * world_size, world_size):
             x, y = get_batch(data, cfg.seed + 7919 * (si + 1), k, 0, 0, 1, cfg.batch_size, cfg.block_size, 1)
             _, loss = model(x.to(device), y.to(device))
             if k < cfg.eval_iters:
-                total += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+                total += torch.stack([loss.detach().double(), torch.ones((), dtype=torch.float64, device=device)])
         if world_size > 1:
             dist.all_reduce(total)
         out[split] = (total[0] / total[1]).item()

@@ -345,8 +345,9 @@ class ZeRO:
             view.grad = grads32[bi][lo:hi]
         stats = {}
         if want_zero_frac:  # underflow shows as exact zeros in the 16-bit gradients
-            counts = torch.tensor([sum((v.grad == 0).sum().item() for v, *_ in self.segments),
-                                   sum(v.numel() for v, *_ in self.segments)], dtype=torch.float64)
+            zeros = sum((v.grad == 0).sum() for v, *_ in self.segments)
+            counts = torch.stack([zeros.double(), torch.tensor(float(sum(v.numel() for v, *_ in self.segments)),
+                                                               dtype=torch.float64, device=zeros.device)])
             counts = all_reduce_scalar(counts, N if self.stage >= 1 else 1, self.group)
             stats["grad_zero_frac"] = (counts[0] / counts[1]).item()
         scaler.unscale_(self.opt)  # in fp32 on the master side; found-inf is all-reduced (MAX)
