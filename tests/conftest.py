@@ -44,3 +44,33 @@ def run_distributed(fn, world_size, *args):
 @pytest.fixture
 def port():
     return free_port()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a busy machine a thread waiting for
+    a descheduled peer turns a millisecond forward into seconds."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+TEXT = """To be, or not to be, that is the question:
+Whether 'tis nobler in the mind to suffer
+The Slings and Arrows of outrageous Fortune,
+Or to take Arms against a Sea of troubles,
+And by opposing end them? BUT SOFT, WHAT LIGHT THROUGH YONDER WINDOW BREAKS?
+It is the East, and Juliet is the Sun. Now is the winter of our discontent
+Made glorious summer by this sun of York; quick brown foxes jump, lazy dogs vex.
+"""
+
+
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory):
+    """A small character-level data set named "tiny" in a temporary data root (--data-root)."""
+    from data.prepare import prepare
+    root = tmp_path_factory.mktemp("data")
+    (root / "input.txt").write_text((TEXT * 100)[:40000])
+    prepare(input_path=str(root / "input.txt"), name="tiny", out_root=str(root))
+    return str(root)

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from conftest import ROOT
-from data.prepare import prepare
 from model import GPT, GPTConfig
 from precision import GradScaler
 from zero import ZeRO
@@ -17,12 +16,6 @@ from zero import ZeRO
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    (root / "input.txt").write_text("All the world's a stage, and all the men and women merely players.\n" * 300)
-    prepare(input_path=str(root / "input.txt"), name="tiny", out_root=str(root))
-    return str(root)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])

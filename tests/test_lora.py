@@ -24,12 +24,6 @@ DATA = np.random.default_rng(0).integers(0, 17, 4000).astype(np.uint16)
 C = CFG["n_embd"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: threads only add waiting
-    yield
-    torch.set_num_threads(n)
 
 
 def make_model(seed=0, **lora_kw):

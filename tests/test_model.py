@@ -8,14 +8,6 @@ import torch
 
 from model import GPT, GPTConfig, peak_flops_for
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy machine a thread waiting for
-    a descheduled peer turns a millisecond forward into seconds."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 TINY = dict(block_size=16, vocab_size=11, n_layer=2, n_head=2, n_embd=16, dropout=0.0)

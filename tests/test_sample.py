@@ -21,14 +21,6 @@ TEXT = "abc cab bac\nbad dab cad\n" * 10  # vocabulary: "\n", " ", a, b, c, d
 SEP = "\n" + "-" * 40 + "\n"  # what sample.py prints between samples
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """A tiny model gains nothing from intra-op threads, and on a busy machine a thread waiting for
-    a descheduled peer turns a millisecond forward into seconds."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +60,7 @@ def assert_one_line_error(rc, out, err, *fragments):
 
 
 def test_cli_prints_samples(ckpt):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see one_thread()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see conftest.one_thread()
     r = subprocess.run([sys.executable, "sample.py", "--ckpt", ckpt, "--max-new-tokens", "20",
                         "--num-samples", "2", "--start", "ab"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)

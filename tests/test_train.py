@@ -10,23 +10,12 @@ import torch
 
 from checkpoint import Reader, list_checkpoints
 from conftest import ROOT, free_port
-from data.prepare import prepare
 from train import ConfigError, get_batch, main, parse_args
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
         "--eval-iters", "2", "--log-interval", "1", "--warmup-iters", "2", "--learning-rate", "3e-3"]
 
 
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory):
-    """A small character-level data set in a temporary data root."""
-    root = tmp_path_factory.mktemp("data")
-    text = open(os.path.join(ROOT, "README.md")).read() * 3 if os.path.exists(os.path.join(ROOT, "README.md")) else ""
-    text = (text + "To be, or not to be, that is the question.\n" * 400)[:40000]
-    src = root / "input.txt"
-    src.write_text(text)
-    prepare(input_path=str(src), name="tiny", out_root=str(root))
-    return str(root)
 
 
 def test_rank_slices_make_the_global_batch():
