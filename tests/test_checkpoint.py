@@ -198,3 +198,16 @@ def rank_pid(out_dir, local_rank):
                 and not any(b"torch.distributed.run" in c for c in cmdline):
             return int(pid)
     return None
+
+
+def test_lora_run_resumes_exactly(data_root, tmp_path):
+    """LoRA (frozen base, nf4 buffers, sharded adapters under ZeRO-2): k + resume + k == 2k, bitwise."""
+    args = TINY + ["--data-root", data_root, "--lora", "--quantize", "nf4", "--lora-targets", "q,v,mlp_fc",
+                   "--learning-rate", "1e-2", "--zero", "2"]
+    run(args + ["--max-iters", "8"], tmp_path / "full", 2)
+    run(args + ["--max-iters", "4"], tmp_path / "split", 2)
+    run(args + ["--max-iters", "8", "--resume"], tmp_path / "split", 2)
+    full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
+    assert [full[i] for i in range(8)] == [split[i] for i in range(8)]
+    assert_same_weights(final_weights(tmp_path / "full"), final_weights(tmp_path / "split"))
+    assert open(tmp_path / "full" / "adapter.pt", "rb").read() == open(tmp_path / "split" / "adapter.pt", "rb").read()
