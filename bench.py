@@ -40,6 +40,8 @@ from zero import ZeRO, zero_formula
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CUDA = torch.cuda.is_available()
+if CUDA:  # as train.py: fp32 matmuls on TF32 tensor cores
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 SECTIONS = ("loop", "zero", "precision")
 METHODS = {"ddp": "DDP + AdamW", "zro": "DDP + ZeroRedundancyOptimizer(AdamW)",
            "ours0": "ours, stage 0", "ours1": "ours, stage 1", "ours2": "ours, stage 2"}
@@ -54,8 +56,11 @@ def machine():
     return f"{name}, torch {torch.__version__}"
 
 
-def loadavg():
-    return open("/proc/loadavg").read().split()[0] if os.path.isfile("/proc/loadavg") else "?"
+def cpu_seconds():
+    """(CPU seconds used by the whole machine or None, by this process and its finished children)."""
+    ticks = [int(x) for x in open("/proc/stat").readline().split()[1:]] if os.path.isfile("/proc/stat") else None
+    busy = ticks and (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+    return busy, sum(os.times()[:4])
 
 
 def load_data():
@@ -135,8 +140,8 @@ def bench_loop(args):
     torch.set_num_threads(2)
     device = torch.device("cuda:0" if CUDA else "cpu")
     cfg, (data, vocab) = TrainConfig(), load_data()
-    rounds = 5
-    K = max(1, (args.steps or 100) // rounds)
+    rounds = max(2, (args.steps or 200) // 20)  # short rounds: a and b see the same machine
+    K = max(1, (args.steps or 200) // rounds)
     plain = build(cfg, vocab, device, torch.float32)
     opt = torch.optim.AdamW(adamw_groups(plain, cfg), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
     ours = make_ours(cfg, vocab, device, torch.float32, 0, 0, 1)
@@ -150,6 +155,7 @@ def bench_loop(args):
             done[w] += n
             ms[w] += [sum(t) / n] if r >= 0 else []
     a, b = (statistics.median(ms[w]) for w in "ab")
+    paired = statistics.median(mb / ma for ma, mb in zip(ms["a"], ms["b"]))  # round r of b over round r of a
     spread = {w: f"{min(ms[w]):.1f}-{max(ms[w]):.1f}" for w in "ab"}
 
     # (c) train.py itself: logs every step (loss.item(), zero-fraction count, a JSON line)
@@ -161,18 +167,20 @@ def bench_loop(args):
         ms_c = [r["ms"] for r in map(json.loads, open(os.path.join(tmp, "metrics.jsonl")))
                 if "ms" in r and r["iter"] >= 10]
         c, spread["c"] = statistics.median(ms_c), f"{min(ms_c):.1f}-{max(ms_c):.1f} (steps)"
-    pct = lambda x: f"{(x / a - 1) * 100:+.1f}%"
-    met = lambda x: "met" if x / a - 1 < 0.05 else "**missed**"
+    pct = lambda r: f"{(r - 1) * 100:+.1f}%"
+    met = lambda r: "met" if r - 1 < 0.05 else "**missed**"
     body = table(["path", "ms/step", "spread (round means)", "overhead vs (a)", "target < 5%"], [
         ["(a) plain PyTorch: forward, backward, clip_grad_norm_, AdamW", f"{a:.2f}", spread["a"], "-", "-"],
-        ["(b) our train path: ZeRO stage 0 (N=1) + GradScaler(1, fixed)", f"{b:.2f}", spread["b"], pct(b), met(b)],
-        ["(c) `train.py --max-iters 60 --eval-interval 1000 --log-interval 1`", f"{c:.2f}", spread["c"], pct(c),
-         met(c)]])
+        ["(b) our train path: ZeRO stage 0 (N=1) + GradScaler(1, fixed)", f"{b:.2f}", spread["b"], pct(paired),
+         met(paired)],
+        ["(c) `train.py --max-iters 60 --eval-interval 1000 --log-interval 1`", f"{c:.2f}", spread["c"], pct(c / a),
+         met(c / a)]])
     notes = (f"CPU demo model (4 layers, 4 heads, 128 wide, block 64, batch 12), fp32, one process, "
-             f"{torch.get_num_threads()} threads. (a) and (b): {K} steps per round after 5 warm-up steps, "
-             f"{rounds} alternating rounds, the median of the rounds' means; batches from get_batch on "
-             f"shakespeare_char. (c): median of metrics.jsonl's `ms` after the first 10 of 60 steps; it "
-             f"logs every step, so it also pays loss.item(), the gradient zero-fraction count and a print.")
+             f"{torch.get_num_threads()} threads. (a) and (b): {rounds} alternating rounds of {K} steps after 5 "
+             f"warm-up steps; ms/step is the median of the rounds' means, (b)'s overhead the median of the "
+             f"per-round ratios b/a; batches from get_batch on shakespeare_char. (c), a separate process run "
+             f"afterwards (so compared unpaired): the median of metrics.jsonl's `ms` after the first 10 of 60 "
+             f"steps; it logs every step, so it also pays loss.item(), the gradient zero-fraction count, a print.")
     return "the training loop's own overhead", body, notes
 
 
@@ -193,7 +201,7 @@ def _zero_worker(rank, ws, port, args, out_path):
         dtype = DTYPES[dname]
         slow = dtype != torch.float32 and not CUDA  # 16-bit matmuls crawl on CPUs: a few steps only
         rounds, warm = (3, 1) if slow else (5, 2)
-        per_round = 1 if slow else max(1, (args.steps or 30) // rounds)
+        per_round = 1 if slow else max(1, (args.steps or 60) // rounds)
         amp = None if dtype == torch.float32 else dtype
 
         def make(method):
@@ -228,9 +236,10 @@ def _zero_worker(rank, ws, port, args, out_path):
                 peaks = [None] * ws
                 dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(device) if CUDA else 0)
                 info[m] = dict(bytes=state(), traffic=traffic(), peaks=peaks)
-                del step, state, traffic
+                step = state = traffic = None
                 gc.collect()  # free this method's model before the next is built
-                torch.cuda.empty_cache() if CUDA else None
+                if CUDA:
+                    torch.cuda.empty_cache()
         psi = sum(p.numel() for p in build(cfg, vocab, "cpu", torch.float32).parameters())
         results.append(dict(dtype=dname, psi=psi, steps=f"{rounds} x {per_round} (+{warm} warm-up)",
                             ms={m: statistics.median(times[m]) for m in methods}, info=info))
@@ -267,8 +276,8 @@ def bench_zero(args):
             if target and not target[1]:
                 missed.append(f"{name} ({res['dtype']}): {target[0]}")
             autocast = m in ("ddp", "zro") and res["dtype"] != "fp32"
-            row = [name + (f" (autocast {res['dtype']})" if autocast else ""), res["dtype"], f"{ms[m]:.2f}", f"{rd:.2f}×", f"{rz:.2f}×",
-                   f"{info[m]['bytes']:,}", f"{int(formula[m]['total']):,}", tr,
+            row = [name + (f" (autocast {res['dtype']})" if autocast else ""), res["dtype"], f"{ms[m]:.2f}",
+                   f"{rd:.2f}×", f"{rz:.2f}×", f"{info[m]['bytes']:,}", f"{int(formula[m]['total']):,}", tr,
                    "-" if not target else f"{target[0]}: {'met' if target[1] else '**missed**'}"]
             if CUDA:
                 row.append(" / ".join(f"{p / 2**20:.1f}" for p in info[m]["peaks"]))
@@ -305,16 +314,13 @@ def bench_precision(args):
         base = base or tps
         rows.append([dname, n, f"{statistics.median(ms):.1f}", f"{tps:,.0f}", f"{tps / base:.2f}×",
                      f"{sum(s['skipped'] for s in stats)} / {scaler.get_scale():g}"])
-        del model, zero, scaler
     body = table(["dtype", "timed steps", "ms/step", "tokens/s", "vs fp32", "skipped steps / final scale"], rows)
     notes = (f"One process, ZeRO stage 0 + GradScaler (dynamic for fp16, a fixed 1.0 otherwise), {cfg.n_layer} "
-             f"layers, {cfg.n_embd} wide, block {cfg.block_size}, batch {cfg.batch_size}; "
-             f"median step time after 2 warm-up steps (skips counted over all steps). 16-bit runs hold "
-             f"16-bit weights and gradients and an fp32 master copy. "
-             + ("On a GPU bf16 must beat fp32 (tensor cores)." if CUDA else
-                "On this CPU 16-bit is far slower than fp32: it has no bf16/fp16 matrix units "
-                f"({torch.backends.cpu.get_cpu_capability()}), so 16-bit matmuls are emulated; hence only a "
-                "few 16-bit steps. On a GPU bf16 must beat fp32: rerun this section there."))
+             f"layers, {cfg.n_embd} wide, block {cfg.block_size}, batch {cfg.batch_size}; median step time after 2 "
+             f"warm-up steps. 16-bit runs hold 16-bit weights and gradients and an fp32 master copy. "
+             + ("On a GPU bf16 must beat fp32 (tensor cores)." if CUDA else "On this CPU 16-bit is far slower "
+                f"than fp32: no bf16/fp16 matrix units ({torch.backends.cpu.get_cpu_capability()}), 16-bit matmuls "
+                "are emulated; hence only a few 16-bit steps. On a GPU bf16 must beat fp32: rerun there."))
     return "tokens/s by precision", body, notes
 
 
@@ -332,7 +338,7 @@ def write_section(name, text, path=os.path.join(ROOT, "BENCHMARKS.md")):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False)
     p.add_argument("--only", choices=SECTIONS, action="append", help="run only this section (repeatable)")
-    p.add_argument("--steps", type=int, help="timed steps per method (defaults: loop 100, zero 30, precision 30)")
+    p.add_argument("--steps", type=int, help="timed steps per method (defaults: loop 200, zero 60, precision 30)")
     p.add_argument("--world-size", type=int, help="ranks for the zero section (default: GPUs, or 2 on CPU)")
     p.add_argument("--dtypes", default="fp32", help="comma list for the zero section: fp32,bf16,fp16")
     p.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
@@ -342,11 +348,15 @@ def main():
     args.dtypes = args.dtypes.split(",")
     command = " ".join(["python", "bench.py"] + [shlex.quote(a) for a in sys.argv[1:]])
     for name in args.only or SECTIONS:
-        t0, load0 = time.time(), loadavg()
+        t0, (all0, own0) = time.time(), cpu_seconds()
         title, body, notes = {"loop": bench_loop, "zero": bench_zero, "precision": bench_precision}[name](args)
-        text = (f"## {name}: {title}\n\n`{command}` on {machine()}, {time.strftime('%Y-%m-%d')}, "
-                f"{time.time() - t0:.0f} s, 1-minute load average {load0} before / {loadavg()} after"
-                f"\n\n{body}\n\n{notes}\n")
+        (all1, own1), wall = cpu_seconds(), time.time() - t0
+        # other processes' CPU use while we ran: timings on a shared machine are only as good as this
+        other = "?" if all0 is None else max(0.0, (all1 - all0) - (own1 - own0)) / (wall * os.cpu_count())
+        quiet = other == "?" or other < 0.05
+        text = (f"## {name}: {title}\n\n`{command}` on {machine()}, {time.strftime('%Y-%m-%d')}, {wall:.0f} s; "
+                f"other processes used {'?' if other == '?' else f'{other:.0%}'} of the CPUs meanwhile"
+                + ("" if quiet else " (**disturbed: rerun on a quiet machine**)") + f"\n\n{body}\n\n{notes}\n")
         print(text, flush=True)
         if not args.no_write:
             write_section(name, text)

@@ -94,16 +94,19 @@ class GradScaler:
         if not self._stage:
             self.found_inf = False  # the first optimizer of a new iteration
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        found = torch.zeros((), device=params[0].device if params else "cpu")
+        device = params[0].device if params else "cpu"
+        found = torch.zeros(1, device=device)
         # as torch: the reciprocal in fp64, rounded to fp32, then an fp32 multiply (bit for bit)
-        inv_scale = _fp32(1.0 / self._scale)
-        for g in (p.grad for p in params if p.grad is not None):
-            if g.dtype == torch.float16:  # 1/scale would underflow them again: unscale in fp32
-                raise ValueError("Attempting to unscale FP16 gradients: unscale fp32 master grads.")
-            # checked before the multiply, as torch: an inf/NaN stays one after it anyway
-            found = torch.maximum(found, g.isfinite().all().logical_not().float())
-            if inv_scale != 1.0:
-                g.mul_(inv_scale)
+        inv_scale = torch.full((1,), _fp32(1.0 / self._scale), device=device)
+        grads = [p.grad for p in params if p.grad is not None]
+        if any(g.dtype == torch.float16 for g in grads):  # 1/scale would underflow them again
+            raise ValueError("Attempting to unscale FP16 gradients: unscale fp32 master grads.")
+        # one fused pass over all gradients, the kernel torch's own scaler runs: for each g, set
+        # found if g holds an inf/NaN, then g *= inv_scale. Written as a Python loop it is
+        # g.isfinite().all() and g.mul_(inv_scale) per tensor: the same result, 15x slower on CPU
+        # and several kernel launches per tensor on a GPU.
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
         if dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)  # PITFALLS 2
         self._found[key] = bool(found.item())

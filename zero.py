@@ -284,7 +284,8 @@ class ZeRO:
         if self.stage == 0:
             # divide by N before the 16-bit sum: the sum of N gradients then stays within the
             # range of one, so an fp16 reduction cannot overflow half way (PITFALLS 4)
-            b.flat_grad.div_(N)
+            if N > 1:
+                b.flat_grad.div_(N)
             self.pending.append((all_reduce_grads(b.flat_grad, self.traffic, N, self.group), None))
         elif self.stage == 1:
             b.flat_grad.div_(N)
