@@ -44,7 +44,8 @@ if CUDA:  # as train.py: fp32 matmuls on TF32 tensor cores
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 SECTIONS = ("loop", "zero", "precision")
 METHODS = {"ddp": "DDP + AdamW", "zro": "DDP + ZeroRedundancyOptimizer(AdamW)",
-           "ours0": "ours, stage 0", "ours1": "ours, stage 1", "ours2": "ours, stage 2"}
+           "fsdp": "FSDP2 fully_shard per block + AdamW", "ours0": "ours, stage 0", "ours1": "ours, stage 1",
+           "ours2": "ours, stage 2", "ours3": "ours, stage 3", "ours3c": "ours, stage 3 + --grad-ckpt"}
 
 
 def machine():
@@ -111,8 +112,9 @@ def our_step(model, zero, scaler, cfg, data, it, rank, ws, device):
     return zero.step(get_lr(it, cfg), scaler, cfg.grad_clip)
 
 
-def make_ours(cfg, vocab, device, dtype, stage, rank, ws):
+def make_ours(cfg, vocab, device, dtype, stage, rank, ws, grad_ckpt=False):
     model = build(cfg, vocab, device, dtype)
+    model.grad_ckpt = grad_ckpt
     zero = ZeRO(model, stage, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
                 bucket_mb=cfg.bucket_mb, rank=rank, world_size=ws)
     scaler = GradScaler(dynamic=True) if dtype == torch.float16 else GradScaler(init_scale=1.0, dynamic=False)
@@ -207,11 +209,24 @@ def _zero_worker(rank, ws, port, args, out_path):
         def make(method):
             """-> (step(it), state bytes, traffic elements of the last step or None)"""
             if method.startswith("ours"):
-                model, zero, scaler = make_ours(cfg, vocab, device, dtype, int(method[-1]), rank, ws)
+                model, zero, scaler = make_ours(cfg, vocab, device, dtype, int(method[4]), rank, ws,
+                                                grad_ckpt=method.endswith("c"))
                 return (lambda it: our_step(model, zero, scaler, cfg, data, it, rank, ws, device),
                         lambda: zero.state_bytes()["total"],
                         lambda: sum(zero.traffic[k] for k in ("all_reduce", "reduce_scatter", "all_gather")))
             model = build(cfg, vocab, device, torch.float32)  # references: fp32 weights, autocast
+            if method == "fsdp":  # PyTorch's ZeRO-3: one unit per block, then the root (the tied head)
+                from torch.distributed.fsdp import fully_shard
+                for block in model.transformer.h:
+                    fully_shard(block)
+                fully_shard(model)
+                opt = torch.optim.AdamW(adamw_groups(model, cfg), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
+                local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # DTensor -> this rank's shard
+                return (lambda it: ref_step(model, opt, cfg, data, it, rank, ws, device, amp),
+                        lambda: nbytes([local(p) for p in model.parameters()] +
+                                       [local(p.grad) for p in model.parameters() if p.grad is not None] +
+                                       [local(s[k]) for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]),
+                        lambda: None)
             ddp = DDP(model, device_ids=[rank] if CUDA else None)
             kw = dict(lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
             opt = torch.optim.AdamW(adamw_groups(model, cfg), **kw) if method == "ddp" else \
@@ -225,7 +240,7 @@ def _zero_worker(rank, ws, port, args, out_path):
         methods = list(METHODS)
         times, info = {m: [] for m in methods}, {}
         for r in range(rounds):  # the order rotated, each method built fresh (its memory alone)
-            for m in methods[r % 5:] + methods[:r % 5]:
+            for m in methods[r % len(methods):] + methods[:r % len(methods)]:
                 step, state, traffic = make(m)
                 if CUDA:
                     torch.cuda.reset_peak_memory_stats(device)
@@ -265,14 +280,18 @@ def bench_zero(args):
         psi, dt, ms, info = res["psi"], DTYPES[res["dtype"]], res["ms"], res["info"]
         ref_dt = torch.float32  # the references keep fp32 weights (autocast computes in 16 bits)
         formula = {"ddp": zero_formula(psi, 0, ws, ref_dt), "zro": zero_formula(psi, 1, ws, ref_dt),
-                   **{f"ours{s}": zero_formula(psi, s, ws, dt) for s in range(3)}}
+                   "fsdp": zero_formula(psi, 3, ws, ref_dt), "ours3c": zero_formula(psi, 3, ws, dt),
+                   **{f"ours{s}": zero_formula(psi, s, ws, dt) for s in range(4)}}
         for m, name in METHODS.items():
             tr = info[m]["traffic"]
             tr = f"{tr:,} ({tr / psi:.3f}Ψ)" if tr is not None else \
-                (f"{2 * psi:,} (2Ψ, theory)" if m == "ddp" else f"{3 * psi:,} (3Ψ, theory)")
+                (f"{2 * psi:,} (2Ψ, theory)" if m == "ddp" else f"{3 * psi:,} (3Ψ, theory)")  # zro, fsdp
             rd, rz = ms[m] / ms["ddp"], ms[m] / ms["zro"]
+            rf, rc = ms[m] / ms["fsdp"], ms["ours3c"] / ms["ours3"]
             target = {"ours0": ("≤ 1.10× DDP", rd <= 1.10), "ours2": ("≤ 1.10× DDP", rd <= 1.10),
-                      "ours1": ("≤ 1.0× ZeRO-Opt", rz <= 1.0)}.get(m)
+                      "ours1": ("≤ 1.0× ZeRO-Opt", rz <= 1.0),
+                      "ours3": (f"≤ 1.0× FSDP2 ({rf:.2f}×)", rf <= 1.0),
+                      "ours3c": (f"≤ 1.35× stage 3 without ({rc:.2f}×)", rc <= 1.35)}.get(m)
             if target and not target[1]:
                 missed.append(f"{name} ({res['dtype']}): {target[0]}")
             autocast = m in ("ddp", "zro") and res["dtype"] != "fp32"
@@ -290,9 +309,10 @@ def bench_zero(args):
              f"bucket copies, another 4Ψ bytes by default, not counted); ZeRO-Opt: the same with its local "
              f"optimizer's moments. Traffic in elements, the ZeRO paper's way; ZeroRedundancyOptimizer = DDP's "
              f"all-reduce (2Ψ) + the owners' broadcasts (Ψ). Gloo runs a reduce-scatter as a whole all-reduce: "
-             f"stages 1-2 physically move 3Ψ there. "
+             f"stages 1-2 physically move 3Ψ there. FSDP2: `fully_shard` on each block, then on the model "
+             f"(its default reshard-after-forward); state bytes are the local shards of its DTensors. "
              + ("Targets missed: " + "; ".join(missed) + "." if missed else "All targets met."))
-    return f"ZeRO stages vs DDP and ZeroRedundancyOptimizer, N = {ws}", table(header, rows), notes
+    return f"ZeRO stages vs DDP, ZeroRedundancyOptimizer and FSDP2, N = {ws}", table(header, rows), notes
 
 
 def bench_precision(args):
