@@ -2,13 +2,17 @@
 Benchmarks (not tests): print markdown tables and write them into BENCHMARKS.md.
 
     python bench.py                          # every section, the CPU demo model
-    python bench.py --only zero --dtypes fp32,bf16 --steps 60
+    python bench.py --only zero --plot       # the matrix, and charts in figures/ (needs matplotlib)
+    python bench.py --only zero --dtypes fp32 --stages 2,3 --lora off --steps 60
     python bench.py --only loop --no-write   # print only
 
   loop       the training loop's own overhead: a plain PyTorch loop vs our train path (ZeRO
              stage 0 + GradScaler on one process) vs train.py itself; target < 5%
-  zero       N ranks (gloo on CPU, nccl on N GPUs): our stages 0-2 beside DDP + AdamW and
-             torch's ZeroRedundancyOptimizer: time, model-state bytes, traffic, the issue's targets
+  zero       what each technique costs and saves, on N ranks (gloo on CPU, nccl on N GPUs): our
+             stage x dtype x --grad-ckpt x LoRA (off / LoRA / QLoRA) beside DDP, torch's
+             ZeroRedundancyOptimizer and FSDP2: model-state bytes vs memory.py and the ZeRO paper,
+             activation bytes vs memory.py, traffic vs theory, time, tokens/s (MFU, peak GPU memory
+             on GPUs), the issues' speed targets. --plot: memory.png, traffic.png, loss.png
   precision  tokens/s of fp32, bf16 and fp16 through our ZeRO stage 0 + GradScaler
 
 Each section sits between <!-- bench:NAME --> and <!-- /bench:NAME --> in BENCHMARKS.md and is
@@ -17,6 +21,7 @@ compared paths are interleaved, so a noisy neighbour slows all of them alike.
 """
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import re
@@ -27,25 +32,25 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model import GPT, GPTConfig
+from lora import apply_lora, parse_targets, quantize_base
+from memory import estimate
+from model import GPT, GPTConfig, peak_flops_for
 from precision import DTYPES, GradScaler
-from train import TrainConfig, get_batch, get_lr, load_preset
-from zero import ZeRO, zero_formula
+from train import TrainConfig, get_batch, get_lr, load_preset, saved_activation_bytes
+from zero import ZeRO, traffic_formula, zero_formula
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CUDA = torch.cuda.is_available()
 if CUDA:  # as train.py: fp32 matmuls on TF32 tensor cores
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 SECTIONS = ("loop", "zero", "precision")
-METHODS = {"ddp": "DDP + AdamW", "zro": "DDP + ZeroRedundancyOptimizer(AdamW)",
-           "fsdp": "FSDP2 fully_shard per block + AdamW", "ours0": "ours, stage 0", "ours1": "ours, stage 1",
-           "ours2": "ours, stage 2", "ours3": "ours, stage 3", "ours3c": "ours, stage 3 + --grad-ckpt"}
 
 
 def machine():
@@ -88,12 +93,14 @@ def adamw_groups(model, cfg):
             {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def ref_step(model, opt, cfg, data, it, rank, ws, device, amp=None):
-    """The textbook step: forward, backward, clip_grad_norm_, AdamW (amp: an autocast dtype)."""
+def ref_step(model, opt, cfg, data, it, rank, ws, device, amp=None, act=None):
+    """The textbook step: forward, backward, clip_grad_norm_, AdamW (amp: an autocast dtype).
+    act: a list to add the forward's saved activation bytes to (a DDP-wrapped model)."""
     opt.zero_grad(set_to_none=True)  # at the start: the gradients stay countable after the step
     x, y = get_batch(data, cfg.seed, it, 0, rank, ws, cfg.batch_size, cfg.block_size, 1)
     x, y = x.to(device), y.to(device)
-    with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+    with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None), \
+            saved_activation_bytes(model.module, act) if act is not None else nullcontext():
         _, loss = model(x, y)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -102,19 +109,26 @@ def ref_step(model, opt, cfg, data, it, rank, ws, device, amp=None):
     opt.step()
 
 
-def our_step(model, zero, scaler, cfg, data, it, rank, ws, device):
-    """What train.py's loop does on a step it does not log."""
+def our_step(model, zero, scaler, cfg, data, it, rank, ws, device, act=None):
+    """What train.py's loop does on a step it does not log (act: as ref_step's)."""
     zero.traffic = {k: 0 for k in zero.traffic}
     x, y = get_batch(data, cfg.seed, it, 0, rank, ws, cfg.batch_size, cfg.block_size, 1)
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-    _, loss = model(x, y)
+    with saved_activation_bytes(model, act) if act is not None else nullcontext():
+        _, loss = model(x, y)
     zero.backward(scaler.scale(loss), sync=True)
     return zero.step(get_lr(it, cfg), scaler, cfg.grad_clip)
 
 
-def make_ours(cfg, vocab, device, dtype, stage, rank, ws, grad_ckpt=False):
+def make_ours(cfg, vocab, device, dtype, stage, rank, ws, grad_ckpt=False, lora="off"):
+    """train.py's set-up: the model in its dtype, adapters (lora: "lora", or "qlora" over an nf4
+    base) with train.py's defaults, then ZeRO and the scaler."""
     model = build(cfg, vocab, device, dtype)
     model.grad_ckpt = grad_ckpt
+    if lora != "off":
+        apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, parse_targets(cfg.lora_targets))
+        if lora == "qlora":
+            quantize_base(model, "nf4")
     zero = ZeRO(model, stage, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
                 bucket_mb=cfg.bucket_mb, rank=rank, world_size=ws)
     scaler = GradScaler(dynamic=True) if dtype == torch.float16 else GradScaler(init_scale=1.0, dynamic=False)
@@ -186,6 +200,33 @@ def bench_loop(args):
     return "the training loop's own overhead", body, notes
 
 
+# the matrix of the zero section: each of our configurations is (stage, --grad-ckpt, LoRA mode);
+# "qlora" is LoRA over an nf4 base (train.py's --lora --quantize nf4); r, alpha, targets: train.py's
+LORA_MODES = ("off", "lora", "qlora")
+REFS = {"ddp": "DDP + AdamW", "zro": "DDP + ZeroRedundancyOptimizer(AdamW)",
+        "fsdp": "FSDP2 fully_shard per block + AdamW"}
+REF_OF_STAGE = {0: "ddp", 1: "zro", 2: "ddp", 3: "fsdp"}  # whom each stage is measured against
+SHORT = {"ddp": "DDP", "zro": "ZeRO-Opt", "fsdp": "FSDP2"}
+
+
+def ours_key(stage, ckpt=False, lora="off"):
+    return f"s{stage}" + "+ckpt" * ckpt + ("" if lora == "off" else f"+{lora}")
+
+
+def parse_key(key):
+    """"s3+ckpt+qlora" -> (3, True, "qlora")"""
+    parts = key.split("+")
+    return int(parts[0][1]), "ckpt" in parts, next((p for p in parts if p in LORA_MODES), "off")
+
+
+def describe(key):
+    if key in REFS:
+        return REFS[key]
+    stage, ckpt, lora = parse_key(key)
+    return f"ours, ZeRO-{stage}" + " + grad-ckpt" * ckpt + {"off": "", "lora": " + LoRA",
+                                                             "qlora": " + QLoRA (nf4 base)"}[lora]
+
+
 def _zero_worker(rank, ws, port, args, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # N ranks share the cores
@@ -202,65 +243,128 @@ def _zero_worker(rank, ws, port, args, out_path):
     for dname in args.dtypes:
         dtype = DTYPES[dname]
         slow = dtype != torch.float32 and not CUDA  # 16-bit matmuls crawl on CPUs: a few steps only
-        rounds, warm = (3, 1) if slow else (5, 2)
+        rounds, warm = (2, 1) if slow else (5, 2)
         per_round = 1 if slow else max(1, (args.steps or 60) // rounds)
         amp = None if dtype == torch.float32 else dtype
 
-        def make(method):
-            """-> (step(it), state bytes, traffic elements of the last step or None)"""
-            if method.startswith("ours"):
-                model, zero, scaler = make_ours(cfg, vocab, device, dtype, int(method[4]), rank, ws,
-                                                grad_ckpt=method.endswith("c"))
-                return (lambda it: our_step(model, zero, scaler, cfg, data, it, rank, ws, device),
-                        lambda: zero.state_bytes()["total"],
+        def make(key):
+            """-> (step(it, act), {part: bytes}, traffic elements of the last step or None).
+            step(it, act) measures the saved activation bytes into act[0] when act is a list."""
+            if key not in REFS:
+                stage, ckpt, lora = parse_key(key)
+                model, zero, scaler = make_ours(cfg, vocab, device, dtype, stage, rank, ws, ckpt, lora)
+                return (lambda it, act=None: our_step(model, zero, scaler, cfg, data, it, rank, ws, device, act),
+                        lambda: {k: v for k, v in zero.state_bytes().items() if k != "total"},
                         lambda: sum(zero.traffic[k] for k in ("all_reduce", "reduce_scatter", "all_gather")))
             model = build(cfg, vocab, device, torch.float32)  # references: fp32 weights, autocast
-            if method == "fsdp":  # PyTorch's ZeRO-3: one unit per block, then the root (the tied head)
+            kw = dict(lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
+            if key == "fsdp":  # PyTorch's ZeRO-3: one unit per block, then the root (the tied head)
                 from torch.distributed.fsdp import fully_shard
                 for block in model.transformer.h:
                     fully_shard(block)
                 fully_shard(model)
-                opt = torch.optim.AdamW(adamw_groups(model, cfg), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
+                opt = torch.optim.AdamW(adamw_groups(model, cfg), **kw)
                 local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # DTensor -> this rank's shard
-                return (lambda it: ref_step(model, opt, cfg, data, it, rank, ws, device, amp),
-                        lambda: nbytes([local(p) for p in model.parameters()] +
-                                       [local(p.grad) for p in model.parameters() if p.grad is not None] +
-                                       [local(s[k]) for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]),
+                return (lambda it, act=None: ref_step(model, opt, cfg, data, it, rank, ws, device, amp),
+                        lambda: {"params": nbytes([local(p) for p in model.parameters()]),
+                                 "grads": nbytes([local(p.grad) for p in model.parameters() if p.grad is not None]),
+                                 "master": 0, "optimizer": nbytes([local(s[k]) for s in opt.state.values()
+                                                                   for k in ("exp_avg", "exp_avg_sq")])},
                         lambda: None)
             ddp = DDP(model, device_ids=[rank] if CUDA else None)
-            kw = dict(lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
-            opt = torch.optim.AdamW(adamw_groups(model, cfg), **kw) if method == "ddp" else \
+            opt = torch.optim.AdamW(adamw_groups(model, cfg), **kw) if key == "ddp" else \
                 ZeroRedundancyOptimizer(adamw_groups(model, cfg), optimizer_class=torch.optim.AdamW, **kw)
-            local = opt if method == "ddp" else opt.optim  # ZeroRedundancyOptimizer's own shard
-            return (lambda it: ref_step(ddp, opt, cfg, data, it, rank, ws, device, amp),
-                    lambda: nbytes(list(model.parameters()) + [p.grad for p in model.parameters()] +
-                                   [s[k] for s in local.state.values() for k in ("exp_avg", "exp_avg_sq")]),
+            local = opt if key == "ddp" else opt.optim  # ZeroRedundancyOptimizer's own shard
+            return (lambda it, act=None: ref_step(ddp, opt, cfg, data, it, rank, ws, device, amp, act),
+                    lambda: {"params": nbytes(model.parameters()), "grads": nbytes(p.grad for p in model.parameters()),
+                             "master": 0, "optimizer": nbytes([s[k] for s in local.state.values()
+                                                               for k in ("exp_avg", "exp_avg_sq")])},
                     lambda: None)
 
-        methods = list(METHODS)
-        times, info = {m: [] for m in methods}, {}
-        for r in range(rounds):  # the order rotated, each method built fresh (its memory alone)
-            for m in methods[r % len(methods):] + methods[:r % len(methods)]:
-                step, state, traffic = make(m)
+        keys = list(REFS) + [ours_key(s, c, l) for s in args.stages for l in args.lora for c in (False, True)]
+        times, info = {k: [] for k in keys}, {}
+        for r in range(rounds):  # the order rotated, each configuration built fresh (its memory alone)
+            for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+                step, state, traffic = make(key)
                 if CUDA:
                     torch.cuda.reset_peak_memory_stats(device)
-                for i in range(warm):
+                act = [0] if r == 0 else None
+                step(0, act if key != "fsdp" else None)  # the first warm-up step measures activations
+                for i in range(1, warm):
                     step(i)
                 dist.barrier()
-                times[m] += timed(lambda i: step(warm + r * per_round + i), per_round, device)
+                times[key] += timed(lambda i: step(warm + r * per_round + i), per_round, device)
                 peaks = [None] * ws
                 dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(device) if CUDA else 0)
-                info[m] = dict(bytes=state(), traffic=traffic(), peaks=peaks)
+                info.setdefault(key, {}).update(bytes=state(), traffic=traffic(), peaks=peaks)
+                if act is not None:
+                    info[key]["act"] = act[0] if key != "fsdp" else None
                 step = state = traffic = None
-                gc.collect()  # free this method's model before the next is built
+                gc.collect()  # free this configuration's model before the next is built
                 if CUDA:
                     torch.cuda.empty_cache()
         psi = sum(p.numel() for p in build(cfg, vocab, "cpu", torch.float32).parameters())
         results.append(dict(dtype=dname, psi=psi, steps=f"{rounds} x {per_round} (+{warm} warm-up)",
-                            ms={m: statistics.median(times[m]) for m in methods}, info=info))
+                            ms={k: statistics.median(times[k]) for k in keys}, info=info))
     if rank == 0:
         json.dump(results, open(out_path, "w"))
     dist.destroy_process_group()
+
+
+def zero_rows(results, ws, vocab):
+    """The zero section's table rows, with memory.py's estimate and the paper's formula beside
+    each measurement. Returns (rows, missed targets)."""
+    cfg = TrainConfig()
+    gpt = GPTConfig(block_size=cfg.block_size, vocab_size=vocab, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                    n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)
+    tokens, flops = ws * cfg.batch_size * cfg.block_size, GPT(gpt).flops_per_token() if CUDA else None
+    peak = peak_flops_for(torch.cuda.get_device_name(0)) if CUDA else None
+    mib = lambda b: f"{b / 2**20:.2f}"
+    rows, missed = [], []
+    for res in results:
+        psi, dname, ms, info = res["psi"], res["dtype"], res["ms"], res["info"]
+        for key in ms:
+            i, total = info[key], sum(info[key]["bytes"].values())
+            if key in REFS:  # fp32 weights, autocast: the paper's fp32 accounting; activations not estimated
+                stage, ckpt, lora, dt = {"ddp": 0, "zro": 1, "fsdp": 3}[key], False, "off", "fp32"
+                trainable, est = psi, None
+                theory = {"ddp": 2, "zro": 3, "fsdp": 3}[key] * psi  # ZeRO-Opt: DDP's all-reduce + broadcasts
+            else:
+                (stage, ckpt, lora), dt = parse_key(key), dname
+                est = estimate(gpt, ws, stage, dname, cfg.batch_size, cfg.block_size, ckpt,
+                               cfg.lora_rank if lora != "off" else 0, tuple(parse_targets(cfg.lora_targets)),
+                               "nf4" if lora == "qlora" else None, bucket_mb=cfg.bucket_mb)
+                trainable = est["trainable"]
+                theory = traffic_formula(trainable, stage, ws)
+            paper = int(zero_formula(trainable, stage, ws, DTYPES[dt])["total"]) if lora == "off" else None
+            # time: a plain stage against PyTorch's counterpart; a technique against its plain stage
+            if key in REFS:
+                vs = "-"
+            elif not ckpt and lora == "off":
+                vs = f"{ms[key] / ms[REF_OF_STAGE[stage]]:.2f}× {SHORT[REF_OF_STAGE[stage]]}"
+            else:
+                vs = f"{ms[key] / ms[ours_key(stage)]:.2f}× ZeRO-{stage}" if ours_key(stage) in ms else "-"
+            target = {"s0": ("≤ 1.10× DDP", ms[key] / ms["ddp"], 1.10), "s2": ("≤ 1.10× DDP", ms[key] / ms["ddp"], 1.10),
+                      "s1": ("≤ 1.0× ZeRO-Opt", ms[key] / ms["zro"], 1.0), "s3": ("≤ 1.0× FSDP2", ms[key] / ms["fsdp"], 1.0),
+                      "s3+ckpt": ("≤ 1.35× ZeRO-3", ms[key] / ms.get("s3", float("inf")), 1.35)}.get(key)
+            if target and target[1] > target[2]:
+                missed.append(f"{describe(key)} ({dname}): {target[0]}")
+            tr = i["traffic"]
+            row = [describe(key), dname, mib(total),
+                   "-" if est is None else ("exact" if est["state"]["total"] == total else
+                                            f"{est['state']['total'] - total:+,} B"),
+                   "-" if paper is None else mib(paper),
+                   "-" if i.get("act") is None else mib(i["act"]),
+                   "-" if est is None or i.get("act") is None else "exact" if est["activations"]["total"] == i["act"]
+                   else f"{(est['activations']['total'] - i['act']) / i['act']:+.1%}",
+                   f"{tr / trainable:.3f}Ψ" if tr is not None else "-", f"{theory / trainable:.0f}Ψ",
+                   f"{ms[key]:.1f}", f"{tokens / ms[key] * 1000:,.0f}", vs,
+                   "-" if not target else f"{target[0]}: {'met' if target[1] <= target[2] else '**missed**'}"]
+            if CUDA:
+                mfu = flops * tokens / ws / (ms[key] / 1000) / peak if peak else None
+                row += ["-" if mfu is None else f"{mfu:.1%}", " / ".join(f"{p / 2**20:.0f}" for p in i["peaks"])]
+            rows.append(row)
+    return rows, missed
 
 
 def bench_zero(args):
@@ -268,51 +372,35 @@ def bench_zero(args):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))  # port 0: the OS hands out a free one
         port = s.getsockname()[1]
-    load_data()  # prepare once, before the ranks race for it
+    _, vocab = load_data()  # prepare once, before the ranks race for it
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "zero.json")
         mp.start_processes(_zero_worker, args=(ws, port, args, out), nprocs=ws, join=True, start_method="spawn")
         results = json.load(open(out))
-    header = ["method", "dtype", "ms/step", "vs DDP", "vs ZeRO-Opt", "state bytes/rank (measured)",
-              "formula", "traffic elements/step", "target"] + (["max GPU MiB per rank"] if CUDA else [])
-    rows, missed = [], []
-    for res in results:
-        psi, dt, ms, info = res["psi"], DTYPES[res["dtype"]], res["ms"], res["info"]
-        ref_dt = torch.float32  # the references keep fp32 weights (autocast computes in 16 bits)
-        formula = {"ddp": zero_formula(psi, 0, ws, ref_dt), "zro": zero_formula(psi, 1, ws, ref_dt),
-                   "fsdp": zero_formula(psi, 3, ws, ref_dt), "ours3c": zero_formula(psi, 3, ws, dt),
-                   **{f"ours{s}": zero_formula(psi, s, ws, dt) for s in range(4)}}
-        for m, name in METHODS.items():
-            tr = info[m]["traffic"]
-            tr = f"{tr:,} ({tr / psi:.3f}Ψ)" if tr is not None else \
-                (f"{2 * psi:,} (2Ψ, theory)" if m == "ddp" else f"{3 * psi:,} (3Ψ, theory)")  # zro, fsdp
-            rd, rz = ms[m] / ms["ddp"], ms[m] / ms["zro"]
-            rf, rc = ms[m] / ms["fsdp"], ms["ours3c"] / ms["ours3"]
-            target = {"ours0": ("≤ 1.10× DDP", rd <= 1.10), "ours2": ("≤ 1.10× DDP", rd <= 1.10),
-                      "ours1": ("≤ 1.0× ZeRO-Opt", rz <= 1.0),
-                      "ours3": (f"≤ 1.0× FSDP2 ({rf:.2f}×)", rf <= 1.0),
-                      "ours3c": (f"≤ 1.35× stage 3 without ({rc:.2f}×)", rc <= 1.35)}.get(m)
-            if target and not target[1]:
-                missed.append(f"{name} ({res['dtype']}): {target[0]}")
-            autocast = m in ("ddp", "zro") and res["dtype"] != "fp32"
-            row = [name + (f" (autocast {res['dtype']})" if autocast else ""), res["dtype"], f"{ms[m]:.2f}",
-                   f"{rd:.2f}×", f"{rz:.2f}×", f"{info[m]['bytes']:,}", f"{int(formula[m]['total']):,}", tr,
-                   "-" if not target else f"{target[0]}: {'met' if target[1] else '**missed**'}"]
-            if CUDA:
-                row.append(" / ".join(f"{p / 2**20:.1f}" for p in info[m]["peaks"]))
-            rows.append(row)
+    header = ["configuration", "dtype", "model state MiB/rank", "memory.py", "paper", "activations MiB",
+              "memory.py", "traffic/step", "theory", "ms/step", "tokens/s", "time vs", "target"] + \
+        (["MFU", "max GPU MiB per rank"] if CUDA else [])
+    rows, missed = zero_rows(results, ws, vocab)
     steps = ", ".join(f"{r['dtype']} {r['steps']}" for r in results)
+    cfg = TrainConfig()
     notes = (f"World size {ws} ({'nccl, one GPU per rank' if CUDA else 'gloo, 1 thread per rank'}), CPU demo "
-             f"model, 12 x 64 tokens per rank, the same batches for every method. ms/step: median per-step time "
-             f"on rank 0 (rounds x steps: {steps}; methods rebuilt each round, order rotated). State bytes: "
-             f"ours `zero.state_bytes()`; DDP: parameters + .grad + Adam moments summed by hand (its gradient "
-             f"bucket copies, another 4Ψ bytes by default, not counted); ZeRO-Opt: the same with its local "
-             f"optimizer's moments. Traffic in elements, the ZeRO paper's way; ZeroRedundancyOptimizer = DDP's "
-             f"all-reduce (2Ψ) + the owners' broadcasts (Ψ). Gloo runs a reduce-scatter as a whole all-reduce: "
-             f"stages 1-2 physically move 3Ψ there. FSDP2: `fully_shard` on each block, then on the model "
-             f"(its default reshard-after-forward); state bytes are the local shards of its DTensors. "
-             + ("Targets missed: " + "; ".join(missed) + "." if missed else "All targets met."))
-    return f"ZeRO stages vs DDP, ZeroRedundancyOptimizer and FSDP2, N = {ws}", table(header, rows), notes
+             f"model (Ψ = {results[0]['psi']:,}), {cfg.batch_size} x {cfg.block_size} tokens per rank, the same "
+             f"batches for every configuration. LoRA: r={cfg.lora_rank} on {cfg.lora_targets} (train.py's "
+             f"defaults); QLoRA: the same over an nf4 base. Model state: ours `ZeRO.state_bytes()` (weights incl. "
+             f"a frozen or quantized base, gradients, fp32 master, Adam moments) after the steps; `memory.py`: "
+             f"its estimate's difference (`exact` = to the byte); paper: the ZeRO paper's (2+2+12)Ψ or "
+             f"(4+4+8)Ψ per its stage, Ψ trainable, for plain stages. References keep fp32 weights under autocast; "
+             f"their bytes are parameters + .grad + Adam moments summed by hand (DDP's gradient buckets, another "
+             f"4Ψ, not counted; FSDP2: its DTensors' local shards). Activations: bytes autograd saves in one "
+             f"micro-step (train.py's `saved_activation_bytes`), beside memory.py's Korthikanti-style estimate. "
+             f"Traffic: elements each rank sends per step as the ZeRO paper counts, in units of the trainable Ψ "
+             f"(references: theory only; ZeRO-Opt = DDP's all-reduce 2Ψ + the owners' broadcasts Ψ); gloo runs "
+             f"a reduce-scatter as a whole all-reduce, so stages 1-2 physically move 3Ψ there. ms/step: median "
+             f"per-step time on rank 0 (rounds x steps: {steps}; configurations rebuilt each round, order "
+             f"rotated); `time vs`: a plain stage against its PyTorch counterpart, a technique against its plain "
+             f"stage. " + ("Targets missed: " + "; ".join(missed) + "." if missed else "All targets met."))
+    title = f"what each technique costs and saves: stage x dtype x grad-ckpt x LoRA, N = {ws}"
+    return title, table(header, rows), notes, dict(results=results, ws=ws)
 
 
 def bench_precision(args):
@@ -344,6 +432,97 @@ def bench_precision(args):
     return "tokens/s by precision", body, notes
 
 
+# -- --plot: charts for the README (matplotlib, an optional dependency) ------------------------
+
+PARTS = (("params", "weights"), ("grads", "gradients"), ("master", "fp32 master"), ("optimizer", "Adam moments"),
+         ("act", "activations (one micro-step)"))
+LADDER = ["ddp", "s0", "s1", "s2", "s3", "s3+ckpt", "s3+ckpt+lora", "s3+ckpt+qlora"]  # memory.py --advise's order
+
+
+def loss_curves(args, ws, dtype, tmp):
+    """{label: metrics.jsonl rows}: the --runs folders, or short train.py runs of every stage on ws
+    ranks (the same seed and batches: ZeRO changes nothing, so the curves lie on one another)."""
+    if args.runs:
+        return {os.path.basename(os.path.normpath(d)): [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl"))]
+                for d in args.runs}
+    curves = {}
+    for stage in args.stages:
+        out = os.path.join(tmp, f"zero{stage}")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ws}", "train.py",
+               "--zero", str(stage), "--dtype", dtype, "--max-iters", str(args.curve_iters), "--log-interval", "5",
+               "--eval-interval", str(max(1, args.curve_iters // 4)), "--eval-iters", "20", "--out-dir", out]
+        print(" ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+        curves[f"ZeRO-{stage}, {dtype}, N={ws}"] = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
+    return curves
+
+
+def plot(zero, curves, folder):
+    """memory.png (stacked bytes per rank, per dtype), traffic.png, loss.png; returns the paths."""
+    import matplotlib
+    matplotlib.use("Agg")  # files, no window
+    import matplotlib.pyplot as plt
+    os.makedirs(folder, exist_ok=True)
+    results, ws, paths = zero["results"], zero["ws"], []
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.8), squeeze=False)
+    for ax, res in zip(axes[0], results):
+        keys = [k for k in LADDER if k in res["info"]]
+        bottom = np.zeros(len(keys))
+        for part, label in PARTS:
+            mib = np.array([(res["info"][k]["bytes"].get(part) if part != "act" else res["info"][k].get("act") or 0)
+                            / 2**20 for k in keys])
+            ax.bar(range(len(keys)), mib, bottom=bottom, label=label)
+            bottom += mib
+        for x, top in enumerate(bottom):
+            ax.text(x, top, f"{top:.1f}", ha="center", va="bottom", fontsize=8)
+        names = {"ddp": "DDP\n(fp32 +\nautocast)" if res["dtype"] != "fp32" else "DDP", "ckpt": "ckpt",
+                 "lora": "LoRA", "qlora": "QLoRA"}
+        ax.set_xticks(range(len(keys)), [names["ddp"] if k == "ddp" else "\n+ ".join(
+            [f"ZeRO-{k[1]}"] + [names[p] for p in k.split("+")[1:]]) for k in keys], fontsize=8)
+        ax.set_ylabel("MiB per rank")
+        ax.set_title(f"{res['dtype']}, N={ws}, Ψ={res['psi']:,}")
+        ax.legend(fontsize=8)
+    fig.suptitle("Memory per rank, measured\n(each ZeRO stage, then activation checkpointing, LoRA, QLoRA)")
+    fig.tight_layout()
+    paths.append(os.path.join(folder, "memory.png"))
+    fig.savefig(paths[-1], dpi=110)
+
+    res = results[0]
+    keys = [k for k in ("s0", "s1", "s2", "s3") if k in res["info"]]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    measured = [res["info"][k]["traffic"] / res["psi"] for k in keys]
+    theory = [traffic_formula(res["psi"], int(k[1]), ws) / res["psi"] for k in keys]
+    ax.bar(np.arange(len(keys)) - 0.2, measured, 0.4, label="measured (our collectives)")
+    ax.bar(np.arange(len(keys)) + 0.2, theory, 0.4, label="ZeRO paper")
+    ax.set_xticks(range(len(keys)), [f"ZeRO-{k[1]}" for k in keys])
+    ax.set_ylabel("elements sent per rank per step / Ψ")
+    ax.set_title(f"Communication per step, {res['dtype']}, N={ws}")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(os.path.join(folder, "traffic.png"))
+    fig.savefig(paths[-1], dpi=110)
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for n, (label, rows) in enumerate(curves.items()):
+        steps = [(r["iter"], r["loss"]) for r in rows if r.get("loss") is not None]
+        evals = [(r["iter"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+        # curves that coincide (the stages do the same math) stay visible: each later one thinner
+        line, = ax.plot(*zip(*steps), label=f"{label}: train", linewidth=max(0.6, 3.5 - 0.9 * n))
+        if evals:
+            ax.plot(*zip(*evals), "o--", color=line.get_color(), label=f"{label}: val", markersize=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("Loss curves from metrics.jsonl" + (" (ZeRO stages: the same math, one curve)"
+                                                    if all(k.startswith("ZeRO-") for k in curves) else ""))
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(folder, "loss.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close("all")
+    return paths
+
+
 def write_section(name, text, path=os.path.join(ROOT, "BENCHMARKS.md")):
     block = f"<!-- bench:{name} -->\n{text}\n<!-- /bench:{name} -->"
     old = open(path).read() if os.path.isfile(path) else (
@@ -360,16 +539,38 @@ def main():
     p.add_argument("--only", choices=SECTIONS, action="append", help="run only this section (repeatable)")
     p.add_argument("--steps", type=int, help="timed steps per method (defaults: loop 200, zero 60, precision 30)")
     p.add_argument("--world-size", type=int, help="ranks for the zero section (default: GPUs, or 2 on CPU)")
-    p.add_argument("--dtypes", default="fp32", help="comma list for the zero section: fp32,bf16,fp16")
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma list for the zero section: fp32,bf16,fp16")
+    p.add_argument("--stages", default="0,1,2,3", help="comma list of ZeRO stages for the zero section")
+    p.add_argument("--lora", default=",".join(LORA_MODES), help="comma list for the zero section: off,lora,qlora")
+    p.add_argument("--plot", action="store_true", help="also draw PNG charts (needs matplotlib; runs the zero section)")
+    p.add_argument("--plot-dir", default="figures", help="where --plot writes memory.png, traffic.png, loss.png")
+    p.add_argument("--runs", nargs="+", metavar="OUT_DIR", help="--plot: loss curves of these runs' metrics.jsonl "
+                   "(default: a short train.py run per stage)")
+    p.add_argument("--curve-iters", type=int, default=300, help="--plot: steps of each stage's loss-curve run")
     p.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
     args = p.parse_args()
-    if any(d not in DTYPES for d in args.dtypes.split(",")):
-        p.error(f"--dtypes {args.dtypes}: use fp32, bf16, fp16")
-    args.dtypes = args.dtypes.split(",")
+    lists = {"dtypes": (args.dtypes, tuple(DTYPES)), "stages": (args.stages, ("0", "1", "2", "3")),
+             "lora": (args.lora, LORA_MODES)}
+    for name, (value, allowed) in lists.items():
+        items = value.split(",")
+        if not items or any(v not in allowed for v in items):
+            p.error(f"--{name} {value}: a comma list of {', '.join(allowed)}")
+        setattr(args, name, [int(v) for v in items] if name == "stages" else items)
+    if args.plot:
+        if args.only and "zero" not in args.only:
+            p.error("--plot charts the zero section: add --only zero")
+        missing = [d for d in args.runs or [] if not os.path.isfile(os.path.join(d, "metrics.jsonl"))]
+        if missing:
+            p.error(f"--runs: no metrics.jsonl in {', '.join(missing)}")
+        if importlib.util.find_spec("matplotlib") is None:  # before the long runs, not after them
+            sys.exit("bench.py: error: --plot draws with matplotlib, an optional dependency: "
+                     ".venv/bin/pip install matplotlib (or run without --plot)")
     command = " ".join(["python", "bench.py"] + [shlex.quote(a) for a in sys.argv[1:]])
+    data = {}
     for name in args.only or SECTIONS:
         t0, (all0, own0) = time.time(), cpu_seconds()
-        title, body, notes = {"loop": bench_loop, "zero": bench_zero, "precision": bench_precision}[name](args)
+        title, body, notes, *raw = {"loop": bench_loop, "zero": bench_zero, "precision": bench_precision}[name](args)
+        data[name] = raw[0] if raw else None
         (all1, own1), wall = cpu_seconds(), time.time() - t0
         # other processes' CPU use while we ran: timings on a shared machine are only as good as this
         other = "?" if all0 is None else max(0.0, (all1 - all0) - (own1 - own0)) / (wall * os.cpu_count())
@@ -380,6 +581,11 @@ def main():
         print(text, flush=True)
         if not args.no_write:
             write_section(name, text)
+    if args.plot:
+        with tempfile.TemporaryDirectory() as tmp:
+            curves = loss_curves(args, data["zero"]["ws"], args.dtypes[0], tmp)
+        for path in plot(data["zero"], curves, os.path.join(ROOT, args.plot_dir)):
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

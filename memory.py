@@ -381,8 +381,7 @@ def main(argv=None):
     table([["weights", fmt(st["params"]), "working weights (+ the frozen base)"],
            ["gradients", fmt(st["grads"]), ""], ["fp32 master weights", fmt(st["master"]), "16-bit only"],
            ["Adam moments", fmt(st["optimizer"]), "fp32 exp_avg, exp_avg_sq"],
-           ["model state", fmt(st["total"]), "= ZeRO.state_bytes() at start-up"
-            + " + lora.quantized_bytes()" * bool(a.quantize)],
+           ["model state", fmt(st["total"]), "= ZeRO.state_bytes() at start-up"],
            ["activations", fmt(act["total"]), f"{cfg.n_layer} layers x {fmt(act['per_layer'])} + the rest, below"],
            ["ZeRO-3 gathered units", fmt(e["gathered"]), "root + a block (+ the prefetched one)"],
            ["step: fp32 grad slice", fmt(e["step"]), "in the optimizer step, activations freed"],

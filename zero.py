@@ -158,6 +158,9 @@ class ZeRO:
         if not named:
             raise ValueError("the model has no trainable parameters")
         self.frozen = [p for p in model.parameters() if not p.requires_grad]
+        # a quantized frozen base (QLoRA) lives in buffers: codes and scales, model state too
+        self.frozen += [b for m in model.modules() for n, b in m._buffers.items()
+                        if b is not None and n not in m._non_persistent_buffers_set]
         self.dtype, device = named[0][1].dtype, named[0][1].device
         self.psi = sum(p.numel() for _, p in named)  # Ψ, each weight counted once
 
@@ -408,7 +411,8 @@ class ZeRO:
     # -- measurement -------------------------------------------------------------------------
 
     def state_bytes(self):
-        """Model-state bytes this rank holds, by summing the tensors actually allocated.
+        """Model-state bytes this rank holds, by summing the tensors actually allocated; "params"
+        includes the frozen weights (LoRA's base, quantized or not) that stay whole on every rank.
         Adam's scalar step counters (4 bytes each) are left out."""
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
         master = [] if self.dtype == torch.float32 else self.master_pieces
