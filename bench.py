@@ -14,6 +14,8 @@ Benchmarks (not tests): print markdown tables and write them into BENCHMARKS.md.
              activation bytes vs memory.py, traffic vs theory, time, tokens/s (MFU, peak GPU memory
              on GPUs), the issues' speed targets. --plot: memory.png, traffic.png, loss.png
   precision  tokens/s of fp32, bf16 and fp16 through our ZeRO stage 0 + GradScaler
+  quality    (only with --only quality) nanoGPT's CPU recipe over --seeds: train.py's final val
+             loss beside a plain nanoGPT-style loop's, on the same 200 validation batches
 
 Each section sits between <!-- bench:NAME --> and <!-- /bench:NAME --> in BENCHMARKS.md and is
 replaced by its next run, so sections run separately coexist. Timings are medians: rounds of the
@@ -21,6 +23,7 @@ compared paths are interleaved, so a noisy neighbour slows all of them alike.
 """
 import argparse
 import gc
+import math
 import importlib.util
 import json
 import os
@@ -50,7 +53,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 CUDA = torch.cuda.is_available()
 if CUDA:  # as train.py: fp32 matmuls on TF32 tensor cores
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-SECTIONS = ("loop", "zero", "precision")
+SECTIONS = ("loop", "zero", "precision", "quality")  # quality: --only quality, ~3 min a seed
 
 
 def machine():
@@ -293,7 +296,7 @@ def _zero_worker(rank, ws, port, args, out_path):
                 for i in range(1, warm):
                     step(i)
                 dist.barrier()
-                times[key] += timed(lambda i: step(warm + r * per_round + i), per_round, device)
+                times[key].append(timed(lambda i: step(warm + r * per_round + i), per_round, device))
                 peaks = [None] * ws
                 dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(device) if CUDA else 0)
                 info.setdefault(key, {}).update(bytes=state(), traffic=traffic(), peaks=peaks)
@@ -305,7 +308,8 @@ def _zero_worker(rank, ws, port, args, out_path):
                     torch.cuda.empty_cache()
         psi = sum(p.numel() for p in build(cfg, vocab, "cpu", torch.float32).parameters())
         results.append(dict(dtype=dname, psi=psi, steps=f"{rounds} x {per_round} (+{warm} warm-up)",
-                            ms={k: statistics.median(times[k]) for k in keys}, info=info))
+                            ms={k: statistics.median(sum(times[k], [])) for k in keys},
+                            rounds={k: [statistics.median(t) for t in times[k]] for k in keys}, info=info))
     if rank == 0:
         json.dump(results, open(out_path, "w"))
     dist.destroy_process_group()
@@ -320,9 +324,16 @@ def zero_rows(results, ws, vocab):
     tokens, flops = ws * cfg.batch_size * cfg.block_size, GPT(gpt).flops_per_token() if CUDA else None
     peak = peak_flops_for(torch.cuda.get_device_name(0)) if CUDA else None
     mib = lambda b: f"{b / 2**20:.2f}"
+    # an estimate beside a measurement: "exact" to the byte, a few bytes off, or a percentage
+    diff = lambda est, got: "exact" if est == got else f"{est - got:+,} B" if abs(est - got) < 1e-3 * got \
+        else f"{(est - got) / got:+.1%}"
     rows, missed = [], []
     for res in results:
         psi, dname, ms, info = res["psi"], res["dtype"], res["ms"], res["info"]
+        # a time ratio is paired by round (a and b measured minutes apart on a shared machine
+        # would compare the machine's moods): the median over rounds of round(a) / round(b)
+        ratio = lambda a, b: statistics.median(x / y for x, y in zip(res["rounds"][a], res["rounds"][b])) \
+            if b in ms else float("inf")
         for key in ms:
             i, total = info[key], sum(info[key]["bytes"].values())
             if key in REFS:  # fp32 weights, autocast: the paper's fp32 accounting; activations not estimated
@@ -341,22 +352,21 @@ def zero_rows(results, ws, vocab):
             if key in REFS:
                 vs = "-"
             elif not ckpt and lora == "off":
-                vs = f"{ms[key] / ms[REF_OF_STAGE[stage]]:.2f}× {SHORT[REF_OF_STAGE[stage]]}"
+                vs = f"{ratio(key, REF_OF_STAGE[stage]):.2f}× {SHORT[REF_OF_STAGE[stage]]}"
             else:
-                vs = f"{ms[key] / ms[ours_key(stage)]:.2f}× ZeRO-{stage}" if ours_key(stage) in ms else "-"
-            target = {"s0": ("≤ 1.10× DDP", ms[key] / ms["ddp"], 1.10), "s2": ("≤ 1.10× DDP", ms[key] / ms["ddp"], 1.10),
-                      "s1": ("≤ 1.0× ZeRO-Opt", ms[key] / ms["zro"], 1.0), "s3": ("≤ 1.0× FSDP2", ms[key] / ms["fsdp"], 1.0),
-                      "s3+ckpt": ("≤ 1.35× ZeRO-3", ms[key] / ms.get("s3", float("inf")), 1.35)}.get(key)
+                vs = f"{ratio(key, ours_key(stage)):.2f}× ZeRO-{stage}" if ours_key(stage) in ms else "-"
+            target = {"s0": ("≤ 1.10× DDP", "ddp", 1.10), "s2": ("≤ 1.10× DDP", "ddp", 1.10),
+                      "s1": ("≤ 1.0× ZeRO-Opt", "zro", 1.0), "s3": ("≤ 1.0× FSDP2", "fsdp", 1.0),
+                      "s3+ckpt": ("≤ 1.35× ZeRO-3", "s3", 1.35)}.get(key)
+            target = target and (target[0], ratio(key, target[1]), target[2])
             if target and target[1] > target[2]:
                 missed.append(f"{describe(key)} ({dname}): {target[0]}")
             tr = i["traffic"]
             row = [describe(key), dname, mib(total),
-                   "-" if est is None else ("exact" if est["state"]["total"] == total else
-                                            f"{est['state']['total'] - total:+,} B"),
+                   "-" if est is None else diff(est["state"]["total"], total),
                    "-" if paper is None else mib(paper),
                    "-" if i.get("act") is None else mib(i["act"]),
-                   "-" if est is None or i.get("act") is None else "exact" if est["activations"]["total"] == i["act"]
-                   else f"{(est['activations']['total'] - i['act']) / i['act']:+.1%}",
+                   "-" if est is None or i.get("act") is None else diff(est["activations"]["total"], i["act"]),
                    f"{tr / trainable:.3f}Ψ" if tr is not None else "-", f"{theory / trainable:.0f}Ψ",
                    f"{ms[key]:.1f}", f"{tokens / ms[key] * 1000:,.0f}", vs,
                    "-" if not target else f"{target[0]}: {'met' if target[1] <= target[2] else '**missed**'}"]
@@ -398,7 +408,7 @@ def bench_zero(args):
              f"a reduce-scatter as a whole all-reduce, so stages 1-2 physically move 3Ψ there. ms/step: median "
              f"per-step time on rank 0 (rounds x steps: {steps}; configurations rebuilt each round, order "
              f"rotated); `time vs`: a plain stage against its PyTorch counterpart, a technique against its plain "
-             f"stage. " + ("Targets missed: " + "; ".join(missed) + "." if missed else "All targets met."))
+             f"stage, each the median over rounds of the two configurations' ratio in that round. " + ("Targets missed: " + "; ".join(missed) + "." if missed else "All targets met."))
     title = f"what each technique costs and saves: stage x dtype x grad-ckpt x LoRA, N = {ws}"
     return title, table(header, rows), notes, dict(results=results, ws=ws)
 
@@ -430,6 +440,71 @@ def bench_precision(args):
                 f"than fp32: no bf16/fp16 matrix units ({torch.backends.cpu.get_cpu_capability()}), 16-bit matmuls "
                 "are emulated; hence only a few 16-bit steps. On a GPU bf16 must beat fp32: rerun there."))
     return "tokens/s by precision", body, notes
+
+
+def bench_quality(args):
+    """nanoGPT's CPU recipe, train.py against a plain loop written the way nanoGPT's is (global
+    RNG: the model from torch.manual_seed(seed), then random batch offsets), over several seeds;
+    every final model scored on the same 200 validation batches."""
+    torch.set_num_threads(2)
+    from data.prepare import load_meta
+    folder = os.path.join(ROOT, "data", args.dataset)
+    if not os.path.isfile(os.path.join(folder, "val.bin")):
+        sys.exit(f"bench.py: error: no prepared data in {folder}: run python data/prepare.py first")
+    train = np.memmap(os.path.join(folder, "train.bin"), dtype=np.uint16, mode="r")
+    val = np.memmap(os.path.join(folder, "val.bin"), dtype=np.uint16, mode="r")
+    vocab = load_meta(folder)["vocab_size"]
+    rows, finals = [], {"train.py": [], "plain": []}
+    for seed in args.seeds:
+        cfg = TrainConfig(**{**load_preset("config/shakespeare_char_cpu.py"), "seed": seed, "eval_iters": 200})
+        with tempfile.TemporaryDirectory() as tmp:  # (a) train.py itself
+            env = dict(os.environ, OMP_NUM_THREADS="2")
+            subprocess.run([sys.executable, "train.py", "--config", "config/shakespeare_char_cpu.py", "--dataset",
+                            args.dataset, "--seed", str(seed), "--eval-iters", "200", "--eval-interval",
+                            str(cfg.max_iters), "--out-dir", tmp], cwd=ROOT, env=env, check=True, capture_output=True)
+            log = [json.loads(l) for l in open(os.path.join(tmp, "metrics.jsonl"))]
+        a_val = [r["val_loss"] for r in log if r.get("val_loss") is not None][-1]
+        a_ms = statistics.median(r["ms"] for r in log if "ms" in r and r["iter"] >= 10)
+        # (b) the plain loop: torch AdamW, clip_grad_norm_, nanoGPT's schedule and sampling
+        torch.manual_seed(seed)
+        model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=vocab, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                              n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias))
+        opt = torch.optim.AdamW(adamw_groups(model, cfg), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
+        ms = []
+        for it in range(cfg.max_iters):
+            t0 = time.perf_counter()
+            ix = torch.randint(len(train) - cfg.block_size, (cfg.batch_size,))
+            xy = torch.from_numpy(np.stack([train[i:i + cfg.block_size + 1] for i in ix]).astype(np.int64))
+            _, loss = model(xy[:, :-1], xy[:, 1:])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            for g in opt.param_groups:
+                g["lr"] = get_lr(it, cfg)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            ms.append((time.perf_counter() - t0) * 1000)
+        model.eval()
+        with torch.no_grad():  # estimate_loss's 200 val batches, one loss each
+            losses = [model(*get_batch(val, cfg.seed + 7919 * 2, k, 0, 0, 1, cfg.batch_size, cfg.block_size, 1))[1]
+                      .item() for k in range(cfg.eval_iters)]
+        b_val, se20 = statistics.mean(losses), statistics.stdev(losses) / math.sqrt(20)
+        finals["train.py"].append(a_val)
+        finals["plain"].append(b_val)
+        rows.append([seed, f"{a_val:.4f}", f"{a_ms:.1f}", f"{b_val:.4f}", f"{statistics.median(ms[10:]):.1f}",
+                     f"±{se20:.3f}"])
+        print(f"seed {seed}: train.py {a_val:.4f}, plain {b_val:.4f}", flush=True)
+    mean = lambda xs: f"{statistics.mean(xs):.4f}" + (f" ± {statistics.stdev(xs):.4f}" if len(xs) > 1 else "")
+    rows.append(["mean ± sd", mean(finals["train.py"]), "", mean(finals["plain"]), "", ""])
+    body = table(["seed", "train.py: val loss", "ms/step", "plain nanoGPT-style loop: val loss", "ms/step",
+                  "sd of a 20-batch estimate"], rows)
+    notes = (f"`config/shakespeare_char_cpu.py` (nanoGPT's CPU recipe: 4 layers, 4 heads, 128 wide, block 64, "
+             f"batch 12, 2000 steps, LR 1e-3 decayed to 1e-4 over 2000, dropout 0, fp32) on `{args.dataset}`, one "
+             f"process, 2 threads. Both columns score the final model on the same 200 validation batches "
+             f"(train.py's estimate_loss with --eval-iters 200). The plain loop differs from train.py in "
+             f"everything but the model: torch's AdamW and clip_grad_norm_, the global RNG for init and batches "
+             f"as nanoGPT does. Last column: the standard deviation of the mean of 20 of those batches, i.e. how "
+             f"far a 20-batch estimate such as nanoGPT's `--eval_iters=20` scatters around the true value.")
+    return "nanoGPT's CPU recipe: train.py vs a plain loop, by seed", body, notes
 
 
 # -- --plot: charts for the README (matplotlib, an optional dependency) ------------------------
@@ -547,6 +622,8 @@ def main():
     p.add_argument("--runs", nargs="+", metavar="OUT_DIR", help="--plot: loss curves of these runs' metrics.jsonl "
                    "(default: a short train.py run per stage)")
     p.add_argument("--curve-iters", type=int, default=300, help="--plot: steps of each stage's loss-curve run")
+    p.add_argument("--seeds", default="1337,2,3", help="quality: comma list of seeds")
+    p.add_argument("--dataset", default="shakespeare_char", help="quality: a prepared data set (data/NAME)")
     p.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
     args = p.parse_args()
     lists = {"dtypes": (args.dtypes, tuple(DTYPES)), "stages": (args.stages, ("0", "1", "2", "3")),
@@ -556,6 +633,10 @@ def main():
         if not items or any(v not in allowed for v in items):
             p.error(f"--{name} {value}: a comma list of {', '.join(allowed)}")
         setattr(args, name, [int(v) for v in items] if name == "stages" else items)
+    try:
+        args.seeds = [int(v) for v in args.seeds.split(",")]
+    except ValueError:
+        p.error(f"--seeds {args.seeds}: a comma list of integers")
     if args.plot:
         if args.only and "zero" not in args.only:
             p.error("--plot charts the zero section: add --only zero")
@@ -567,9 +648,10 @@ def main():
                      ".venv/bin/pip install matplotlib (or run without --plot)")
     command = " ".join(["python", "bench.py"] + [shlex.quote(a) for a in sys.argv[1:]])
     data = {}
-    for name in args.only or SECTIONS:
+    for name in args.only or SECTIONS[:3]:
         t0, (all0, own0) = time.time(), cpu_seconds()
-        title, body, notes, *raw = {"loop": bench_loop, "zero": bench_zero, "precision": bench_precision}[name](args)
+        title, body, notes, *raw = {"loop": bench_loop, "zero": bench_zero, "precision": bench_precision,
+                                  "quality": bench_quality}[name](args)
         data[name] = raw[0] if raw else None
         (all1, own1), wall = cpu_seconds(), time.time() - t0
         # other processes' CPU use while we ran: timings on a shared machine are only as good as this
