@@ -230,6 +230,14 @@ def describe(key):
                                                              "qlora": " + QLoRA (nf4 base)"}[lora]
 
 
+def zero_config():
+    """The zero section's model: the CPU demo on CPUs; on GPUs nanoGPT's GPU baseline (10.7M
+    parameters, 64 x 256 tokens a rank), where the demo would measure kernel launches, not ZeRO.
+    Dropout 0: every configuration computes the same thing, and memory.py models no dropout masks."""
+    preset = load_preset("config/shakespeare_char.py") if CUDA else {}
+    return TrainConfig(**{**preset, "dropout": 0.0})
+
+
 def _zero_worker(rank, ws, port, args, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # N ranks share the cores
@@ -240,7 +248,7 @@ def _zero_worker(rank, ws, port, args, out_path):
                             device_id=device if CUDA else None)
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
-    cfg, (data, vocab) = TrainConfig(), load_data()
+    cfg, (data, vocab) = zero_config(), load_data()
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)
     results = []
     for dname in args.dtypes:
@@ -318,7 +326,7 @@ def _zero_worker(rank, ws, port, args, out_path):
 def zero_rows(results, ws, vocab):
     """The zero section's table rows, with memory.py's estimate and the paper's formula beside
     each measurement. Returns (rows, missed targets)."""
-    cfg = TrainConfig()
+    cfg = zero_config()
     gpt = GPTConfig(block_size=cfg.block_size, vocab_size=vocab, n_layer=cfg.n_layer, n_head=cfg.n_head,
                     n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)
     tokens, flops = ws * cfg.batch_size * cfg.block_size, GPT(gpt).flops_per_token() if CUDA else None
@@ -392,9 +400,10 @@ def bench_zero(args):
         (["MFU", "max GPU MiB per rank"] if CUDA else [])
     rows, missed = zero_rows(results, ws, vocab)
     steps = ", ".join(f"{r['dtype']} {r['steps']}" for r in results)
-    cfg = TrainConfig()
-    notes = (f"World size {ws} ({'nccl, one GPU per rank' if CUDA else 'gloo, 1 thread per rank'}), CPU demo "
-             f"model (Ψ = {results[0]['psi']:,}), {cfg.batch_size} x {cfg.block_size} tokens per rank, the same "
+    cfg = zero_config()
+    notes = (f"World size {ws} ({'nccl, one GPU per rank' if CUDA else 'gloo, 1 thread per rank'}), "
+             f"{'config/shakespeare_char.py with dropout 0' if CUDA else 'the CPU demo model'} ({cfg.n_layer} layers, "
+             f"{cfg.n_embd} wide, Ψ = {results[0]['psi']:,}), {cfg.batch_size} x {cfg.block_size} tokens per rank, the same "
              f"batches for every configuration. LoRA: r={cfg.lora_rank} on {cfg.lora_targets} (train.py's "
              f"defaults); QLoRA: the same over an nf4 base. Model state: ours `ZeRO.state_bytes()` (weights incl. "
              f"a frozen or quantized base, gradients, fp32 master, Adam moments) after the steps; `memory.py`: "
@@ -525,7 +534,7 @@ def loss_curves(args, ws, dtype, tmp):
     for stage in args.stages:
         out = os.path.join(tmp, f"zero{stage}")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ws}", "train.py",
-               "--zero", str(stage), "--dtype", dtype, "--max-iters", str(args.curve_iters), "--log-interval", "5",
+               *(["--config", "config/shakespeare_char.py"] if CUDA else []), "--zero", str(stage), "--dtype", dtype, "--max-iters", str(args.curve_iters), "--log-interval", "5",
                "--eval-interval", str(max(1, args.curve_iters // 4)), "--eval-iters", "20", "--out-dir", out]
         print(" ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
