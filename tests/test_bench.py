@@ -56,3 +56,36 @@ def test_charts(tmp_path):
     assert [os.path.basename(p) for p in paths] == ["memory.png", "traffic.png", "loss.png"]
     for p in paths:
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(p) > 10_000
+
+
+def test_zero_rows_compare_with_memory_py_and_pair_ratios():
+    """The table's judgements: an estimate equal to the measurement reads "exact", one a byte off
+    says so; a time ratio is the median of per-round ratios (a slow round of both cancels), and a
+    target is judged on that ratio."""
+    from memory import estimate
+    cfg, vocab = bench.zero_config(), 65
+    gpt = bench.GPTConfig(block_size=cfg.block_size, vocab_size=vocab, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                          n_embd=cfg.n_embd, dropout=0.0, bias=cfg.bias)
+    info, psi = {}, estimate(gpt)["psi"]
+    for key in ("ddp", "zro", "fsdp", "s0", "s3", "s3+ckpt", "s0+lora"):
+        stage, ckpt, lora = bench.parse_key(key) if key[0] == "s" else (0, False, "off")
+        est = estimate(gpt, 2, stage, "fp32", cfg.batch_size, cfg.block_size, ckpt, 8 if lora != "off" else 0)
+        state = {k: v for k, v in est["state"].items() if k != "total"}
+        info[key] = {"bytes": state, "act": est["activations"]["total"], "traffic": 2 * psi, "peaks": [0, 0]}
+    info["s3"]["bytes"]["params"] += 1  # one byte more than memory.py says
+    # rounds: the machine is 2x slower in round 2 for everyone; s0 is 1.05x DDP in each round
+    rounds = {k: [100.0, 200.0, 100.0] for k in info}
+    rounds["s0"] = [105.0, 210.0, 105.0]
+    rounds["s3"] = [90.0, 250.0, 90.0]  # 0.9x FSDP in two rounds of three: met
+    ms = {k: sorted(v)[1] for k, v in rounds.items()}
+    res = [{"dtype": "fp32", "psi": psi, "ms": ms, "rounds": rounds, "info": info}]
+    rows, missed = bench.zero_rows(res, 2, vocab)
+    by = {r[0]: r for r in rows}
+    assert by["ours, ZeRO-0"][3] == "exact" and by["ours, ZeRO-3"][3] == "-1 B"
+    assert by["ours, ZeRO-0"][6] == "exact"  # activations
+    assert by["ours, ZeRO-0"][11] == "1.05× DDP" and by["ours, ZeRO-0"][12].endswith("met")
+    assert by["ours, ZeRO-3"][11] == "0.90× FSDP2"
+    assert by["ours, ZeRO-0 + LoRA"][4] == "-"  # the paper has no formula for a frozen base
+    assert missed == []
+    rounds["s0"] = [120.0, 240.0, 120.0]
+    assert bench.zero_rows(res, 2, vocab)[1] == ["ours, ZeRO-0 (fp32): ≤ 1.10× DDP"]
