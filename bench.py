@@ -266,7 +266,8 @@ def _zero_worker(rank, ws, port, args, out_path):
                 model, zero, scaler = make_ours(cfg, vocab, device, dtype, stage, rank, ws, ckpt, lora)
                 return (lambda it, act=None: our_step(model, zero, scaler, cfg, data, it, rank, ws, device, act),
                         lambda: {k: v for k, v in zero.state_bytes().items() if k != "total"},
-                        lambda: sum(zero.traffic[k] for k in ("all_reduce", "reduce_scatter", "all_gather")))
+                        lambda: (sum(zero.traffic[k] for k in ("all_reduce", "reduce_scatter", "all_gather")),
+                                 zero.frozen_numel))
             model = build(cfg, vocab, device, torch.float32)  # references: fp32 weights, autocast
             kw = dict(lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
             if key == "fsdp":  # PyTorch's ZeRO-3: one unit per block, then the root (the tied head)
@@ -281,7 +282,7 @@ def _zero_worker(rank, ws, port, args, out_path):
                                  "grads": nbytes([local(p.grad) for p in model.parameters() if p.grad is not None]),
                                  "master": 0, "optimizer": nbytes([local(s[k]) for s in opt.state.values()
                                                                    for k in ("exp_avg", "exp_avg_sq")])},
-                        lambda: None)
+                        lambda: (None, 0))
             ddp = DDP(model, device_ids=[rank] if CUDA else None)
             opt = torch.optim.AdamW(adamw_groups(model, cfg), **kw) if key == "ddp" else \
                 ZeroRedundancyOptimizer(adamw_groups(model, cfg), optimizer_class=torch.optim.AdamW, **kw)
@@ -290,7 +291,7 @@ def _zero_worker(rank, ws, port, args, out_path):
                     lambda: {"params": nbytes(model.parameters()), "grads": nbytes(p.grad for p in model.parameters()),
                              "master": 0, "optimizer": nbytes([s[k] for s in local.state.values()
                                                                for k in ("exp_avg", "exp_avg_sq")])},
-                    lambda: None)
+                    lambda: (None, 0))
 
         keys = list(REFS) + [ours_key(s, c, l) for s in args.stages for l in args.lora for c in (False, True)]
         times, info = {k: [] for k in keys}, {}
@@ -307,7 +308,8 @@ def _zero_worker(rank, ws, port, args, out_path):
                 times[key].append(timed(lambda i: step(warm + r * per_round + i), per_round, device))
                 peaks = [None] * ws
                 dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(device) if CUDA else 0)
-                info.setdefault(key, {}).update(bytes=state(), traffic=traffic(), peaks=peaks)
+                moved, frozen = traffic()
+                info.setdefault(key, {}).update(bytes=state(), traffic=moved, frozen=frozen, peaks=peaks)
                 if act is not None:
                     info[key]["act"] = act[0] if key != "fsdp" else None
                 step = state = traffic = None
@@ -354,7 +356,7 @@ def zero_rows(results, ws, vocab):
                                cfg.lora_rank if lora != "off" else 0, tuple(parse_targets(cfg.lora_targets)),
                                "nf4" if lora == "qlora" else None, bucket_mb=cfg.bucket_mb)
                 trainable = est["trainable"]
-                theory = traffic_formula(trainable, stage, ws)
+                theory = traffic_formula(trainable, stage, ws, frozen=i.get("frozen", 0))
             paper = int(zero_formula(trainable, stage, ws, DTYPES[dt])["total"]) if lora == "off" else None
             # time: a plain stage against PyTorch's counterpart; a technique against its plain stage
             if key in REFS:
@@ -375,7 +377,7 @@ def zero_rows(results, ws, vocab):
                    "-" if paper is None else mib(paper),
                    "-" if i.get("act") is None else mib(i["act"]),
                    "-" if est is None or i.get("act") is None else diff(est["activations"]["total"], i["act"]),
-                   f"{tr / trainable:.3f}Ψ" if tr is not None else "-", f"{theory / trainable:.0f}Ψ",
+                   f"{tr / psi:.3f}Ψ" if tr is not None else "-", f"{theory / psi:.3g}Ψ",
                    f"{ms[key]:.1f}", f"{tokens / ms[key] * 1000:,.0f}", vs,
                    "-" if not target else f"{target[0]}: {'met' if target[1] <= target[2] else '**missed**'}"]
             if CUDA:
@@ -413,8 +415,10 @@ def bench_zero(args):
              f"4Ψ, not counted; FSDP2: its DTensors' local shards). Activations: bytes autograd saves in one "
              f"micro-step (train.py's `saved_activation_bytes`), beside memory.py's Korthikanti-style estimate; "
              f"under autocast they include the 16-bit copies of the weights autocast makes and keeps. "
-             f"Traffic: elements each rank sends per step as the ZeRO paper counts, in units of the trainable Ψ "
-             f"(references: theory only; ZeRO-Opt = DDP's all-reduce 2Ψ + the owners' broadcasts Ψ); gloo runs "
+             f"Traffic: elements each rank sends per step as the ZeRO paper counts, in units of the model's Ψ "
+             f"(all its parameters): 2 x trainable for stages 0-2, 3 x trainable + 2 x frozen for stage 3, "
+             f"which gathers LoRA's frozen base like any weight (references: theory only; ZeRO-Opt = DDP's "
+             f"all-reduce 2Ψ + the owners' broadcasts Ψ); gloo runs "
              f"a reduce-scatter as a whole all-reduce, so stages 1-2 physically move 3Ψ there. ms/step: median "
              f"per-step time on rank 0 (rounds x steps: {steps}; configurations rebuilt each round, order "
              f"rotated); `time vs`: a plain stage against its PyTorch counterpart, a technique against its plain "

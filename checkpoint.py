@@ -94,8 +94,9 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last, rank, world_s
     if world_size > 1:
         dist.barrier()
     rngs = _gather_object(rng_state(), world_size) if fmt == "consolidated" else None
-    frozen = {n: p.detach().float().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    with zero.gathered():  # ZeRO-3 shards frozen tensors too: gather them to save them whole
+        frozen = {n: p.detach().float().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     common = dict(header, iter=it, scaler=scaler.state_dict(), adam_step=zero.adam_step(), world_size=world_size,
                   stage=zero.stage)
     if fmt == "sharded":
@@ -215,7 +216,7 @@ def restore(path, zero, model, scaler, model_args, vocab_meta, rank, world_size)
     if missing:
         raise CheckpointError(f"{path} lacks {missing[0]}: saved with other LoRA settings?")
     rng = reader.rng(rank) if h["world_size"] == world_size else None
-    with torch.no_grad():
+    with torch.no_grad(), zero.gathered(write_back=True):  # ZeRO-3: into the full tensors, then the shards
         for n, p in frozen.items():
             p.copy_(state[n])
         for n, b in model.named_buffers():

@@ -9,8 +9,9 @@ LoRA adapters and a quantized frozen base (QLoRA), put into a built GPT from out
 
 Order: build the model (in its dtype), apply_lora, optionally quantize_base (the other order
 works too), then ZeRO(model, ...), which packs only requires_grad parameters: the LoRA ones.
-Frozen weights and quantized buffers stay whole and replicated on every rank, under ZeRO-3 too:
-only the adapters are sharded, so the base must fit on one device.
+Frozen weights and quantized buffers get no gradient and no optimizer state; they stay whole on
+every rank up to ZeRO-2, and ZeRO-3 shards them with their block like any weight (gathered for
+the block's forward and backward, never reduced or updated).
 """
 import hashlib
 import math

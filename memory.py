@@ -81,13 +81,33 @@ def bucket_sizes(params, stage, dtype, bucket_mb=25.0):
     return sizes + [size]
 
 
+def frozen_buckets(cfg, dtype, quantize=None):
+    """(numel, bytes per element) of each frozen flat buffer ZeRO-3 makes under LoRA: one per unit
+    and dtype. The blocks' four matmul weights (the Linears lora.py quantizes) become uint8 codes,
+    two per byte over blocks of 64, and an fp32 absmax per block; the rest stays in `dtype`."""
+    E, out, units = BYTES[dtype], [], {}
+    for unit, n in param_numels(cfg):
+        units.setdefault(unit, []).append(n)
+    for unit, ns in units.items():
+        mats = [n for n in ns if n >= cfg.n_embd ** 2] if quantize and unit != "root" else []
+        rest = sum(ns) - sum(mats)  # LayerNorms, biases (and the whole root)
+        if not mats:
+            out.append((rest, E))
+            continue
+        codes, absmax = sum(math.ceil(n / 64) * 32 for n in mats), sum(math.ceil(n / 64) for n in mats)
+        out += [(codes, 1)] + ([(rest + absmax, 4)] if E == 4 else [(rest, E), (absmax, 4)])
+    return out
+
+
 def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, frozen_psi=0,
-                      quantized_psi=0, quantize=None):
+                      quantized_psi=0, quantize=None, frozen_layout=None):
     """Bytes of model state on one rank, as ZeRO.state_bytes() counts them at start-up.
     psi: trainable parameters (Ψ), in flat buffers of sizes `buckets` (default: one). Stages 1-3
     pad each buffer to a multiple of N, so every rank owns P/N elements (P: the padded total).
-    frozen_psi: frozen parameters (LoRA's base model), whole on every rank: zero.py keeps them out
-    of its buffers, and ZeRO-3 does not shard them; quantized_psi of them are stored as `quantize`."""
+    frozen_psi: frozen parameters (LoRA's base model): outside the gradient and optimizer buffers,
+    whole on every rank up to stage 2; quantized_psi of them are stored as `quantize`. Stage 3
+    shards them with their unit: each of frozen_layout's (numel, bytes) buffers padded to a
+    multiple of N (frozen_buckets()), or without a layout simply 1/N of them."""
     E, N, buckets = BYTES[dtype], world_size, buckets or [psi]
     assert sum(buckets) == psi, "the buckets must hold exactly psi parameters"
     padded = [math.ceil(n / N) * N if stage >= 1 else n for n in buckets]
@@ -97,6 +117,8 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
     real = sum(max(0, min(n, (rank + 1) * p // N) - rank * p // N) for n, p in zip(buckets, padded)) \
         if stage >= 1 else psi
     frozen = E * (frozen_psi - quantized_psi) + (QUANT_BYTES[quantize] * quantized_psi if quantize else 0)
+    if stage == 3 and frozen:
+        frozen = sum(math.ceil(n / N) * e for n, e in frozen_layout) if frozen_layout else frozen / N
     out = {"params": E * (owned if stage == 3 else P) + frozen,  # 16-bit (or fp32) working weights
            "grads": E * (owned if stage >= 2 else P),
            "master": 0 if E == 4 else 4 * owned,  # fp32 weights are their own master: no copy
@@ -167,14 +189,16 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     if lora_rank:  # the base model frozen, an A (r x in) and a B (out x r) per target per layer
         trainable, frozen = L * lora_rank * h * sum(sum(LORA_TARGETS[t]) for t in lora_targets), total
         quantized, buckets = (L * 12 * h * h if quantize else 0), None  # the blocks' matmul weights
-    state = model_state_bytes(trainable, stage, world_size, dtype, buckets, rank, frozen, quantized, quantize)
+    layout = frozen_buckets(cfg, dtype, quantize) if lora_rank and stage == 3 and psi is None else None
+    state = model_state_bytes(trainable, stage, world_size, dtype, buckets, rank, frozen, quantized, quantize, layout)
     acts = activation_bytes(cfg, batch, seq, dtype, grad_ckpt, lora_rank, lora_targets)
     pad = lambda n: math.ceil(n / world_size) * world_size
     # ZeRO-3's units: from the layout (root first), else blocks of 12h^2 + 13h and the rest in the root
     block = max(buckets[1:]) if stage == 3 and buckets else 12 * h * h + 13 * h
     root = buckets[0] if stage == 3 and buckets else max(0, total - L * block)
-    # (under LoRA only the adapters are gathered: nothing to speak of)
-    gathered = E * (pad(root) + (2 if prefetch else 1) * pad(block)) if stage == 3 and not lora_rank else 0
+    # (under LoRA the frozen base is gathered the same way, its matmul weights quantized with QLoRA)
+    block_bytes = E * pad(block) if not quantize else E * (block - 12 * h * h) + QUANT_BYTES[quantize] * 12 * h * h
+    gathered = E * pad(root) + (2 if prefetch else 1) * block_bytes if stage == 3 else 0
     step = state["master"]  # step(): an fp32 copy of the owned gradient slice (none needed in fp32)
     peak = state["total"] + max(acts["total"] + gathered, step)
     return {"psi": total, "trainable": trainable, "state": state, "activations": acts,
@@ -212,7 +236,7 @@ def command(world_size, shape_args, stage, dtype, batch, grad_ckpt=False, lora=F
 
 def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=()):
     """The lecture's decision flow, each step checked with estimate(). Returns (lines, command or None).
-    LoRA runs on ZeRO-2: its trainable state is tiny, and our ZeRO-3 does not shard frozen weights."""
+    LoRA keeps the ZeRO stage the steps before chose: on ZeRO-3 its frozen base is sharded too."""
     N, z = world_size, 2 if world_size > 1 else 0
     est = lambda **k: estimate(cfg, **{"world_size": N, "dtype": dtype, "psi": psi, **k})
     lines = [f"mixed precision, always: {dtype}" + (" with the loss scaler (this GPU has no bf16)" if dtype == "fp16"
@@ -228,8 +252,9 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=()):
     else:
         plans = [(3, False, 0, None, f"no: ZeRO-3 on {N} GPUs shards the weights too (1.5x the traffic)")] * (N > 1) \
             + [(3 if N > 1 else 0, True, 0, None, "+ activation checkpointing: each block keeps only its input"),
-               (z, True, 8, None, "+ LoRA on q,v, r=8: only the adapters train; the frozen base is whole on each GPU"),
-               (z, True, 8, "nf4", "+ QLoRA: the frozen base weights in 4-bit NF4")]
+               (3 if N > 1 else 0, True, 8, None, "+ LoRA on q,v, r=8: only the adapters train, no gradients or "
+                "Adam moments for the base" + (" (ZeRO-3 still shards it)" if N > 1 else "")),
+               (3 if N > 1 else 0, True, 8, "nf4", "+ QLoRA: the frozen base weights in 4-bit NF4")]
     for stage, ckpt, r, quant, why in plans:
         run = dict(stage=stage, grad_ckpt=ckpt, lora_rank=r, quantize=quant)
         b = max_batch(lambda b: fits(est(batch=b, **run), gpu_bytes))
@@ -293,15 +318,15 @@ def lecture():
             ("fp32, Adam", "fp32", 0, 0, 0, None), ("bf16 mixed precision", "bf16", 0, 0, 0, None),
             ("+ ZeRO-1", "bf16", 1, 0, 0, None), ("+ ZeRO-2", "bf16", 2, 0, 0, None),
             ("+ ZeRO-3", "bf16", 3, 0, 0, None), ("+ activation checkpointing", "bf16", 3, 1, 0, None),
-            ("LoRA q,v r=8 (ZeRO-2, ckpt)", "bf16", 2, 1, 8, None),
-            ("QLoRA nf4 (ZeRO-2, ckpt)", "bf16", 2, 1, 8, "nf4")]:
+            ("LoRA q,v r=8 (ZeRO-3, ckpt)", "bf16", 3, 1, 8, None),
+            ("QLoRA nf4 (ZeRO-3, ckpt)", "bf16", 3, 1, 8, "nf4")]:
         e1, e8 = (estimate(cfg, n, st, dt, 8, None, ck, r, quantize=q, psi=psi) for n in (1, 8))
         rows.append([name] + [fmt(x) for x in (e1["state"]["total"], e1["activations"]["total"], e1["peak"],
                                                 e8["state"]["total"], e8["peak"])])
     table(rows, ["", "state, 1 GPU", "activations", "peak, 1 GPU", "state, 8 GPUs", "peak, 8 GPUs"])
     print("Model state on N GPUs: 16 bytes per parameter -> 4 + 12/N (ZeRO-1), 2 + 14/N (ZeRO-2), 16/N (ZeRO-3).\n"
-          "Mixed precision shrinks activations and traffic, not model state. LoRA keeps the frozen base whole\n"
-          "on every GPU (2 bytes per parameter, 0.56 in NF4) and trains almost nothing.")
+          "Mixed precision shrinks activations and traffic, not model state. LoRA trains almost nothing; its\n"
+          "frozen base costs 2 bytes per parameter (0.56 in NF4), whole on every GPU up to ZeRO-2, sharded by ZeRO-3.")
 
 
 def parse_bytes(text):

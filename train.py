@@ -467,7 +467,8 @@ def main(argv=None):
                  "cuda_max_mem": torch.cuda.max_memory_allocated(device) if use_cuda else None,
                  "grad_norm": stats["grad_norm"], "grad_zero_frac": stats["grad_zero_frac"],
                  "comm_elements": sum(zero.traffic[k] for k in ("all_reduce", "reduce_scatter", "all_gather")),
-                 "comm_bytes": zero.traffic["bytes"], "comm_theory_elements": traffic_formula(zero.psi, cfg.zero, world_size, cfg.grad_accum)})
+                 "comm_bytes": zero.traffic["bytes"], "comm_theory_elements": traffic_formula(zero.psi, cfg.zero, world_size, cfg.grad_accum,
+                                                         zero.frozen_numel)})
         it += 1
         # every rank must agree to stop at the same step: one tiny all-reduce of the signal flag
         flag = torch.tensor([stop["signal"] is not None], dtype=torch.float32, device=device)

@@ -31,6 +31,7 @@ goes on with earlier layers. Buckets are launched strictly in index order, so ev
 issues the same collectives in the same order whatever order autograd finishes them in.
 """
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -89,10 +90,12 @@ def new_traffic():
 # ----------------------------------------------------------------------------------------------
 
 class Bucket:
-    """A contiguous group of parameters: one flat buffer, padded to a multiple of N."""
+    """A contiguous group of parameters: one flat buffer, padded to a multiple of N. frozen:
+    stage 3 shards frozen tensors too (LoRA's base, a quantized base's codes and scales):
+    gathered and freed with their unit, but with no gradient and no optimizer state."""
 
-    def __init__(self, params, stage, rank, world_size, dtype, device, module=None):
-        self.params, self.module = params, module  # stage 3: the module whose forward uses them
+    def __init__(self, params, stage, rank, world_size, dtype, device, module=None, frozen=False):
+        self.params, self.module, self.frozen = params, module, frozen  # module: stage 3's user
         numel = sum(p.numel() for p in params)
         self.numel = math.ceil(numel / world_size) * world_size if stage >= 1 else numel
         shard = self.numel // world_size
@@ -112,7 +115,9 @@ class Bucket:
         if stage == 3:
             self.shard = self.flat[self.lo:self.hi].clone()
             self.free()
-        if stage <= 1:
+        if frozen:
+            pass  # nothing to reduce, nothing to update
+        elif stage <= 1:
             self.flat_grad = torch.zeros_like(self.flat)
             for p, off in zip(params, self.offsets):
                 p.grad = self.flat_grad[off:off + p.numel()].view_as(p)
@@ -163,9 +168,11 @@ class ZeRO:
                         if b is not None and n not in m._non_persistent_buffers_set]
         self.dtype, device = named[0][1].dtype, named[0][1].device
         self.psi = sum(p.numel() for _, p in named)  # Ψ, each weight counted once
+        self.frozen_numel = sum(t.numel() for t in self.frozen)  # elements ZeRO-3 gathers but never updates
 
         if stage == 3:
             self._make_units(model, device)
+            self.frozen = []  # now in the units' frozen buckets, sharded like everything else
         else:
             # pack last layer first: gradients arrive in reverse order, so bucket 0 is ready first
             self.buckets, group_params, size = [], [], 0
@@ -215,41 +222,81 @@ class ZeRO:
     def _make_units(self, model, device):
         """One unit per transformer block, plus the root: embeddings, final LayerNorm and the
         tied head, which the forward uses first and last, so it stays gathered from the model's
-        forward until the end of backward (one unit's worth of memory, and no second gather)."""
+        forward until the end of backward (one unit's worth of memory, and no second gather).
+        A unit is a list of buckets: its trainable parameters (if any), then its frozen tensors,
+        one bucket per dtype (a QLoRA base mixes uint8 codes and fp32 scales): PITFALLS 10,
+        frozen weights stay out of gradients and the optimizer but not out of the gathers."""
         args = (3, self.rank, self.world_size, self.dtype, device)
         blocks = list(model.transformer.h)
-        in_blocks = {id(p) for blk in blocks for p in blk.parameters()}
-        # a unit with nothing to train (the root under LoRA: all frozen) is no unit at all (None)
-        unit = lambda ps, m: Bucket(ps, *args, module=m) if ps else None
-        units = [unit([p for p in blk.parameters() if p.requires_grad], blk) for blk in blocks]
-        root = unit([p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks], model)
+        in_blocks = {id(t) for blk in blocks for t in list(blk.parameters()) + list(blk.buffers())}
+
+        def unit(module, keep):
+            trainable = [p for p in module.parameters() if p.requires_grad and keep(p)]
+            frozen = [p for p in module.parameters() if not p.requires_grad and keep(p)]
+            frozen += [b for m in module.modules() for n, b in m._buffers.items()  # persistent only:
+                       if b is not None and n not in m._non_persistent_buffers_set and keep(b)]  # e.g. codes
+            out = [Bucket(trainable, *args, module=module)] if trainable else []
+            for dtype in dict.fromkeys(t.dtype for t in frozen):  # in order of appearance
+                out.append(Bucket([t for t in frozen if t.dtype == dtype], 3, self.rank, self.world_size, dtype,
+                                  device, module=module, frozen=True))
+            for b in out:
+                b.unit = out  # a trainable bucket frees its whole unit once its gradients are out
+            return out
+
+        units = [unit(blk, lambda t: True) for blk in blocks]
+        root = unit(model, lambda t: id(t) not in in_blocks)
         # gradients arrive last block first, root last (the tied embedding is the final use)
-        self.buckets = [u for u in units[::-1] + [root] if u is not None]
+        self.buckets = [u[0] for u in units[::-1] + [root] if u and not u[0].frozen]
         self.units, self.root = units, root
         self.in_backward, self.gathered_bytes, self.peak_gathered_bytes = False, 0, 0
         model.register_forward_pre_hook(lambda m, a: self._gather(root))
         model.register_forward_hook(lambda m, a, out: None if torch.is_grad_enabled() else self._free(root))
         for i, u in enumerate(units):
-            u.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
-            u.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
+            blocks[i].register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
+            blocks[i].register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
 
-    def _gather(self, u, wait=True):
-        if u is None:
+    def _gather(self, unit, wait=True):
+        """Launch the all-gathers of a unit's buckets that are neither present nor arriving;
+        with wait, block until all of them are present."""
+        for u in unit:
+            if not u.gathered and u.pending is None:
+                u.allocate()
+                self.gathered_bytes += u.flat.numel() * u.flat.element_size()
+                self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+                u.pending = all_gather_params(u.flat, u.shard, self.traffic, self.world_size, self.group) or "done"
+        for u in unit if wait else []:
+            if u.pending is not None:
+                if u.pending != "done":
+                    u.pending.wait()
+                u.pending, u.gathered = None, True
+
+    def _free(self, unit):
+        for u in unit:
+            if u.pending is not None:  # a prefetch still in flight: let it land before freeing
+                self._gather([u])
+            if u.gathered:
+                u.free()
+                self.gathered_bytes -= u.flat.numel() * u.flat.element_size()
+
+    @contextmanager
+    def gathered(self, write_back=False):
+        """Stage 3: every unit's full weights present on every rank while inside (a collective:
+        all ranks enter), for checkpoints. write_back: copy the frozen tensors, as changed
+        inside, back into their shards (restoring a checkpoint). Other stages: nothing to do."""
+        if self.stage != 3:
+            yield
             return
-        if not u.gathered and u.pending is None:
-            u.allocate()
-            self.gathered_bytes += u.flat.numel() * u.flat.element_size()
-            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-            u.pending = all_gather_params(u.flat, u.shard, self.traffic, self.world_size, self.group) or "done"
-        if wait and u.pending is not None:
-            if u.pending != "done":
-                u.pending.wait()
-            u.pending, u.gathered = None, True
-
-    def _free(self, u):
-        if u is not None and u.gathered:
-            u.free()
-            self.gathered_bytes -= u.flat.numel() * u.flat.element_size()
+        units = self.units + [self.root]
+        for u in units:
+            self._gather(u)
+        try:
+            yield
+        finally:
+            for u in units:
+                for b in u:
+                    if write_back and b.frozen:
+                        b.shard.copy_(b.flat[b.lo:b.hi])
+                self._free(u)
 
     def _pre_forward(self, i):
         self._gather(self.units[i])
@@ -265,7 +312,10 @@ class ZeRO:
             out.register_hook(lambda grad, i=i: self._pre_backward(i))
 
     def _pre_backward(self, i):
+        """The gradient of block i's output is complete, so block i+1's backward is done."""
         self.in_backward = True
+        if i + 1 < len(self.units):
+            self._free(self.units[i + 1])
         self._gather(self.units[i])
         if self.prefetch and i > 0:
             self._gather(self.units[i - 1], wait=False)
@@ -310,8 +360,10 @@ class ZeRO:
             # slice: memory over traffic, since keeping full gradients until the last
             # micro-step would hold the 2Ψ bytes that stage 2 exists to shard
             self.pending.append((work, lambda: b.grad_shard.add_(out)))
-            if self.stage == 3 and b is not self.root:
-                self._free(b)  # this unit's backward is done: its full weights can go
+            if self.stage == 3 and b.unit is not self.root:
+                # its gradients are out, so its weights were used for the last time; not yet the
+                # unit's frozen weights, which only feed input gradients: _pre_backward frees those
+                self._free([b])
 
     def backward(self, loss, sync=True):
         """loss.backward() with the gradient collectives overlapped. sync=False on all but the
@@ -333,7 +385,8 @@ class ZeRO:
                 post()
         self.pending = []
         if self.stage == 3:
-            self._free(self.root)
+            for u in self.units + [self.root]:  # the root, and the first block's frozen weights
+                self._free(u)
             self.in_backward = False
 
     # -- the optimizer step on this rank's slice --------------------------------------------
@@ -418,9 +471,10 @@ class ZeRO:
         master = [] if self.dtype == torch.float32 else self.master_pieces
         grads = [b.flat_grad if b.flat_grad is not None else b.grad_shard for b in self.buckets]
         moments = [s[k] for s in self.opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
-        if self.stage == 3:  # shards, plus whatever full unit is gathered at this moment
-            weights = [b.shard for b in self.buckets]
-            gathered = sum(b.flat.untyped_storage().nbytes() for b in self.buckets)
+        if self.stage == 3:  # shards (frozen ones too), plus whatever full unit is gathered now
+            every = [b for u in self.units + [self.root] for b in u]
+            weights = [b.shard for b in every]
+            gathered = sum(b.flat.untyped_storage().nbytes() for b in every)
         else:
             weights, gathered = [b.flat for b in self.buckets], 0
         out = {"params": nbytes(weights) + gathered + nbytes(self.frozen),
@@ -481,24 +535,26 @@ class ZeRO:
             if self.rank == 0:
                 for p, off in zip(b.params, b.offsets):
                     full[self.names[id(p)]] = flat[off:off + p.numel()].view(p.shape).clone()
-        if self.rank != 0:
-            return None
         if kind != "master":
-            return full
-        # model.state_dict() order and names; the tied weight appears under both of its names
+            return full if self.rank == 0 else None
+        # model.state_dict() order and names; the tied weight appears under both of its names.
+        # Frozen tensors come from the model itself: under stage 3 they too are gathered first
         names = {id(t): n for n, t in model.named_parameters()}
         other = lambda t: t.detach().float().clone() if t.is_floating_point() else t.detach().clone()
-        return {name: full[names[id(t)]] if names.get(id(t)) in full else other(t)
-                for name, t in model.state_dict(keep_vars=True).items()}
+        with self.gathered():
+            return None if self.rank != 0 else {name: full[names[id(t)]] if names.get(id(t)) in full else other(t)
+                                                for name, t in model.state_dict(keep_vars=True).items()}
 
 
-def traffic_formula(psi, stage, world_size, grad_accum=1):
+def traffic_formula(psi, stage, world_size, grad_accum=1, frozen=0):
     """Elements each rank sends per optimizer step, as the ZeRO paper counts them: 2Ψ for
     stages 0-2 (stage 2 reduce-scatters on every micro-step: (accum+1)Ψ), 3Ψ per micro-step for
-    stage 3 (our root unit skips its backward gather, so we measure a little less)."""
+    stage 3 (our root unit skips its backward gather, so we measure a little less). Stage 3
+    also gathers `frozen` elements (LoRA's base) twice per micro-step, forward and backward:
+    the price of not keeping the base whole on every rank."""
     if world_size == 1:
         return 0
-    return {0: 2, 1: 2, 2: grad_accum + 1, 3: 3 * grad_accum}[stage] * psi
+    return {0: 2, 1: 2, 2: grad_accum + 1, 3: 3 * grad_accum}[stage] * psi + (stage == 3) * 2 * grad_accum * frozen
 
 
 def zero_formula(psi, stage, world_size, dtype):

@@ -303,7 +303,7 @@ def reference(world_size, quant=None):
 def _lora_under_zero(rank, world_size):
     refs = {None: reference(world_size), "nf4": reference(world_size, "nf4")}
     # stage 3 with activation checkpointing: the recompute re-runs each block's forward over its
-    # frozen, replicated weights and its re-gathered LoRA shards (PITFALLS 6, 7); and over an NF4 base
+    # re-gathered frozen weights and LoRA shards (PITFALLS 6, 7, 10); and over an NF4 base
     for stage, ckpt, quant in ((1, False, None), (2, False, None), (3, False, None), (3, True, None),
                                (3, True, "nf4")):
         model, ref = lora_model(quant), refs[quant]
@@ -318,6 +318,12 @@ def _lora_under_zero(rank, world_size):
                 x, y = batch(step, micro, rank, world_size, B, ACCUM)
                 zero.backward(model(x, y)[1] / ACCUM, sync=micro == ACCUM - 1)
             zero.step(LR, scaler, CLIP)
+        if stage == 3:  # the frozen base is sharded too (PITFALLS 10): between steps no rank holds it whole
+            frozen = [b for u in zero.units + [zero.root] for b in u if b.frozen]
+            assert frozen and all(b.flat.untyped_storage().nbytes() == 0 and b.shard.numel() * world_size == b.numel
+                                  for b in frozen)
+            dtypes = {b.flat.dtype for b in frozen}  # nf4 codes (uint8) and double-quantized scales (int8)
+            assert dtypes == ({torch.float32, torch.uint8, torch.int8} if quant else {torch.float32})
         full = zero.full_state_dict(model)  # a collective: every rank calls it
         if rank != 0:
             continue

@@ -46,12 +46,13 @@ def check_state(rank, world_size):
                 torch.manual_seed(0)
                 cfg = GPTConfig(**SMALL)
                 model = GPT(cfg).to(DTYPES[dtype])
-                if freeze:  # a frozen parameter: whole on every rank, outside ZeRO's buffers
+                if freeze:  # a frozen parameter: outside ZeRO's gradient and optimizer buffers
                     model.transformer.wpe.weight.requires_grad_(False)
                     params = [p for i, p in enumerate(param_numels(cfg)) if i != 1]  # wte, wpe, ...
                     buckets = bucket_sizes(params, stage, dtype, bucket_mb)
-                    est = model_state_bytes(sum(buckets), stage, world_size, dtype, buckets, rank,
-                                            frozen_psi=cfg.block_size * cfg.n_embd)
+                    wpe = cfg.block_size * cfg.n_embd  # 63: under ZeRO-3 a root bucket of its own, padded
+                    est = model_state_bytes(sum(buckets), stage, world_size, dtype, buckets, rank, frozen_psi=wpe,
+                                            frozen_layout=[(wpe, memory.BYTES[dtype])])
                 else:
                     est = estimate(cfg, world_size, stage, dtype, bucket_mb=bucket_mb, rank=rank)["state"]
                     buckets = bucket_sizes(param_numels(cfg), stage, dtype, bucket_mb)
@@ -179,8 +180,11 @@ def test_advise_prints_a_command_train_py_accepts(capsys):
     cmd = main(["--params", "7e9", "--world-size", "8", "--gpu-mem", "80GB", "--advise"])
     cfg = parse_args(shlex.split(cmd.split("train.py", 1)[1]))
     assert cfg.zero == 3 and cfg.dtype == "bf16"
-    # ... then checkpointing, LoRA, QLoRA (LoRA's flags come with lora.py: printed as such)
+    # ... then checkpointing, then LoRA: on ZeRO-3, which shards the frozen base too
     cmd = main(["--params", "70e9", "--world-size", "8", "--gpu-mem", "80GB", "--advise"])
+    assert "--zero 3" in cmd and cmd.endswith("--grad-ckpt --lora --lora-rank 8 --lora-targets q,v")
+    # on one GPU the bf16 base alone (140 GB) does not fit: QLoRA
+    lines, cmd = advise(memory.shape_for(70e9), 1, 80e9, psi=int(70e9))
     assert cmd.endswith("--grad-ckpt --lora --lora-rank 8 --lora-targets q,v --quantize nf4")
     lines, cmd = advise(memory.shape_for(70e9), 1, 24e9, psi=int(70e9))
     assert cmd is None and "does not fit" in lines[-1]
