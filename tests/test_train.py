@@ -95,7 +95,9 @@ def run(args, out_dir, nproc=1):
          f"--master_port={free_port()}", "train.py"]
     r = subprocess.run(cmd + args + ["--out-dir", str(out_dir)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    # on failure show the ranks' own errors, which torchrun's long summary would push out of view
+    errors = "\n".join(l for l in r.stderr.splitlines() if "rror" in l or "terminate" in l or "Signal" in l)
+    assert r.returncode == 0, r.stdout[-2000:] + errors[-3000:] + r.stderr[-3000:]
     return [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
 
 
