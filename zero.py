@@ -1,5 +1,5 @@
 """
-Data parallelism and ZeRO stages 0, 1 and 2, written on raw torch.distributed collectives.
+Data parallelism and ZeRO stages 0 to 3, written on raw torch.distributed collectives.
 
 Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models".
 With mixed-precision Adam every parameter costs 2 (16-bit weight) + 2 (16-bit gradient) + 12
@@ -16,6 +16,8 @@ followed by an all-gather, and stages 1-2 simply do the two halves at different 
 updating only their own shard in between. Stage 3 gathers each unit's parameters just before
 its forward, frees them after, gathers them again for its backward and reduce-scatters its
 gradients right after: 3Ψ per step, 1.5x data parallelism, for memory that falls as 1/N.
+Frozen tensors (a LoRA base, quantized or not) are sharded with their unit as well: gathered
+like the rest, never reduced or updated, 2 x their size in traffic per step.
 
 Layout. The trainable parameters (deduplicated by identity: the tied embedding / LM head is
 one tensor) are packed, last layer first, into buckets of about --bucket-mb. Each bucket is
