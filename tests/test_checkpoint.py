@@ -201,9 +201,10 @@ def rank_pid(out_dir, local_rank):
 
 
 def test_lora_run_resumes_exactly(data_root, tmp_path):
-    """LoRA (frozen base, nf4 buffers, sharded adapters under ZeRO-2): k + resume + k == 2k, bitwise."""
+    """LoRA under ZeRO-3 (adapters and the frozen nf4 base both sharded: saved from gathered tensors,
+    restored into the shards): k + resume + k == 2k, bitwise."""
     args = TINY + ["--data-root", data_root, "--lora", "--quantize", "nf4", "--lora-targets", "q,v,mlp_fc",
-                   "--learning-rate", "1e-2", "--zero", "2"]
+                   "--learning-rate", "1e-2", "--zero", "3"]
     run(args + ["--max-iters", "8"], tmp_path / "full", 2)
     run(args + ["--max-iters", "4"], tmp_path / "split", 2)
     run(args + ["--max-iters", "8", "--resume"], tmp_path / "split", 2)
@@ -211,3 +212,39 @@ def test_lora_run_resumes_exactly(data_root, tmp_path):
     assert [full[i] for i in range(8)] == [split[i] for i in range(8)]
     assert_same_weights(final_weights(tmp_path / "full"), final_weights(tmp_path / "split"))
     assert open(tmp_path / "full" / "adapter.pt", "rb").read() == open(tmp_path / "split" / "adapter.pt", "rb").read()
+
+
+@pytest.mark.parametrize("fmt", ["consolidated", "sharded"])
+def test_zero3_restores_a_frozen_base_into_its_shards(tmp_path, fmt):
+    """Under ZeRO-3 the frozen base (here nf4 codes and scales) lives in shards: a checkpoint saves
+    it from gathered tensors and restore writes it back into the shards, not into freed storage.
+    The run restored into starts from another base, so a restore that wrote nothing would show."""
+    from dataclasses import asdict
+
+    import checkpoint
+    import lora
+    from model import GPT, GPTConfig
+    from precision import GradScaler
+    from zero import ZeRO
+    cfg = GPTConfig(block_size=16, vocab_size=20, n_layer=2, n_head=2, n_embd=64, bias=False)
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = GPT(cfg)
+        lora.apply_lora(model, rank=4, targets=("q", "v"))
+        lora.quantize_base(model, "nf4")
+        return model, ZeRO(model, 3)
+
+    (a, za), (b, zb) = build(0), build(1)
+    x = torch.randint(0, 20, (2, 16))
+    za.backward(a(x, x)[1])
+    za.step(1e-2, GradScaler(init_scale=1.0, dynamic=False))  # adapters move away from init too
+    header = {"config": {}, "model_args": asdict(cfg), "meta": {"vocab_size": 20}}
+    path = checkpoint.save(str(tmp_path), 1, za, a, GradScaler(), header, fmt, 1, 0, 1)
+    before = zb.full_state_dict(b)
+    checkpoint.restore(path, zb, b, GradScaler(), asdict(cfg), {"vocab_size": 20}, 0, 1)
+    want, got = za.full_state_dict(a), zb.full_state_dict(b)
+    assert any(not torch.equal(before[k], want[k]) for k in want if "codes" in k)  # the bases differed
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    assert torch.equal(a(x, x)[1], b(x, x)[1])  # and the restored model computes the same
