@@ -132,16 +132,26 @@ def test_lora_activations(targets, grad_ckpt):
     assert est["trainable"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-@pytest.mark.parametrize("quantize", [None, "nf4"])
-def test_lora_model_state(quantize):
-    """ZeRO holds the adapters' state; the frozen base stays whole on the rank, in its dtype or
-    quantized (its codes and scales, buffers that ZeRO.state_bytes() counts with the weights)."""
-    for stage in range(4):
-        for dtype in DTYPES:
-            model, lora = lora_model(dtype, ("q", "v"), quantize)
-            held = ZeRO(model, stage).state_bytes()
-            est = estimate(GPTConfig(**LORA_CFG), stage=stage, dtype=dtype, lora_rank=4, quantize=quantize)
-            assert held == est["state"], (stage, dtype)
+def check_lora_state(rank, world_size):
+    """ZeRO holds the adapters' state; the frozen base, in its dtype or quantized (its codes and
+    scales, buffers that ZeRO.state_bytes() counts with the weights), is whole on every rank up to
+    stage 2 and sharded with its unit by stage 3: memory.py's estimate equals it to the byte."""
+    for quantize in (None, "nf4"):
+        for stage in range(4):
+            for dtype in DTYPES:
+                model, lora = lora_model(dtype, ("q", "v"), quantize)
+                held = ZeRO(model, stage, rank=rank, world_size=world_size).state_bytes()
+                est = estimate(GPTConfig(**LORA_CFG), world_size, stage, dtype, lora_rank=4, quantize=quantize,
+                               rank=rank)
+                assert held == est["state"], (quantize, stage, dtype, rank)
+
+
+def test_lora_model_state_one_rank():
+    check_lora_state(0, 1)
+
+
+def test_lora_model_state_two_ranks():
+    run_distributed(check_lora_state, 2)
 
 
 def test_checkpointing_is_korthikanti_2sbh():
