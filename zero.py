@@ -467,7 +467,7 @@ class ZeRO:
 
     def state_bytes(self):
         """Model-state bytes this rank holds, by summing the tensors actually allocated; "params"
-        includes the frozen weights (LoRA's base, quantized or not) that stay whole on every rank.
+        includes the frozen weights (LoRA's base, quantized or not): whole up to stage 2, shards under 3.
         Adam's scalar step counters (4 bytes each) are left out."""
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
         master = [] if self.dtype == torch.float32 else self.master_pieces
