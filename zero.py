@@ -242,7 +242,7 @@ class ZeRO:
                 out.append(Bucket([t for t in frozen if t.dtype == dtype], 3, self.rank, self.world_size, dtype,
                                   device, module=module, frozen=True))
             for b in out:
-                b.unit = out  # a trainable bucket frees its whole unit once its gradients are out
+                b.unit = out  # which unit a bucket belongs to (the root's stay gathered through backward)
             return out
 
         units = [unit(blk, lambda t: True) for blk in blocks]
