@@ -12,6 +12,7 @@ Several machines (run on each node, node_rank 0..nnodes-1):
         train.py --config config/gpt2_124m.py --zero 2 --bf16
 """
 import ast
+import gc
 import hashlib
 import json
 import math
@@ -506,8 +507,12 @@ def main(argv=None):
     if master:
         metrics.close()
     if distributed:
-        # leave together: a gloo rank that tears down while its peer is still busy saving can
-        # abort with "terminate called without an active exception"
+        # free the model, ZeRO's buffers and their finished collectives while the process group
+        # exists (freed at interpreter exit instead, gloo can abort the process), then leave
+        # together: a gloo rank that tears down while its peer is still busy saving can abort too
+        # ("terminate called without an active exception")
+        model = zero = loss = None
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 

@@ -4,6 +4,7 @@ Multi-process tests spawn real processes (torch.multiprocessing) on the gloo bac
 on a port the OS hands out, never a fixed one. Group several checks into one spawned
 function: starting processes is the slow part.
 """
+import gc
 import os
 import socket
 import sys
@@ -30,6 +31,10 @@ def _worker(rank, world_size, port, fn, args):
     torch.set_num_threads(1)  # N ranks share 2 cores: oversubscription makes gloo tests crawl
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     fn(rank, world_size, *args)
+    # free fn's garbage (reference cycles of models, ZeRO buffers, finished collectives) while the
+    # process group still exists: destroyed later, at interpreter exit, gloo can abort the process
+    # ("terminate called without an active exception") after all the checks have passed
+    gc.collect()
     dist.barrier()  # leave together: gloo can abort a rank that tears down while a peer still works
     dist.destroy_process_group()
 
