@@ -96,11 +96,12 @@ def adamw_groups(model, cfg):
             {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def ref_step(model, opt, cfg, data, it, rank, ws, device, amp=None, act=None):
+def ref_step(model, opt, cfg, data, it, rank, ws, device, amp=None, act=None, xy=None):
     """The textbook step: forward, backward, clip_grad_norm_, AdamW (amp: an autocast dtype).
-    act: a list to add the forward's saved activation bytes to (a DDP-wrapped model)."""
+    act: a list to add the forward's saved activation bytes to (a DDP-wrapped model).
+    xy: this step's (inputs, targets), instead of get_batch's."""
     opt.zero_grad(set_to_none=True)  # at the start: the gradients stay countable after the step
-    x, y = get_batch(data, cfg.seed, it, 0, rank, ws, cfg.batch_size, cfg.block_size, 1)
+    x, y = xy or get_batch(data, cfg.seed, it, 0, rank, ws, cfg.batch_size, cfg.block_size, 1)
     x, y = x.to(device), y.to(device)
     with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None), \
             saved_activation_bytes(model.module, act) if act is not None else nullcontext():
@@ -489,13 +490,7 @@ def bench_quality(args):
             t0 = time.perf_counter()
             ix = torch.randint(len(train) - cfg.block_size, (cfg.batch_size,))
             xy = torch.from_numpy(np.stack([train[i:i + cfg.block_size + 1] for i in ix]).astype(np.int64))
-            _, loss = model(xy[:, :-1], xy[:, 1:])
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            for g in opt.param_groups:
-                g["lr"] = get_lr(it, cfg)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            ref_step(model, opt, cfg, None, it, 0, 1, torch.device("cpu"), xy=(xy[:, :-1], xy[:, 1:]))
             ms.append((time.perf_counter() - t0) * 1000)
         model.eval()
         with torch.no_grad():  # estimate_loss's 200 val batches, one loss each

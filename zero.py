@@ -91,6 +91,14 @@ def new_traffic():
 
 # ----------------------------------------------------------------------------------------------
 
+def frozen_tensors(module, keep=lambda t: True):
+    """What a module holds but never trains: frozen parameters (LoRA's base) and persistent
+    buffers (a quantized base's codes and scales; not nf4's shared 16-value code table)."""
+    ts = [p for p in module.parameters() if not p.requires_grad and keep(p)]
+    return ts + [b for m in module.modules() for n, b in m._buffers.items()
+                 if b is not None and n not in m._non_persistent_buffers_set and keep(b)]
+
+
 class Bucket:
     """A contiguous group of parameters: one flat buffer, padded to a multiple of N. frozen:
     stage 3 shards frozen tensors too (LoRA's base, a quantized base's codes and scales):
@@ -159,15 +167,12 @@ class ZeRO:
         self.prefetch = prefetch
         self.traffic = new_traffic()
         # deduplicated by identity (named_parameters() already skips the second name of the tied
-        # weight); frozen parameters stay plain tensors outside every buffer (LoRA relies on it)
+        # weight); frozen tensors stay out of every gradient buffer and the optimizer (LoRA relies on it)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = {id(p): n for n, p in named}  # for checkpoints: model.py's name of each tensor
         if not named:
             raise ValueError("the model has no trainable parameters")
-        self.frozen = [p for p in model.parameters() if not p.requires_grad]
-        # a quantized frozen base (QLoRA) lives in buffers: codes and scales, model state too
-        self.frozen += [b for m in model.modules() for n, b in m._buffers.items()
-                        if b is not None and n not in m._non_persistent_buffers_set]
+        self.frozen = frozen_tensors(model)  # model state too: counted by state_bytes()
         self.dtype, device = named[0][1].dtype, named[0][1].device
         self.psi = sum(p.numel() for _, p in named)  # Ψ, each weight counted once
         self.frozen_numel = sum(t.numel() for t in self.frozen)  # elements ZeRO-3 gathers but never updates
@@ -234,9 +239,7 @@ class ZeRO:
 
         def unit(module, keep):
             trainable = [p for p in module.parameters() if p.requires_grad and keep(p)]
-            frozen = [p for p in module.parameters() if not p.requires_grad and keep(p)]
-            frozen += [b for m in module.modules() for n, b in m._buffers.items()  # persistent only:
-                       if b is not None and n not in m._non_persistent_buffers_set and keep(b)]  # e.g. codes
+            frozen = frozen_tensors(module, keep)
             out = [Bucket(trainable, *args, module=module)] if trainable else []
             for dtype in dict.fromkeys(t.dtype for t in frozen):  # in order of appearance
                 out.append(Bucket([t for t in frozen if t.dtype == dtype], 3, self.rank, self.world_size, dtype,
@@ -249,7 +252,7 @@ class ZeRO:
         root = unit(model, lambda t: id(t) not in in_blocks)
         # gradients arrive last block first, root last (the tied embedding is the final use)
         self.buckets = [u[0] for u in units[::-1] + [root] if u and not u[0].frozen]
-        self.units, self.root = units, root
+        self.units, self.root, self.all_units = units, root, units + [root]
         self.in_backward, self.gathered_bytes, self.peak_gathered_bytes = False, 0, 0
         model.register_forward_pre_hook(lambda m, a: self._gather(root))
         model.register_forward_hook(lambda m, a, out: None if torch.is_grad_enabled() else self._free(root))
@@ -288,13 +291,12 @@ class ZeRO:
         if self.stage != 3:
             yield
             return
-        units = self.units + [self.root]
-        for u in units:
+        for u in self.all_units:
             self._gather(u)
         try:
             yield
         finally:
-            for u in units:
+            for u in self.all_units:
                 for b in u:
                     if write_back and b.frozen:
                         b.shard.copy_(b.flat[b.lo:b.hi])
@@ -387,7 +389,7 @@ class ZeRO:
                 post()
         self.pending = []
         if self.stage == 3:
-            for u in self.units + [self.root]:  # the root, and the first block's frozen weights
+            for u in self.all_units:  # the root, and the first block's frozen weights
                 self._free(u)
             self.in_backward = False
 
@@ -474,7 +476,7 @@ class ZeRO:
         grads = [b.flat_grad if b.flat_grad is not None else b.grad_shard for b in self.buckets]
         moments = [s[k] for s in self.opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
         if self.stage == 3:  # shards (frozen ones too), plus whatever full unit is gathered now
-            every = [b for u in self.units + [self.root] for b in u]
+            every = [b for u in self.all_units for b in u]
             weights = [b.shard for b in every]
             gathered = sum(b.flat.untyped_storage().nbytes() for b in every)
         else:
