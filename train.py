@@ -216,12 +216,12 @@ def get_batch(data, seed, step, micro, rank, world_size, batch_size, block_size,
 def load_data(cfg, rank, world_size, base_meta=None):
     """Memory-map train.bin / val.bin, preparing the data set first if it is missing (the
     built-in ones, or --input FILE in base_meta's vocabulary; rank 0 prepares, the others wait)."""
-    from data.prepare import DataError, load_meta, prepare
+    from data.prepare import DATASETS, DataError, load_meta, prepare
     if cfg.input:
         cfg.dataset = os.path.splitext(os.path.basename(cfg.input))[0]
     data_dir = os.path.join(ROOT, cfg.data_root, cfg.dataset)  # an absolute data_root wins
     missing = not os.path.isfile(os.path.join(data_dir, "val.bin"))
-    if missing and not cfg.input and cfg.dataset not in ("shakespeare_char", "shakespeare"):
+    if missing and not cfg.input and cfg.dataset not in DATASETS:  # the ones prepare.py builds
         raise ConfigError(f"no prepared data in {data_dir}: run `python data/prepare.py --input FILE --name {cfg.dataset}`")
     if (missing or cfg.input) and rank == 0:
         try:
