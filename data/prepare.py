@@ -210,6 +210,13 @@ def load_meta(data_dir):
 
 # ----------------------------------------------------------------------------- prepare
 
+def split_90_10(text):
+    """(train, val) texts: the first 90% of the characters, and the rest. Each is then encoded
+    on its own, as nanoGPT does; splitting the token stream instead gives other GPT-2 counts."""
+    split = int(len(text) * 0.9)
+    return text[:split], text[split:]
+
+
 def prepare(dataset="shakespeare_char", input_path=None, tokenizer=None, name=None, out_root=None, base_meta=None):
     """Tokenize one text into out_root/name/{train.bin,val.bin,meta.json}; returns that folder.
     base_meta: encode with another data set's tokenizer (fine-tuning keeps the base's vocabulary;
@@ -233,32 +240,28 @@ def prepare(dataset="shakespeare_char", input_path=None, tokenizer=None, name=No
         text, source = plays_text(out_dir)
     print(f"source: {source}")
 
-    # nanoGPT splits the text, not the token stream: train is the first 90% of the characters,
-    # val the rest, each encoded on its own (with GPT-2 BPE the two ways give other counts)
-    split = int(len(text) * 0.9)
-    parts = (text[:split], text[split:])
     if base_meta is not None and base_meta["tokenizer"] == "char":
         stoi = base_meta["stoi"]
-        meta = {k: base_meta[k] for k in ("tokenizer", "vocab_size", "stoi", "itos")}
-        ids = [[stoi[c] for c in part if c in stoi] for part in parts]
-        dropped = len(text) - len(ids[0]) - len(ids[1])
-        if dropped:
-            print(f"dropped {dropped:,} characters the base vocabulary lacks "
+        kept = "".join(c for c in text if c in stoi)  # dropped before the split, so val is 10%
+        if len(kept) < len(text):
+            print(f"dropped {len(text) - len(kept):,} characters the base vocabulary lacks "
                   f"({''.join(sorted(set(text) - set(stoi)))[:40]!r})")
+        meta = {k: base_meta[k] for k in ("tokenizer", "vocab_size", "stoi", "itos")}
+        ids = [[stoi[c] for c in part] for part in split_90_10(kept)]
     elif tokenizer == "char" and base_meta is None:
         chars = sorted(set(text))  # the vocabulary: every character the text uses, in a fixed order
         stoi = {c: i for i, c in enumerate(chars)}
         meta = {"tokenizer": "char", "vocab_size": len(chars), "stoi": stoi, "itos": chars}
-        ids = [[stoi[c] for c in part] for part in parts]
+        ids = [[stoi[c] for c in part] for part in split_90_10(text)]
     else:
         enc = gpt2_encoding()
         meta = {"tokenizer": "gpt2", "vocab_size": enc.n_vocab}
         # ordinary: a literal "<|endoftext|>" in a text is just text
-        ids = [enc.encode_ordinary(part) for part in parts]
+        ids = [enc.encode_ordinary(part) for part in split_90_10(text)]
     # uint16 halves the bytes of int32 (what nanoGPT does too), but every id must be below 2**16
     if meta["vocab_size"] > 2**16:
         raise DataError(f"vocabulary of {meta['vocab_size']} tokens does not fit uint16 (max 65536)")
-    train, val = (np.array(part_ids, dtype=np.uint16) for part_ids in ids)
+    train, val = np.array(ids[0], dtype=np.uint16), np.array(ids[1], dtype=np.uint16)
     if len(train) == 0 or len(val) == 0:
         raise DataError(f"{len(train) + len(val)} tokens are too few to split 90/10 "
                         "into train and val")

@@ -82,6 +82,21 @@ def test_gpt2_on_a_file(tmp_path):
     assert decode(encode(TEXT)) == TEXT
 
 
+def test_base_vocabulary_drops_then_splits(tmp_path, capsys):
+    # fine-tuning text in a base's char vocabulary: unknown characters go first, so that val is
+    # the last 10% of what is kept (the split of README's LoRA figures)
+    base = P.load_meta(P.prepare(input_path=write(tmp_path, TEXT), out_root=str(tmp_path)))
+    other = TEXT.replace("speak", "speak 42")  # digits: not in TEXT's vocabulary
+    out_dir = P.prepare(input_path=write(tmp_path, other, "other.txt"), out_root=str(tmp_path),
+                        base_meta=base)
+    assert "dropped 80 characters" in capsys.readouterr().out
+    kept = other.replace("42", "")
+    split = int(len(kept) * 0.9)
+    train, val = read_bins(out_dir)
+    decode = P.get_codec(base)[1]
+    assert decode(train) == kept[:split] and decode(val) == kept[split:]
+
+
 def test_offline_gpt2_ids_are_gpt2():
     enc = P.gpt2_encoding()
     assert enc.n_vocab == 50257 and enc.eot_token == 50256
