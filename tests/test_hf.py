@@ -5,7 +5,6 @@ Offline: the models are tiny and random, built here from a config; huggingface_h
 called (the hub-name tests make its import fail, or replace it by a fake). transformers and peft
 are test-only references (requirements-test.txt).
 """
-import json
 import os
 import sys
 import types
@@ -20,13 +19,18 @@ import lora
 from hf import HFError
 from model import GPT, GPTConfig
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+try:  # the references; the bad-input tests below run without them
+    import peft
+    import transformers
+except ImportError:
+    peft = transformers = None
+needs_refs = pytest.mark.skipif(transformers is None or peft is None,
+                                reason="reference check: pip install -r requirements-test.txt")
 
 ARGS = dict(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
 IDX = torch.randint(0, 50, (2, 32), generator=torch.Generator().manual_seed(0))
 # peft calls transformers' renamed gradient-checkpointing query; not ours to fix
-PEFT_DEPRECATION = ("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+PEFT_DEPRECATION = "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
 
 
 def ours(model, idx=IDX):
@@ -66,7 +70,10 @@ def save_variant(model, folder, variant):
         model.save_pretrained(folder)
     elif variant == "sharded":
         model.save_pretrained(folder, max_shard_size="40KB")
-        assert os.path.exists(os.path.join(folder, "model.safetensors.index.json"))
+        assert len([f for f in os.listdir(folder) if f.startswith("model-0")]) > 1
+    elif variant == "bin":  # transformers 4's safe_serialization=False: the tied head saved too
+        model.config.save_pretrained(folder)
+        torch.save(model.state_dict(), os.path.join(folder, "pytorch_model.bin"))
     else:  # the hub's own gpt2 .bin: saved from GPT2Model (no prefix, no head), mask buffers kept
         model.config.save_pretrained(folder)
         sd = {k.removeprefix("transformer."): v for k, v in model.state_dict().items()}
@@ -77,7 +84,8 @@ def save_variant(model, folder, variant):
         torch.save(sd, os.path.join(folder, "pytorch_model.bin"))
 
 
-@pytest.mark.parametrize("variant", ["safetensors", "sharded", "bin"])
+@needs_refs
+@pytest.mark.parametrize("variant", ["safetensors", "sharded", "bin", "hub-bin"])
 def test_load_transformers_files(hf_model, tmp_path, variant):
     save_variant(hf_model, tmp_path, variant)
     model_args, sd = hf.load_pretrained(str(tmp_path))
@@ -87,6 +95,7 @@ def test_load_transformers_files(hf_model, tmp_path, variant):
     torch.testing.assert_close(ours(model), theirs(hf_model), atol=1e-5, rtol=0)
 
 
+@needs_refs
 def test_load_into_from_file_path(hf_model, tmp_path):
     hf_model.save_pretrained(tmp_path)
     weights = str(tmp_path / "model.safetensors")  # a weights file, config.json beside it
@@ -98,6 +107,7 @@ def test_load_into_from_file_path(hf_model, tmp_path):
     assert half.transformer.h[0].attn.c_attn.weight.dtype == torch.bfloat16
 
 
+@needs_refs
 @pytest.mark.parametrize("bias", [True, False])
 def test_save_hf_loads_in_transformers(tmp_path, bias):
     model = random_gpt(bias=bias)
@@ -111,6 +121,7 @@ def test_save_hf_loads_in_transformers(tmp_path, bias):
         assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
 
 
+@needs_refs
 def test_save_hf_bf16(tmp_path):
     model = random_gpt()
     hf.save_hf(model.state_dict(), ARGS, tmp_path, dtype=torch.bfloat16)
@@ -123,6 +134,7 @@ def test_save_hf_bf16(tmp_path):
     torch.testing.assert_close(theirs(loaded), ours(model), atol=1e-5, rtol=0)
 
 
+@needs_refs
 @pytest.mark.filterwarnings(PEFT_DEPRECATION)
 @pytest.mark.parametrize("targets", ["q,v", "k", "all"])
 def test_peft_adapter(tmp_path, targets):
@@ -154,8 +166,8 @@ def one_line(excinfo, *words):
     assert "\n" not in msg and all(w in msg for w in words), msg
 
 
-def test_folder_without_config(hf_model, tmp_path):
-    hf_model.save_pretrained(tmp_path)
+def test_folder_without_config(tmp_path):
+    hf.save_hf(random_gpt().state_dict(), ARGS, tmp_path)
     os.remove(tmp_path / "config.json")
     with pytest.raises(HFError) as e:
         hf.load_pretrained(str(tmp_path))
@@ -213,6 +225,18 @@ def test_unreadable_weights(tmp_path):
     one_line(e, "unreadable")
 
 
+@needs_refs
+def test_untied_head(hf_model, tmp_path):
+    save_variant(hf_model, tmp_path, "bin")
+    sd = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    assert "lm_head.weight" in sd  # the tied head, saved twice: accepted (test above)
+    sd["lm_head.weight"] = sd["lm_head.weight"] + 1  # a head of its own: not GPT-2
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    with pytest.raises(HFError) as e:
+        hf.load_pretrained(str(tmp_path))
+    one_line(e, "tied")
+
+
 def test_save_bad_input_writes_nothing(tmp_path):
     model = random_gpt()
     sd = model.state_dict()
@@ -255,9 +279,9 @@ def test_hub_unreachable(tmp_path, monkeypatch):
     one_line(e, "not one of")
 
 
-def test_hub_name_found_locally(hf_model, tmp_path, monkeypatch):
+def test_hub_name_found_locally(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
-    hf_model.save_pretrained(tmp_path / "gpt2")  # as `hf download ... --local-dir gpt2` leaves it
+    hf.save_hf(random_gpt().state_dict(), ARGS, tmp_path / "gpt2")  # as if from `hf download`
     assert hf.read_config("gpt2") == ARGS
-    assert json.loads((tmp_path / "gpt2" / "config.json").read_text())["model_type"] == "gpt2"
+
