@@ -73,7 +73,7 @@ def gpt2_config_to_model_args(cfg):
     try:
         GPTConfig(**args)
     except (TypeError, ValueError) as e:
-        raise HFError(f"config.json: {_one_line(e)}")
+        raise HFError(f"config.json: {_one_line(e)}") from None
     return args
 
 
@@ -90,7 +90,7 @@ def model_args_to_gpt2_config(model_args, dtype=torch.float32):
         "resid_pdrop": d, "embd_pdrop": d, "attn_pdrop": d,
         "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
         "tie_word_embeddings": True, "bos_token_id": eot, "eos_token_id": eot,
-        # transformers >= 5 reads "dtype", older versions "torch_dtype"; both read the other's
+        # transformers >= 5 writes "dtype" (and still reads "torch_dtype"), older ones "torch_dtype"
         "torch_dtype": name, "dtype": name,
     }
 
@@ -116,6 +116,7 @@ def locate(source, cache_dir=None):
     """A local folder or weights file as is; a hub name (gpt2, openai-community/gpt2-xl, ...)
     that is not a local path is downloaded with huggingface_hub (optional) and its folder returned.
     Callers that read twice (read_config, then load_into) can locate once and pass the result."""
+    source = os.fspath(source)
     if os.path.exists(source):
         return source
     repo = source if "/" in source else f"openai-community/{source}"
@@ -226,7 +227,7 @@ def _tensors(source, model_args, cache_dir):
 
 
 def _check_tied(head, wte):
-    if not torch.equal(head.to(wte.dtype), wte):
+    if not torch.equal(head.to(wte.device, wte.dtype), wte):
         raise HFError("lm_head.weight differs from transformer.wte.weight: GPT-2's head is tied")
 
 
@@ -255,11 +256,12 @@ def load_into(model, source, cache_dir=None):
     if any(have[k] != model_args[k] for k in have):
         raise HFError(f"{source} is {model_args}, the model is {have}: build it from read_config")
     params = dict(model.named_parameters())
+    missing = [k for k in expected_shapes(model_args) if k not in params]
+    if missing:  # a quantized weight is a module of buffers, not a parameter
+        raise HFError(f"the model has no parameter {missing[0]}: load before quantize_base")
     for ours, t in _tensors(source, model_args, cache_dir):
         if ours == "lm_head.weight":
             _check_tied(t, params["transformer.wte.weight"])
-        elif ours not in params:
-            raise HFError(f"the model has no parameter {ours}: load before quantize_base")
         else:
             params[ours].copy_(t)
     return model_args
@@ -379,7 +381,7 @@ def _peft_tensors(lora_state, modules, slices, r):
                 raise HFError(f"lora state: {ours} has A {tuple(A.shape)}, B {tuple(B.shape)}, "
                               f"not ({k * r}, in), ({k * s}, {r}) for rank {r}")
             A, B = A.detach().cpu().float(), B.detach().cpu().float()
-            if module == "attn.c_attn":  # block-diagonal: slice j's rows use A's block i only
+            if module == "attn.c_attn":  # block-diagonal: slice j's rows see A's block n only
                 full = torch.zeros(3 * s, k * r)
                 for n, j in enumerate(slices):  # our n-th block of B is q|k|v slice j
                     full[j * s:(j + 1) * s, n * r:(n + 1) * r] = B[n * s:(n + 1) * s]
@@ -398,7 +400,9 @@ def save_peft_adapter(lora_state, settings, out_dir, base_model_name_or_path="gp
     lora_A and (C, r) block of lora_B. That is one rank k*r adapter on all of c_attn: A is our
     lora_A, B (3C, k*r) is block-diagonal (slice j's rows see only its own r columns of A's
     output, an unadapted slice's rows are zero). PEFT scales by lora_alpha / r, so c_attn gets
-    r = k*r and lora_alpha = k*alpha: alpha/r, the scaling lora.py uses, stays the same."""
+    r = k*r and lora_alpha = k*alpha: alpha/r, the scaling lora.py uses, stays the same.
+    An adapter trained on a quantized base (QLoRA) was fit to that base's rounding: on the
+    full-precision base it is close, not exact."""
     r, alpha = settings["rank"], settings["alpha"]
     targets = [t for t in TARGET_MODULES if t in settings["targets"]]
     modules = list(dict.fromkeys(TARGET_MODULES[t][0] for t in targets))  # ordered, unique
@@ -419,6 +423,6 @@ def save_peft_adapter(lora_state, settings, out_dir, base_model_name_or_path="gp
         "bias": "none", "use_rslora": False, "use_dora": False, "modules_to_save": None,
         "init_lora_weights": True, "inference_mode": True,
     }
-    header = {k: (torch.float32, tuple(t.shape)) for k, t in tensors.items()}
+    header = {name: (torch.float32, tuple(t.shape)) for name, t in tensors.items()}
     _write_atomically(out_dir, "adapter_model.safetensors", header, iter(tensors.items()),
                       "adapter_config.json", config)

@@ -217,6 +217,17 @@ def test_bad_tensors(tmp_path, tensor, words):
     one_line(e, *words)
 
 
+def test_load_into_quantized_model(tmp_path):
+    hf.save_hf(random_gpt().state_dict(), ARGS, tmp_path)
+    model = GPT(GPTConfig(**ARGS))
+    lora.quantize_base(model, "int8")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(HFError) as e:
+        hf.load_into(model, str(tmp_path))
+    one_line(e, "quantize_base")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_unreadable_weights(tmp_path):
     hf.save_hf(random_gpt().state_dict(), ARGS, tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
