@@ -1,0 +1,428 @@
+"""
+Hugging Face's GPT-2 files in and out, and PEFT's LoRA adapter files out, from scratch.
+
+The HF layout of GPT-2 (transformers' GPT2LMHeadModel) differs from model.py's in three ways:
+  - Conv1D, not nn.Linear: the four matmul weights of a block (attn.c_attn, attn.c_proj, mlp.c_fc,
+    mlp.c_proj) are stored (in, out), the transpose of nn.Linear's (out, in). Biases and LayerNorm
+    parameters are the same either way.
+  - The head is tied to the token embedding, so files hold wte once and no lm_head.weight (old
+    .bin files may hold both, equal). Some files also hold the causal mask as `attn.bias` and
+    `attn.masked_bias`: buffers, not weights; we skip them (`attn.c_attn.bias` is a weight).
+  - Key prefixes: GPT2LMHeadModel writes `transformer.h.0.ln_1.weight`, but the hub's own `gpt2`
+    files were saved from GPT2Model and say `h.0.ln_1.weight`. We accept both, write the former.
+
+The files: config.json (a GPT2Config) beside model.safetensors, or shards model-0000i-of-0000n
+.safetensors listed in model.safetensors.index.json, or an older pytorch_model.bin. A safetensors
+file is an 8-byte header length, a JSON header (name -> dtype, shape, byte range), then raw bytes,
+so one tensor can be read or written at a time: we never hold two copies of a model.
+
+PEFT's adapter (adapter_config.json + adapter_model.safetensors) adapts whole modules: lora_A
+(r, in) and lora_B (out, r) per module, delta = (lora_alpha / r) * B @ A. lora.py adapts slices
+of the fused q|k|v projection instead; see save_peft_adapter for why that is still one adapter.
+"""
+import json
+import os
+import re
+from contextlib import ExitStack
+
+import torch
+from safetensors import safe_open
+
+from model import GPTConfig
+
+HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+SKIP = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older transformers versions
+DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin")
+
+
+class HFError(Exception):
+    """A file or folder that is not a GPT-2 model we can read, or a model we cannot write as one."""
+
+
+def _one_line(e):
+    return f"{type(e).__name__}: {e}".splitlines()[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs
+
+def gpt2_config_to_model_args(cfg):
+    """A config.json dict -> GPTConfig kwargs; HFError for any GPT-2 variant model.py can't run."""
+    get = lambda k, default: default if cfg.get(k) is None else cfg[k]
+    if cfg.get("model_type") != "gpt2":
+        raise HFError(f"model_type {cfg.get('model_type')!r} is not gpt2")
+    act = get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):  # both are tanh-GELU, model.py's activation
+        raise HFError(f"activation_function {act!r}: only gelu_new / gelu_pytorch_tanh are GPT-2's")
+    unsupported = [k for k in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
+                               "add_cross_attention") if cfg.get(k)]
+    unsupported += [] if get("scale_attn_weights", True) else ["scale_attn_weights=false"]
+    unsupported += [] if get("tie_word_embeddings", True) else ["tie_word_embeddings=false"]
+    n_embd = get("n_embd", 768)
+    if get("n_inner", 4 * n_embd) != 4 * n_embd:
+        unsupported.append(f"n_inner={cfg['n_inner']} (model.py's MLP is 4*n_embd={4 * n_embd})")
+    if abs(get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:
+        unsupported.append(f"layer_norm_epsilon={cfg['layer_norm_epsilon']} (model.py uses 1e-5)")
+    if unsupported:
+        raise HFError(f"GPT-2 config with unsupported features: {', '.join(unsupported)}")
+    args = dict(block_size=get("n_positions", 1024), vocab_size=get("vocab_size", 50257),
+                n_layer=get("n_layer", 12), n_head=get("n_head", 12), n_embd=n_embd,
+                dropout=float(get("resid_pdrop", 0.0)), bias=True)  # GPT-2 uses 0.1 everywhere
+    try:
+        GPTConfig(**args)
+    except (TypeError, ValueError) as e:
+        raise HFError(f"config.json: {_one_line(e)}") from None
+    return args
+
+
+def model_args_to_gpt2_config(model_args, dtype=torch.float32):
+    """GPTConfig kwargs -> a config.json dict that transformers reads as a GPT2Config."""
+    a = model_args
+    eot = 50256 if a["vocab_size"] > 50256 else None  # <|endoftext|>, where the vocabulary has it
+    d, name = a.get("dropout", 0.0), str(dtype).removeprefix("torch.")
+    return {
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+        "activation_function": "gelu_new",
+        "n_positions": a["block_size"], "n_ctx": a["block_size"], "vocab_size": a["vocab_size"],
+        "n_layer": a["n_layer"], "n_head": a["n_head"], "n_embd": a["n_embd"], "n_inner": None,
+        "resid_pdrop": d, "embd_pdrop": d, "attn_pdrop": d,
+        "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
+        "tie_word_embeddings": True, "bos_token_id": eot, "eos_token_id": eot,
+        # transformers >= 5 writes "dtype" (and still reads "torch_dtype"), older ones "torch_dtype"
+        "torch_dtype": name, "dtype": name,
+    }
+
+
+def expected_shapes(model_args):
+    """Our state dict's names and shapes (nn.Linear layout) for these GPTConfig kwargs; the tied
+    lm_head.weight is left out, it is transformer.wte.weight."""
+    C, V, T = model_args["n_embd"], model_args["vocab_size"], model_args["block_size"]
+    out = {"transformer.wte.weight": (V, C), "transformer.wpe.weight": (T, C)}
+    for i in range(model_args["n_layer"]):
+        for name, shape in (("ln_1", (C,)), ("attn.c_attn", (3 * C, C)), ("attn.c_proj", (C, C)),
+                            ("ln_2", (C,)), ("mlp.c_fc", (4 * C, C)), ("mlp.c_proj", (C, 4 * C))):
+            out[f"transformer.h.{i}.{name}.weight"] = shape
+            out[f"transformer.h.{i}.{name}.bias"] = shape[:1]
+    out["transformer.ln_f.weight"] = out["transformer.ln_f.bias"] = (C,)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights in
+
+def locate(source, cache_dir=None):
+    """A local folder or weights file as is; a hub name (gpt2, openai-community/gpt2-xl, ...)
+    that is not a local path is downloaded with huggingface_hub (optional) and its folder returned.
+    Callers that read twice (read_config, then load_into) can locate once and pass the result."""
+    source = os.fspath(source)
+    if os.path.exists(source):
+        return source
+    repo = source if "/" in source else f"openai-community/{source}"
+    if repo.split("/")[0] != "openai-community" or repo.split("/")[1] not in HUB_NAMES:
+        raise HFError(f"{source}: no such file or folder, and not one of {', '.join(HUB_NAMES)}")
+    short = repo.split("/")[1]
+    hint = (f"download it on a connected machine (`hf download {repo} --local-dir {short}`) "
+            f"and pass the folder, e.g. --init-from ./{short}")
+    try:
+        from huggingface_hub import snapshot_download  # optional: only hub names need it
+    except ImportError:
+        raise HFError(f"{source}: huggingface_hub is not installed; {hint}") from None
+    try:
+        files = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*"]
+        return snapshot_download(repo, cache_dir=cache_dir, allow_patterns=files)
+    except Exception as e:  # offline, unreachable, rate-limited: one message for all
+        raise HFError(f"{source}: cannot download ({_one_line(e)}); {hint}") from None
+
+
+def _folder_and_files(path):
+    """(folder holding config.json, [weights files]) for a folder or a weights file."""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        found = [f for f in WEIGHT_FILES if os.path.exists(os.path.join(path, f))]
+        if not found:
+            raise HFError(f"{path}: no {', '.join(WEIGHT_FILES)} in this folder")
+        path = os.path.join(path, found[0])  # index before single file, safetensors before .bin
+    if path.endswith(".index.json"):
+        try:
+            with open(path) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except Exception as e:
+            raise HFError(f"{path}: unreadable shard index ({_one_line(e)})") from None
+        return folder, [os.path.join(folder, s) for s in shards]
+    return folder, [path]
+
+
+def read_config(source, cache_dir=None):
+    """GPTConfig kwargs from the config.json of a folder (or beside a weights file)."""
+    folder, _ = _folder_and_files(locate(source, cache_dir))
+    path = os.path.join(folder, "config.json")
+    if not os.path.exists(path):
+        raise HFError(f"{folder}: no config.json (a Hugging Face model folder has one)")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except Exception as e:
+        raise HFError(f"{path}: unreadable ({_one_line(e)})") from None
+    return gpt2_config_to_model_args(cfg)
+
+
+def _open(path, stack):
+    """{name: (shape, reader)} of one weights file. Shapes come from the safetensors header; a
+    tensor's bytes are read when its reader is called. A .bin is memory-mapped instead (old
+    non-zip .bin files cannot be, and are read whole)."""
+    try:
+        if path.endswith(".safetensors"):
+            f = stack.enter_context(safe_open(path, framework="pt"))
+            return {k: (tuple(f.get_slice(k).get_shape()), lambda k=k: f.get_tensor(k))
+                    for k in f.keys()}
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+        return {k: (tuple(t.shape), lambda k=k: sd[k]) for k, t in sd.items()}
+    except Exception as e:
+        raise HFError(f"{path}: unreadable ({_one_line(e)})") from None
+
+
+def _read_plan(files, model_args, stack):
+    """Check every file's names and shapes against the config before reading any data; returns
+    [(our name, reader, transpose)], lm_head (if present) last so that wte comes before it."""
+    readers = {}
+    for path in files:
+        for name, (shape, read) in _open(path, stack).items():
+            if name.endswith(SKIP):
+                continue
+            key = name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
+            readers[key] = (name, path, shape, read)
+    plan, want = [], expected_shapes(model_args)
+    for ours, shape in want.items():
+        if ours not in readers:
+            raise HFError(f"{files[0]}: tensor {ours.removeprefix('transformer.')} is missing")
+        name, path, got, read = readers[ours]
+        transpose = ours.endswith(CONV1D)
+        shape = shape[::-1] if transpose else shape  # the file holds (in, out)
+        if got != shape:
+            raise HFError(f"{path}: tensor {name} has shape {got}, the config says {shape}")
+        plan.append((ours, read, transpose))
+    extra = sorted(set(readers) - set(want) - {"lm_head.weight"})
+    if extra:
+        raise HFError(f"{files[0]}: unexpected tensor {extra[0]} (not GPT2LMHeadModel's)")
+    if "lm_head.weight" in readers:  # a tied head saved twice: checked equal to wte when read
+        plan.append(("lm_head.weight", readers["lm_head.weight"][3], False))
+    return plan
+
+
+def _tensors(source, model_args, cache_dir):
+    """Yield (our name, tensor in our layout), one tensor read at a time."""
+    _, files = _folder_and_files(locate(source, cache_dir))
+    with ExitStack() as stack:
+        for ours, read, transpose in _read_plan(files, model_args, stack):
+            try:
+                t = read()
+            except Exception as e:
+                raise HFError(f"{source}: cannot read {ours} ({_one_line(e)})") from None
+            yield ours, (t.t() if transpose else t)
+
+
+def _check_tied(head, wte):
+    if not torch.equal(head.to(wte.device, wte.dtype), wte):
+        raise HFError("lm_head.weight differs from transformer.wte.weight: GPT-2's head is tied")
+
+
+def load_pretrained(source, cache_dir=None):
+    """(GPTConfig kwargs, state dict in model.py's names, fp32) from a folder, a weights file or a
+    hub name. lm_head.weight and transformer.wte.weight are the same tensor, as in GPT's own."""
+    model_args = read_config(source, cache_dir)
+    sd = {}
+    for ours, t in _tensors(source, model_args, cache_dir):
+        if ours == "lm_head.weight":
+            _check_tied(t.float(), sd["transformer.wte.weight"])
+            continue
+        sd[ours] = torch.empty(t.shape).copy_(t)  # fp32, contiguous, not a view of a mapped file
+    sd["lm_head.weight"] = sd["transformer.wte.weight"]
+    return model_args, sd
+
+
+@torch.no_grad()
+def load_into(model, source, cache_dir=None):
+    """Copy the weights into an existing GPT's parameters, tensor by tensor, in the model's dtype
+    and device: host memory never holds more than the model and one tensor. The model must have
+    been built from read_config(source) (LoRA applied or not; not yet quantized). On an HFError
+    from a tensor read, the model is partly overwritten. Returns the GPTConfig kwargs."""
+    model_args = read_config(source, cache_dir)
+    have = {k: getattr(model.config, k) for k in model_args if k != "dropout"}
+    if any(have[k] != model_args[k] for k in have):
+        raise HFError(f"{source} is {model_args}, the model is {have}: build it from read_config")
+    params = dict(model.named_parameters())
+    missing = [k for k in expected_shapes(model_args) if k not in params]
+    if missing:  # a quantized weight is a module of buffers, not a parameter
+        raise HFError(f"the model has no parameter {missing[0]}: load before quantize_base")
+    for ours, t in _tensors(source, model_args, cache_dir):
+        if ours == "lm_head.weight":
+            _check_tied(t, params["transformer.wte.weight"])
+        else:
+            params[ours].copy_(t)
+    return model_args
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights out
+
+def _write_safetensors(path, header, tensors):
+    """Write a safetensors file one tensor at a time. header: {name: (dtype, shape)} in file
+    order; tensors yields (name, tensor) in the same order, each already of that dtype."""
+    meta, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, (dtype, shape) in header.items():
+        n = dtype.itemsize * int(torch.Size(shape).numel())
+        meta[name] = {"dtype": DTYPES[dtype], "shape": list(shape),
+                      "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(meta, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the format pads the header to 8-byte alignment with spaces
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for (name, t), want in zip(tensors, header):
+            assert name == want and t.dtype == header[name][0], (name, want)
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # little-endian
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_atomically(out_dir, safetensors_name, header, tensors, json_name, json_obj):
+    """Temporary files in out_dir, then os.replace each: a crash leaves the old files or the new
+    ones (other files in out_dir, e.g. a tokenizer, stay). The weights go first: the config is
+    the last thing written, so a folder with a new config has its new weights."""
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = [os.path.join(out_dir, f".{n}.tmp{os.getpid()}") for n in (safetensors_name, json_name)]
+    try:
+        _write_safetensors(tmp[0], header, tensors)
+        with open(tmp[1], "w") as f:
+            json.dump(json_obj, f, indent=2)
+            f.write("\n")
+    except BaseException:
+        [os.remove(t) for t in tmp if os.path.exists(t)]
+        raise
+    os.replace(tmp[0], os.path.join(out_dir, safetensors_name))
+    os.replace(tmp[1], os.path.join(out_dir, json_name))
+
+
+def save_hf(state_dict, model_args, out_dir, dtype=torch.float32):
+    """Write config.json + model.safetensors that transformers' GPT2LMHeadModel.from_pretrained
+    loads, in dtype (fp32, bf16 or fp16). Every name and shape is checked before anything is
+    written. A bias=False model gets zero biases: a zero bias adds nothing, so the logits are
+    the same, and refusing would leave such models no way out."""
+    if dtype not in DTYPES:
+        raise HFError(f"dtype {dtype}: use one of {', '.join(map(str, DTYPES))}")
+    lora = [k for k in state_dict if "lora_" in k]
+    if lora:
+        raise HFError(f"{lora[0]} is a LoRA tensor: export the base (merged with lora.merge_lora, "
+                      f"lora_ keys dropped), or the adapter with save_peft_adapter")
+    try:
+        GPTConfig(**model_args)
+    except (TypeError, ValueError) as e:
+        raise HFError(f"model_args: {_one_line(e)}") from None
+    want = expected_shapes(model_args)
+    for name, shape in want.items():
+        zero_bias = name.endswith(".bias") and not model_args.get("bias", True)
+        t = state_dict.get(name)
+        if (t is None and not zero_bias) or (t is not None and tuple(t.shape) != shape):
+            got = "missing" if t is None else f"of shape {tuple(t.shape)}"
+            raise HFError(f"state dict: {name} is {got}, the model args say {shape}")
+    extra = sorted(set(state_dict) - set(want) - {"lm_head.weight"})
+    if extra:
+        raise HFError(f"state dict: unexpected tensor {extra[0]} (not one of GPT's)")
+    if "lm_head.weight" in state_dict:
+        _check_tied(state_dict["lm_head.weight"], state_dict["transformer.wte.weight"])
+    header = {n: (dtype, s[::-1] if n.endswith(CONV1D) else s) for n, s in want.items()}
+
+    def tensors():  # converted one at a time: never a second copy of the model
+        for name, shape in want.items():
+            t = state_dict.get(name)
+            t = torch.zeros(shape) if t is None else t.detach().cpu()
+            yield name, (t.t() if name.endswith(CONV1D) else t).to(dtype)
+
+    config = model_args_to_gpt2_config(model_args, dtype)
+    _write_atomically(out_dir, "model.safetensors", header, tensors(), "config.json", config)
+
+
+# ----------------------------------------------------------------------------------------------
+# PEFT adapters out
+
+# lora.py's targets -> the module they adapt, and which slice of c_attn's q|k|v (None: whole)
+TARGET_MODULES = {"q": ("attn.c_attn", 0), "k": ("attn.c_attn", 1), "v": ("attn.c_attn", 2),
+                  "attn_out": ("attn.c_proj", None), "mlp_fc": ("mlp.c_fc", None),
+                  "mlp_proj": ("mlp.c_proj", None)}
+
+
+def _peft_tensors(lora_state, modules, slices, r):
+    """{PEFT key: fp32 tensor} for every block, checking our shapes on the way."""
+    found = [re.fullmatch(r"transformer\.h\.(\d+)\.(.+)\.lora_[AB]", k) for k in lora_state]
+    found = [m for m in found if m]
+    if not found:
+        raise HFError("lora state: no transformer.h.<i>.<module>.lora_A / lora_B tensors in it")
+    blocks = sorted({int(m.group(1)) for m in found})
+    if blocks != list(range(len(blocks))) or any(m.group(2) not in modules for m in found):
+        bad = [m.group(0) for m in found if m.group(2) not in modules]
+        raise HFError(f"lora state: {bad[0] if bad else f'blocks {blocks}'} does not fit "
+                      f"targets {modules}")
+    out = {}
+    for i in blocks:
+        for module in modules:
+            ours = f"transformer.h.{i}.{module}"
+            A, B = lora_state.get(ours + ".lora_A"), lora_state.get(ours + ".lora_B")
+            if A is None or B is None:
+                raise HFError(f"lora state: {ours}.lora_A / lora_B missing for these targets")
+            k = len(slices) if module == "attn.c_attn" else 1
+            s = A.shape[1] if module == "attn.c_attn" else B.shape[0]  # rows per adapted slice
+            if A.shape[0] != k * r or tuple(B.shape) != (k * s, r):
+                raise HFError(f"lora state: {ours} has A {tuple(A.shape)}, B {tuple(B.shape)}, "
+                              f"not ({k * r}, in), ({k * s}, {r}) for rank {r}")
+            A, B = A.detach().cpu().float(), B.detach().cpu().float()
+            if module == "attn.c_attn":  # block-diagonal: slice j's rows see A's block n only
+                full = torch.zeros(3 * s, k * r)
+                for n, j in enumerate(slices):  # our n-th block of B is q|k|v slice j
+                    full[j * s:(j + 1) * s, n * r:(n + 1) * r] = B[n * s:(n + 1) * s]
+                B = full
+            prefix = f"base_model.model.{ours}"
+            out[prefix + ".lora_A.weight"], out[prefix + ".lora_B.weight"] = A, B
+    return out
+
+
+def save_peft_adapter(lora_state, settings, out_dir, base_model_name_or_path="gpt2"):
+    """Write adapter_config.json + adapter_model.safetensors that peft.PeftModel.from_pretrained
+    loads onto the GPT-2 base (the un-merged base, exported with save_hf). lora_state: our LoRA
+    tensors by our names (other entries are ignored); settings: model.lora_settings.
+
+    The fused c_attn: lora.py adapts k of its q|k|v slices, each with its own (r, in) block of
+    lora_A and (C, r) block of lora_B. That is one rank k*r adapter on all of c_attn: A is our
+    lora_A, B (3C, k*r) is block-diagonal (slice j's rows see only its own r columns of A's
+    output, an unadapted slice's rows are zero). PEFT scales by lora_alpha / r, so c_attn gets
+    r = k*r and lora_alpha = k*alpha: alpha/r, the scaling lora.py uses, stays the same.
+    An adapter trained on a quantized base (QLoRA) was fit to that base's rounding: on the
+    full-precision base it is close, not exact."""
+    r, alpha = settings["rank"], settings["alpha"]
+    targets = [t for t in TARGET_MODULES if t in settings["targets"]]
+    modules = list(dict.fromkeys(TARGET_MODULES[t][0] for t in targets))  # ordered, unique
+    slices = [TARGET_MODULES[t][1] for t in targets if TARGET_MODULES[t][0] == "attn.c_attn"]
+    tensors = _peft_tensors(lora_state, modules, slices, r)
+    k, rank_pattern, alpha_pattern = len(slices), {}, {}
+    if k > 1 and len(modules) > 1:  # c_attn's rank differs from the other modules'
+        rank_pattern["attn.c_attn"], alpha_pattern["attn.c_attn"] = k * r, k * alpha
+    elif k > 1:  # c_attn alone: its rank is the adapter's rank
+        r, alpha = k * r, k * alpha
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": r, "lora_alpha": alpha, "lora_dropout": settings.get("dropout", 0.0),
+        # "attn.c_proj", not "c_proj": PEFT matches suffixes, and mlp.c_proj ends in c_proj too
+        "target_modules": modules, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
+        "fan_in_fan_out": True,  # GPT-2's Conv1D stores (in, out): PEFT transposes the delta
+        "bias": "none", "use_rslora": False, "use_dora": False, "modules_to_save": None,
+        "init_lora_weights": True, "inference_mode": True,
+    }
+    header = {name: (torch.float32, tuple(t.shape)) for name, t in tensors.items()}
+    _write_atomically(out_dir, "adapter_model.safetensors", header, iter(tensors.items()),
+                      "adapter_config.json", config)
