@@ -1,21 +1,28 @@
 """
-Training checkpoints: save, resume, reshard, export.
+Training checkpoints: save, resume, reshard, export; streamed, never the whole model on a rank.
 
 A checkpoint is a folder OUT_DIR/ckpt-ITER (ITER zero-padded) in one of two formats:
-  consolidated  ckpt.pt: full fp32 weights (model.py's names), Adam's moments, everything else.
-                Gathered onto rank 0 one ZeRO unit/bucket at a time.
-  sharded       shard-RANK.pt from every rank (its slices of each parameter: master weights and
-                moments, and its RNG states) plus meta.pt, which says which rank holds which
-                slice [lo, hi) of which flattened parameter.
-Both describe the state by (parameter name, element range), never by bucket or rank layout,
-so any world size and any ZeRO stage can read either one back: each rank asks for the ranges it
-owns now and the reader assembles them from whatever pieces were written (PITFALLS 13).
+  consolidated  ckpt.pt, written by rank 0: every tensor whole (trainable ones as fp32 master
+                weights and Adam's two moments, frozen ones in their own dtype), gathered one
+                bucket at a time and moved to the host before the next is gathered
+  sharded       shard-RANK.pt from every rank, the pieces of tensors it owns, plus meta.pt,
+                which says which rank holds which element range [lo, hi) of which tensor
+Both describe the state by (tensor name, element range), never by bucket or rank layout, so
+any world size and any ZeRO stage resumes from either: each rank asks for the ranges it owns
+now, and reads only the files that hold them (ckpt.pt memory-mapped). Under ZeRO-3 no rank
+ever holds more than one bucket beyond its shards, saving or restoring.
+
+Checked on resume, each a one-line CheckpointError that changes no file: the model shape and
+vocabulary, every tensor's name and full shape, the LoRA rank, alpha and targets, the
+quantization (mode, double quantization); every element must come from the file. What may
+change between runs: world size, ZeRO stage, format, LoRA dropout, and the dtype (then the
+loss scaler starts fresh, since a scale fit for one precision is wrong for another).
 
 Safety: a checkpoint is written into ckpt-ITER.tmp and becomes ckpt-ITER by one atomic rename
-after every file is complete and fsynced, so a crash mid-save leaves the previous checkpoint as
-the newest complete one. Files are read with torch.load(weights_only=True): a checkpoint can
-hold tensors, numbers and strings, never code. Any problem reading one is a CheckpointError
-with a one-line message.
+after every rank's files are complete and fsynced and all ranks agree that they are: a full
+disk or a crash mid-save leaves the previous checkpoint as the newest. Every file of one save
+carries its save_id, so a shard copied in from another save is refused. Files are read with
+torch.load(weights_only=True): tensors, numbers and strings, never code.
 
 What is saved, so that a resumed run continues exactly: weights (fp32 master values), Adam's
 moments and step, the loss-scaler state, the iteration (which fixes the LR schedule and the data
@@ -29,26 +36,55 @@ import random
 import re
 import shutil
 import sys
+import uuid
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class CheckpointError(Exception):
     """A missing, corrupt, truncated or mismatched checkpoint: one line, no traceback."""
 
 
-def _fsync_save(obj, path):
+# ----------------------------------------------------------------------------------------------
+# files
+
+class _Recorder:
+    """A file torch.save writes through: torch reports a failed write as an opaque RuntimeError
+    ("unexpected pos"), this keeps the OSError behind it (a full disk, a file-size limit)."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self.f.flush()
+
+
+def _write(obj, path):
+    """torch.save, flushed and fsynced; an OSError when the bytes did not reach the disk."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        out = _Recorder(f)
+        try:
+            torch.save(obj, out)
+        except RuntimeError:
+            raise out.error or OSError(f"torch.save could not write {path}")
         f.flush()
         os.fsync(f.fileno())
 
 
-def _load(path):
+def _load(path, mmap=False):
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
     except Exception as e:  # truncated zip, a pickle that wants to run code, ...
@@ -57,10 +93,10 @@ def _load(path):
 
 
 def rng_state():
-    """Every generator's state as plain bytes and numbers (weights_only-loadable, picklable)."""
+    """Every generator's state as plain bytes and numbers (weights_only-loadable)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"torch": torch.get_rng_state().numpy().tobytes(), "numpy": [kind, keys.tobytes(), pos, has_gauss, gauss],
-             "python": random.getstate()}
+    state = {"torch": torch.get_rng_state().numpy().tobytes(),
+             "numpy": [kind, keys.tobytes(), pos, has_gauss, gauss], "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
     return state
@@ -76,172 +112,386 @@ def set_rng_state(state):
         torch.cuda.set_rng_state(as_tensor(state["cuda"]))
 
 
-def _gather_object(obj, world_size):
+def _all_gather_object(obj, world_size):
     out = [obj] * world_size
     if world_size > 1:
         dist.all_gather_object(out, obj)
     return out
 
 
-def save(out_dir, it, zero, model, scaler, header, fmt, keep_last, rank, world_size):
+# ----------------------------------------------------------------------------------------------
+# what a rank owns, streamed
+
+def stored_shapes(model):
+    """{name: shape} of every tensor a checkpoint holds (parameters and persistent buffers, the
+    tied weight once), as the checkpoint holds it: the embedding with the vocabulary's own rows,
+    not the zero rows model.py pads it with. Padded rows are the flat tensor's last elements,
+    so a checkpoint simply keeps the first rows * columns of them."""
+    shapes, seen = {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            shape = list(t.shape)
+            if name.endswith("wte.weight") or name == "lm_head.weight":
+                shape[0] = model.config.vocab_size
+            shapes[name] = shape
+    return shapes
+
+
+@torch.no_grad()
+def load_weights(model, weights):
+    """Copy a state_dict into a model: as checkpoints hold it (stored_shapes: the vocabulary's
+    own rows, the padded ones keep their zeros) or as model.state_dict() gives it (padded, the
+    tied weight under both names). A ValueError names the first tensor that does not fit."""
+    shapes, targets = stored_shapes(model), model.state_dict(keep_vars=True)
+    for name in sorted(set(shapes) - set(weights)) + sorted(set(weights) - set(targets)):
+        raise ValueError(f"{name} is {'missing' if name in shapes else 'not in this model'}")
+    for name, shape in shapes.items():
+        source, target = weights[name], targets[name].detach()
+        if source.shape != target.shape:
+            if list(source.shape) != shape:
+                raise ValueError(f"{name} is {list(source.shape)}, this model has {shape}")
+            target = target[:shape[0]]
+        target.copy_(source)
+
+
+def _stored(shapes, name, lo, hi):
+    """[lo, hi) of a flattened tensor, cut to what the checkpoint stores of it."""
+    return lo, min(hi, int(np.prod(shapes[name])))
+
+
+def owned_pieces(zero, shapes):
+    """This rank's pieces: {name: {"lo", "hi", "master", "exp_avg", "exp_avg_sq"}} for trainable
+    tensors and {name: {"lo", "hi", "value"}} for frozen ones, copied to the host. Up to stage 2
+    the frozen tensors are whole on every rank: rank 0 owns them."""
+    out = {}
+    for s in zero.segments:
+        lo, hi = _stored(shapes, s.name, s.lo, s.hi)
+        if lo < hi:
+            state, n = zero.opt.state[s.master], hi - lo
+            out[s.name] = {"lo": lo, "hi": hi, "master": s.master[:n].detach().cpu().clone(),
+                           **{k: state[k][:n].cpu().clone() for k in MOMENTS}}
+    if zero.stage == 3 or zero.rank == 0:
+        for name, lo, hi, values in zero.frozen_pieces():
+            lo, stop = _stored(shapes, name, lo, hi)
+            if lo < stop:
+                out[name] = {"lo": lo, "hi": stop, "value": values[:stop - lo].cpu().clone()}
+    return out
+
+
+def full_tensors(zero, shapes, keys=("master",) + MOMENTS):
+    """Every tensor whole (as stored_shapes says), by name, on rank 0's host ({} on the other
+    ranks): {name: {key: tensor}} with the keys of owned_pieces. A collective: buckets are
+    gathered one at a time, each on the host before the next is gathered."""
+    out = {}
+
+    def host(name, flat):  # the stored part of a tensor, on the host
+        return flat[:int(np.prod(shapes[name]))].view(shapes[name]).cpu().clone()
+
+    for b in zero.buckets:
+        for key in keys:
+            owned = torch.zeros(b.hi - b.lo, dtype=torch.float32, device=zero.device)
+            for s in b.segments:
+                src = s.master if key == "master" else zero.opt.state[s.master][key]
+                owned[s.start:s.start + s.hi - s.lo] = src
+            with zero.gathered_flat(b, owned) as full:
+                if zero.rank == 0:
+                    for p, offset in zip(b.params, b.offsets):
+                        name = zero.names[id(p)]
+                        out.setdefault(name, {})[key] = host(name, full[offset:offset + p.numel()])
+    frozen = [b for u in getattr(zero, "all_units", []) for b in u.buckets if b.frozen]
+    for b in frozen:  # ZeRO-3: the frozen buckets' shards, gathered the same way
+        with zero.gathered_flat(b, b.shard) as full:
+            if zero.rank == 0:
+                for t, offset in zip(b.params, b.offsets):
+                    name = zero.names[id(t)]
+                    out[name] = {"value": host(name, full[offset:offset + t.numel()])}
+    if zero.stage < 3 and zero.rank == 0:
+        for t in zero.frozen:
+            out[zero.names[id(t)]] = {"value": host(zero.names[id(t)], t.detach().reshape(-1))}
+    return out
+
+
+def state_dict(zero, model):
+    """What model.state_dict() would give if no rank held a shard: its names, order and shapes
+    (the padded vocabulary rows as the zeros they are), fp32 master weights for what trains and
+    the frozen tensors as they are; on rank 0's host, None elsewhere. A collective."""
+    full = full_tensors(zero, stored_shapes(model), keys=("master",))
+    if zero.rank != 0:
+        return None
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        entry = full[zero.names[id(t)]]  # the tied head: under its first name
+        value = entry.get("master", entry.get("value"))
+        if value.shape != t.shape:  # the padded rows
+            value = torch.cat([value, value.new_zeros((t.shape[0] - len(value),) + t.shape[1:])])
+        out[name] = value
+    return out
+
+
+def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
     """Write OUT_DIR/ckpt-IT on every rank (a collective). header: run flags, model config,
-    tokenizer metadata. Keeps the newest keep_last complete checkpoints."""
+    tokenizer metadata. Keeps the newest keep_last complete checkpoints. On a write error
+    every rank raises CheckpointError and nothing changes in out_dir."""
+    rank, world_size = zero.rank, zero.world_size
     final = os.path.join(out_dir, f"ckpt-{it:07d}")
     tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    if world_size > 1:
-        dist.barrier()
-    rngs = _gather_object(rng_state(), world_size) if fmt == "consolidated" else None
-    with zero.gathered():  # ZeRO-3 shards frozen tensors too: gather them to save them whole
-        frozen = {n: p.detach().float().clone() for n, p in model.named_parameters() if not p.requires_grad}
-        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    common = dict(header, iter=it, scaler=scaler.state_dict(), adam_step=zero.adam_step(), world_size=world_size,
-                  stage=zero.stage)
+    # the collectives first (gathers, metadata), then the writes: a rank whose write fails
+    # cannot leave the others waiting in a collective
+    save_id = _all_gather_object(uuid.uuid4().hex, world_size)[0]
+    shapes = stored_shapes(model)
+    adam_step = int(zero.opt.state[zero.segments[0].master]["step"].item()) \
+        if zero.segments else -1
+    common = dict(header, iter=it, save_id=save_id, world_size=world_size, stage=zero.stage,
+                  scaler=scaler.state_dict(), shapes=shapes,
+                  adam_step=max(_all_gather_object(adam_step, world_size)))
     if fmt == "sharded":
-        shard = zero.shard_state()
-        _fsync_save({"slices": shard, "rng": rng_state()}, os.path.join(tmp, f"shard-{rank:05d}.pt"))
-        layout = _gather_object({n: (v["lo"], v["hi"]) for n, v in shard.items()}, world_size)
+        pieces = owned_pieces(zero, shapes)
+        layout = _all_gather_object({n: (v["lo"], v["hi"]) for n, v in pieces.items()}, world_size)
+        files = {f"shard-{rank:05d}.pt": {"save_id": save_id, "rank": rank, "pieces": pieces,
+                                          "rng": rng_state()}}
         if rank == 0:
-            shapes = {n: list(p.shape) for n, p in model.named_parameters() if p.requires_grad}
-            _fsync_save(dict(common, format="sharded", layout=layout, shapes=shapes, frozen=frozen, buffers=buffers),
-                        os.path.join(tmp, "meta.pt"))
+            files["meta.pt"] = dict(common, format="sharded", layout=layout)
     else:
-        weights = zero.full_state_dict(model)
-        moments = {k: zero.full_state_dict(model, k) for k in ("exp_avg", "exp_avg_sq")}
+        tensors = full_tensors(zero, shapes)
+        rngs = _all_gather_object(rng_state(), world_size)
+        files = {"ckpt.pt": dict(common, format="consolidated", tensors=tensors, rng=rngs)} \
+            if rank == 0 else {}
+    error = None
+    try:
         if rank == 0:
-            _fsync_save(dict(common, format="consolidated", model=weights, optim=moments, rng=rngs),
-                        os.path.join(tmp, "ckpt.pt"))
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        _barrier(world_size)
+        for name, obj in files.items():
+            _write(obj, os.path.join(tmp, name))
+    except OSError as e:
+        error = e
+    # every rank learns whether every rank's files are complete before anything is committed
+    failed = torch.tensor([error is not None], dtype=torch.float32, device=zero.device)
     if world_size > 1:
-        dist.barrier()  # every rank's files are on disk
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier(world_size)
+        previous = list_checkpoints(out_dir)
+        raise CheckpointError(f"could not write {final} ({error or 'failed on another rank'}); "
+                              + (f"{previous[-1]} is intact" if previous else "nothing was saved"))
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)  # the same iteration saved again (a final save)
         os.replace(tmp, final)  # the commit point: a folder without .tmp is complete
         fd = os.open(out_dir, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-        for old in list_checkpoints(out_dir)[:-keep_last] if keep_last > 0 else []:
+        for old in list_checkpoints(out_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-    if world_size > 1:
-        dist.barrier()
+    _barrier(world_size)
     return final
 
 
+def _barrier(world_size):
+    if world_size > 1:
+        dist.barrier()
+
+
 def list_checkpoints(out_dir):
-    """Complete checkpoints in out_dir, oldest first."""
+    """Complete checkpoints in out_dir, oldest first (a .tmp folder is not one)."""
     if not os.path.isdir(out_dir):
         return []
     names = sorted(n for n in os.listdir(out_dir) if re.fullmatch(r"ckpt-\d+", n))
     return [os.path.join(out_dir, n) for n in names]
 
 
+# ----------------------------------------------------------------------------------------------
+# read
+
 class Reader:
-    """Reads either format; read(name, key, lo, hi) returns elements [lo, hi) of a flattened
-    parameter's "master" weights, "exp_avg" or "exp_avg_sq", assembled from whatever slices
-    were written."""
+    """Reads either format. read(name, key, lo, hi) returns elements [lo, hi) of a flattened
+    tensor's "master", "exp_avg", "exp_avg_sq" (trainable) or "value" (frozen), assembled from
+    whatever pieces were written; only the files that hold them are opened (`opened`)."""
 
     def __init__(self, path):
         if not os.path.isdir(path):
             raise CheckpointError(f"no checkpoint at {path}")
-        self.path = path
+        self.path, self.shards, self.opened = path, {}, []
         if os.path.exists(os.path.join(path, "ckpt.pt")):
-            self.header = _load(os.path.join(path, "ckpt.pt"))
+            self.header = self._open("ckpt.pt", mmap=True)  # tensors are read when touched
+        elif os.path.exists(os.path.join(path, "meta.pt")):
+            self.header = self._open("meta.pt")
         else:
-            self.header = _load(os.path.join(path, "meta.pt"))
-            self.shards = {}
-        if not isinstance(self.header, dict) or self.header.get("format") not in ("consolidated", "sharded"):
+            raise CheckpointError(f"{path} has neither ckpt.pt nor meta.pt: not a complete "
+                                  "checkpoint (pass another, or delete it)")
+        if not isinstance(self.header, dict) or \
+                self.header.get("format") not in ("consolidated", "sharded"):
             raise CheckpointError(f"{path} is not a nanoZeRO checkpoint")
+
+    def _open(self, name, mmap=False):
+        self.opened.append(name)
+        return _load(os.path.join(self.path, name), mmap)
 
     def _shard(self, r):
         if r not in self.shards:
-            self.shards[r] = _load(os.path.join(self.path, f"shard-{r:05d}.pt"))
+            shard = self._open(f"shard-{r:05d}.pt")
+            if not isinstance(shard, dict) or shard.get("save_id") != self.header["save_id"]:
+                raise CheckpointError(f"{self.path}/shard-{r:05d}.pt belongs to another save "
+                                      "than its meta.pt: the folder was edited; use another")
+            self.shards[r] = shard
         return self.shards[r]
+
+    def numel(self, name):
+        shape = self.header["shapes"].get(name)
+        if shape is None:
+            raise CheckpointError(f"{self.path} has no tensor {name!r}")
+        return int(np.prod(shape))
 
     def read(self, name, key, lo, hi):
         h = self.header
+        if not 0 <= lo <= hi <= self.numel(name):
+            raise CheckpointError(f"{self.path}: {name} has {self.numel(name)} elements, "
+                                  f"not [{lo}, {hi})")
         if h["format"] == "consolidated":
-            full = (h["model"] if key == "master" else h["optim"][key]).get(name)
-            if full is None:
-                raise CheckpointError(f"{self.path} has no tensor {name!r}: another model or LoRA setting?")
-            return full.reshape(-1)[lo:hi]
-        if name not in h["shapes"]:
-            raise CheckpointError(f"{self.path} has no tensor {name!r}: another model or LoRA setting?")
-        out = torch.empty(hi - lo)
-        for r, layout in enumerate(h["layout"]):  # copy every written slice that overlaps [lo, hi)
+            entry = h["tensors"].get(name, {})
+            if key not in entry:
+                raise CheckpointError(f"{self.path} holds no {key} of {name!r}")
+            return entry[key].reshape(-1)[lo:hi]
+        out, covered = None, 0
+        for r, layout in enumerate(h["layout"]):  # every written piece that overlaps [lo, hi)
             if name in layout:
                 a, b = max(lo, layout[name][0]), min(hi, layout[name][1])
                 if a < b:
-                    piece = self._shard(r)["slices"][name]
+                    piece = self._shard(r)["pieces"][name]
+                    if key not in piece:
+                        raise CheckpointError(f"{self.path} holds no {key} of {name!r}")
+                    if out is None:
+                        out = torch.empty(hi - lo, dtype=piece[key].dtype)
                     out[a - lo:b - lo] = piece[key][a - piece["lo"]:b - piece["lo"]]
+                    covered += b - a
+        if covered != hi - lo:  # pieces never overlap: every element must come from the file
+            raise CheckpointError(f"{self.path} lacks elements [{lo}, {hi}) of {name!r}: "
+                                  "a shard is missing from its layout")
         return out
 
     def weights(self):
-        """Full fp32 weights with model.py's names (a plain state_dict)."""
+        """Every tensor whole (fp32 masters, frozen ones in their dtype), as stored_shapes says:
+        for load_weights."""
+        state = {}
+        for name, shape in self.header["shapes"].items():
+            key = "value" if self._is_frozen(name) else "master"
+            state[name] = self.read(name, key, 0, self.numel(name)).view(shape)
+        return state
+
+    def _is_frozen(self, name):
         h = self.header
         if h["format"] == "consolidated":
-            return h["model"]
-        state = dict(h["frozen"], **h["buffers"])
-        for name, shape in h["shapes"].items():
-            state[name] = self.read(name, "master", 0, int(np.prod(shape))).view(shape)
-        if "lm_head.weight" not in state and "transformer.wte.weight" in state:
-            state["lm_head.weight"] = state["transformer.wte.weight"]  # tied: saved once
-        return state
+            return "value" in h["tensors"].get(name, {})
+        owner = next((r for r, layout in enumerate(h["layout"]) if name in layout), None)
+        return owner is not None and "value" in self._shard(owner)["pieces"][name]
 
     def rng(self, rank):
         h = self.header
         return h["rng"][rank] if h["format"] == "consolidated" else self._shard(rank)["rng"]
 
 
-def check_compatible(header, model_args, vocab_meta, path):
-    """A checkpoint of another model shape or vocabulary cannot continue this run."""
+# ----------------------------------------------------------------------------------------------
+# resume
+
+# the run flags that change which tensors exist or what they mean: they must match to resume
+SETTINGS = {"lora": "--lora", "lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha",
+            "lora_targets": "--lora-targets", "quantize": "--quantize",
+            "double_quant": "--double-quant"}
+
+
+def check_compatible(header, model_args, vocab_meta, path, config=None, shapes=None):
+    """A checkpoint of another model, vocabulary, LoRA or quantization setting cannot continue
+    this run: one line naming the difference and what to change."""
+    from lora import parse_targets
     theirs = header.get("model_args", {})
-    diff = [f"{k} {theirs.get(k)} vs {v}" for k, v in model_args.items() if k != "dropout" and theirs.get(k) != v]
+    diff = [f"{k} {theirs.get(k)} vs {v}" for k, v in model_args.items()
+            if k != "dropout" and theirs.get(k) != v]
     if diff:
         raise CheckpointError(f"{path} is for another model ({', '.join(diff)} here): "
                               f"use the same model flags or another --out-dir")
-    if vocab_meta is not None and header.get("meta", {}).get("vocab_size") != vocab_meta.get("vocab_size"):
+    if vocab_meta is not None and \
+            header.get("meta", {}).get("vocab_size") != vocab_meta.get("vocab_size"):
         raise CheckpointError(f"{path} was trained on another vocabulary: use its data set")
+    saved = header.get("config", {})
+    for key, flag in SETTINGS.items() if config is not None else ():
+        mine, old = config.get(key), saved.get(key)
+        if key == "lora_targets" and config.get("lora") and saved.get("lora"):
+            mine, old = parse_targets(mine), parse_targets(old)
+        if key != "lora" and not (config.get("lora") or saved.get("lora")):
+            continue  # no LoRA on either side: its settings are unused
+        if mine != old:
+            raise CheckpointError(f"{path} was saved with {flag} {old}, this run has {mine}: "
+                                  f"pass {flag} {old} to resume it, or use another --out-dir")
+    for name, shape in (shapes or {}).items():
+        if header["shapes"].get(name) != shape:
+            raise CheckpointError(f"{path}: {name} is {header['shapes'].get(name)} there and "
+                                  f"{shape} here: another model or LoRA setting")
+    extra = set(header.get("shapes", {})) - set(shapes or header.get("shapes", {}))
+    if extra:
+        raise CheckpointError(f"{path} holds {sorted(extra)[0]}, which this model lacks")
 
 
-def restore(path, zero, model, scaler, model_args, vocab_meta, rank, world_size):
-    """Load a checkpoint into a freshly built ZeRO run (any stage, any world size). Returns the
-    iteration to continue from. Reads everything before anything is changed."""
+@torch.no_grad()
+def restore(path, zero, model, scaler, config, model_args, vocab_meta):
+    """Load a checkpoint into a freshly built run (any stage, any world size). Every rank reads
+    only what it owns. Returns (iteration to continue from, a note to print or None). The
+    scaler is restored only when the precision is the same as when it was saved."""
     reader = Reader(path)
     h = reader.header
-    check_compatible(h, model_args, vocab_meta, path)
-    state = reader.weights()
-    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
-    missing = [n for n in list(frozen) + list(zero.names.values()) if n not in state]
-    if missing:
-        raise CheckpointError(f"{path} lacks {missing[0]}: saved with other LoRA settings?")
-    rng = reader.rng(rank) if h["world_size"] == world_size else None
-    with torch.no_grad(), zero.gathered(write_back=True):  # ZeRO-3: into the full tensors, then the shards
-        for n, p in frozen.items():
-            p.copy_(state[n])
-        for n, b in model.named_buffers():
-            if n in state:
-                b.copy_(state[n])
-    zero.load_shard_state(reader.read, h["adam_step"])
-    scaler.load_state_dict(h["scaler"])
+    shapes = stored_shapes(model)
+    check_compatible(h, model_args, vocab_meta, path, config, shapes)
+    # (the padded vocabulary rows are not in the file: they stay the zeros they start as)
+    segments = [(s, *_stored(shapes, s.name, s.lo, s.hi)) for s in zero.segments]
+    masters = [(s, reader.read(s.name, "master", lo, hi)) for s, lo, hi in segments if lo < hi]
+    moments = [{k: reader.read(s.name, k, lo, hi) for k in MOMENTS}
+               for s, lo, hi in segments if lo < hi]
+    frozen = []
+    for name, lo, hi, values in zero.frozen_pieces():
+        lo, hi = _stored(shapes, name, lo, hi)
+        if lo < hi:
+            frozen.append((values, reader.read(name, "value", lo, hi)))
+    rng = reader.rng(zero.rank) if h["world_size"] == zero.world_size else None
+    # everything is read: only now is the run changed
+    for (s, master), m in zip(masters, moments):
+        s.master[:len(master)].copy_(master)
+        state = zero.opt.state[s.master]
+        for k in MOMENTS:
+            state[k][:len(master)].copy_(m[k])
+    for s in zero.segments:
+        zero.opt.state[s.master]["step"].fill_(h["adam_step"])
+    for values, saved in frozen:
+        values[:len(saved)].copy_(saved)
+    zero.publish()
+    note = None
+    old = (h["config"].get("dtype"), h["config"].get("loss_scale"))
+    if old == (config.get("dtype"), config.get("loss_scale")):
+        scaler.load_state_dict(h["scaler"])
+    else:
+        note = (f"{path} was saved with --dtype {old[0]} --loss-scale {old[1]}: this run's "
+                f"--dtype {config.get('dtype')} starts a fresh loss scaler")
     if rng is not None:  # the same ranks again: dropout continues exactly
         set_rng_state(rng)
-    return h["iter"]
+    return h["iter"], note
 
 
 def main(argv=None):
     """Export plain weights: python checkpoint.py CKPT_DIR OUT.pt"""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python checkpoint.py CKPT_DIR OUT.pt   (writes a plain state_dict)", file=sys.stderr)
+        print("usage: python checkpoint.py CKPT_DIR OUT.pt   (writes a plain state_dict)",
+              file=sys.stderr)
         return 2
     try:
         reader = Reader(argv[0])
-        torch.save({k: v.clone() for k, v in reader.weights().items()}, argv[1])
+        weights = reader.weights()
+        torch.save({k: v.clone() for k, v in weights.items()}, argv[1])
     except CheckpointError as e:
         print(f"checkpoint.py: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {argv[1]}: {len(reader.weights())} tensors, model {reader.header['model_args']}")
+    print(f"wrote {argv[1]}: {len(weights)} tensors, model {reader.header['model_args']}")
     return 0
 
 

@@ -260,10 +260,12 @@ def load_into(model, source, cache_dir=None):
     if missing:  # a quantized weight is a module of buffers, not a parameter
         raise HFError(f"the model has no parameter {missing[0]}: load before quantize_base")
     for ours, t in _tensors(source, model_args, cache_dir):
+        # the embedding's first vocab_size rows: model.py pads it with rows of zeros
+        target = params["transformer.wte.weight" if ours == "lm_head.weight" else ours][:len(t)]
         if ours == "lm_head.weight":
-            _check_tied(t, params["transformer.wte.weight"])
+            _check_tied(t, target)
         else:
-            params[ours].copy_(t)
+            target.copy_(t)
     return model_args
 
 
@@ -324,6 +326,9 @@ def save_hf(state_dict, model_args, out_dir, dtype=torch.float32):
         GPTConfig(**model_args)
     except (TypeError, ValueError) as e:
         raise HFError(f"model_args: {_one_line(e)}") from None
+    V = model_args["vocab_size"]  # a model's own state dict holds model.py's padded rows: cut them
+    state_dict = {k: v[:V] if k in ("transformer.wte.weight", "lm_head.weight") else v
+                  for k, v in state_dict.items()}
     want = expected_shapes(model_args)
     for name, shape in want.items():
         zero_bias = name.endswith(".bias") and not model_args.get("bias", True)

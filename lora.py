@@ -1,14 +1,13 @@
 """
-LoRA adapters and a quantized frozen base (QLoRA), put into a built GPT from outside.
+LoRA adapters, put into a built GPT from outside.
 
   - Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models": freeze W and learn
     W + (alpha/r) B @ A, A (r, in) random and B (out, r) zero, so training starts at exactly W.
   - microsoft/loralib's MergedLinear: adapters on some slices of the fused q|k|v projection only.
-  - Dettmers et al. 2023, "QLoRA": the frozen base as 4-bit NormalFloat (NF4) in blocks of 64 with
-    absmax scales, the scales themselves quantized ("double quantization"), dequantized on the fly.
+  - QLoRA's quantized frozen base is quant.py; a LoRALinear computes with either kind of weight.
 
-Order: build the model (in its dtype), apply_lora, optionally quantize_base (the other order
-works too), then ZeRO(model, ...), which packs only requires_grad parameters: the LoRA ones.
+Order: build the model (in its dtype), apply_lora, optionally quant.quantize_base (the other
+order works too), then ZeRO(model, ...), which packs only requires_grad parameters: LoRA's.
 Frozen weights and quantized buffers get no gradient and no optimizer state; they stay whole on
 every rank up to ZeRO-2, and ZeRO-3 shards them with their block like any weight (gathered for
 the block's forward and backward, never reduced or updated).
@@ -21,8 +20,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from quant import LINEARS, QuantizedWeight, linear
+
 TARGETS = ("q", "k", "v", "attn_out", "mlp_fc", "mlp_proj")
-LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # per block; q|k|v share c_attn
 
 
 class AdapterError(Exception):
@@ -36,108 +36,6 @@ def parse_targets(spec):
     if bad or not names:
         raise ValueError(f"unknown LoRA target(s) {bad or spec!r}: use 'all' or a comma list of {', '.join(TARGETS)}")
     return tuple(t for t in TARGETS if t in names)
-
-
-# ----------------------------------------------------------------------------------------------
-# Quantized storage of a frozen weight
-
-def nf4_code():
-    """The 16 NF4 values (QLoRA appendix E; bitsandbytes' create_normal_map): N(0, 1) quantiles at
-    evenly spaced probabilities, 8 positive and 7 negative so that 0 is exact (4 bits cannot be
-    symmetric and hold 0), the outermost at p = 0.9677 since p = 1 is infinite; scaled to [-1, 1]."""
-    p = lambda n: torch.linspace(0.9677083, 0.5, n, dtype=torch.float64)[:-1]
-    v = torch.cat([torch.special.ndtri(p(9)), -torch.special.ndtri(p(8)), torch.zeros(1, dtype=torch.float64)])
-    return (v.sort().values / v.max()).float()  # (16,), [7] == 0
-
-
-def _absmax_int8(x):
-    """Symmetric absmax quantization of each row to [-127, 127]: x ~= q * scale."""
-    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
-    return torch.round(x / scale).to(torch.int8), scale.squeeze(-1)
-
-
-class QuantizedWeight(nn.Module):
-    """A frozen weight held in buffers (not parameters: no gradient, no optimizer state, not in
-    ZeRO's buffers), rebuilt by dequantize(). int8: one fp32 scale per output row (8 + 32/in bits
-    per parameter). nf4: blocks of `block` values of the flattened weight, two 4-bit codes per
-    byte, one fp32 absmax per block (4 + 32/64 bits), or with double_quant 4 + 8/64 + 32/(64*256)."""
-
-    def __init__(self, w, mode="nf4", double_quant=False, block=64):
-        super().__init__()
-        if mode not in ("int8", "nf4") or block % 2:
-            raise ValueError(f"quantize mode {mode!r}, block {block}: use 'int8' or 'nf4' and an even block")
-        self.mode, self.double_quant, self.block = mode, double_quant, block
-        self.shape, self.dtype = tuple(w.shape), w.dtype
-        w = w.detach().float()
-        if mode == "int8":  # codes (out, in) int8, scale (out,) fp32
-            [self.register_buffer(n, t) for n, t in zip(("codes", "scale"), _absmax_int8(w))]
-            return
-        self.register_buffer("code", nf4_code().to(w.device), persistent=False)  # the 16 values
-        flat = F.pad(w.reshape(-1), (0, -w.numel() % block)).view(-1, block)  # (nblocks, block)
-        absmax = flat.abs().amax(1)  # (nblocks,)
-        if double_quant:
-            # the scales are positive and alike: subtract their mean, store them as int8 in blocks
-            # of 256 with one fp32 scale each (the paper uses 8-bit floats; linear int8 here)
-            c = F.pad(absmax - absmax.mean(), (0, -absmax.numel() % 256)).view(-1, 256)
-            q, s = _absmax_int8(c)
-            self.register_buffer("absmax_q", q.view(-1)[:absmax.numel()].clone())  # (nblocks,)
-            self.register_buffer("absmax_scale", s)  # (ceil(nblocks / 256),)
-            self.register_buffer("absmax_mean", absmax.mean())
-            absmax = self._absmax()  # encode against the scales the decoder will see
-        else:
-            self.register_buffer("absmax", absmax)
-        # nearest code: bucketize against the midpoints between neighbouring code values
-        mid = (self.code[1:] + self.code[:-1]) / 2
-        idx = torch.bucketize(flat / absmax.clamp(min=1e-12)[:, None], mid).to(torch.uint8).view(-1)
-        self.register_buffer("codes", idx[0::2] << 4 | idx[1::2])  # (padded numel / 2,) uint8
-
-    def _absmax(self):  # (nblocks,) fp32, decoded from 8 bits under double quantization
-        if not self.double_quant:
-            return self.absmax
-        s = self.absmax_scale.repeat_interleave(256)[:self.absmax_q.numel()]
-        return self.absmax_q.float() * s + self.absmax_mean
-
-    def dequantize(self, dtype=None):
-        """The weight (out, in), computed in fp32, cast to dtype (default: the original's)."""
-        if self.mode == "int8":
-            w = self.codes.float() * self.scale[:, None]
-        else:
-            idx = torch.stack([self.codes >> 4, self.codes & 15], dim=-1).view(-1).long()
-            w = (self.code[idx].view(-1, self.block) * self._absmax()[:, None]).view(-1)
-            w = w[:math.prod(self.shape)].view(self.shape)
-        return w.to(dtype or self.dtype)
-
-
-class _DequantLinear(torch.autograd.Function):
-    """x @ W^T that saves no full weight for backward: backward dequantizes again (QLoRA trades
-    compute for memory). The weight is frozen, so only x gets a gradient."""
-
-    @staticmethod
-    def forward(ctx, x, qw):
-        ctx.qw = qw  # the module, i.e. its few-bit buffers, not a dequantized copy
-        return x @ qw.dequantize(x.dtype).t()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g @ ctx.qw.dequantize(g.dtype), None
-
-
-def _linear(x, weight, bias):
-    if isinstance(weight, QuantizedWeight):
-        y = _DequantLinear.apply(x, weight)
-        return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
-
-
-class QuantLinear(nn.Module):
-    """A frozen Linear whose weight is a QuantizedWeight (for the Linears LoRA does not adapt)."""
-
-    def __init__(self, weight, bias):
-        super().__init__()
-        self.weight, self.bias = weight, bias
-
-    def forward(self, x):
-        return _linear(x, self.weight, self.bias)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,7 +71,7 @@ class LoRALinear(nn.Module):
         return torch.cat([next(parts) if on else zero for on in self.slices], dim=dim)
 
     def forward(self, x):
-        y = _linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         if self.merged:
             return y  # B @ A already sits inside the weight
         k, s = sum(self.slices), self.lora_B.shape[0] // sum(self.slices)
@@ -241,12 +139,15 @@ def apply_lora(model, rank=8, alpha=1.0, dropout=0.0, targets=("q", "v")):
     return names
 
 
-def merge_lora(model):  # inference at the base's cost; a no-op where already merged
-    [m.merge() for m in _loras(model)]
+def merge_lora(model):
+    """Inference at the base's cost; a no-op where already merged."""
+    for m in _loras(model):
+        m.merge()
 
 
 def unmerge_lora(model):
-    [m.unmerge() for m in _loras(model)]
+    for m in _loras(model):
+        m.unmerge()
 
 
 @torch.no_grad()
@@ -254,38 +155,8 @@ def remove_adapter(model):
     """Back to the base: B = 0 makes every delta exactly zero, outputs bitwise the base's."""
     if any(m.merged for m in _loras(model)):
         raise RuntimeError("unmerge_lora(model) before removing the adapter")
-    [m.lora_B.zero_() for m in _loras(model)]
-
-
-def quantize_base(model, mode="nf4", double_quant=False, block=64):
-    """Quantize the weights of every block's four Linears, LoRA-wrapped or not (the tied
-    embedding / head stay as they are). Returns the quantized module names."""
-    names = []
-    for i, blk in enumerate(model.transformer.h):
-        for name in LINEARS:
-            m = blk.get_submodule(name)
-            if isinstance(m.weight, QuantizedWeight) or getattr(m, "merged", False):
-                raise ValueError(f"transformer.h.{i}.{name} is already quantized or has LoRA merged in")
-            qw = QuantizedWeight(m.weight, mode, double_quant, block)
-            if isinstance(m, LoRALinear):
-                del m.weight  # the Parameter goes, the module of buffers takes its name
-                m.weight = qw
-            else:
-                _replace(blk, name, QuantLinear(qw, m.bias))
-            names.append(f"transformer.h.{i}.{name}")
-    return names
-
-
-def quantized_bytes(model):
-    """{name: {"params", "bytes", "bits_per_param"}} per quantized weight, by summing the buffers
-    actually stored (codes, scales; not the shared 16-value code table)."""
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, QuantizedWeight):
-            nbytes = sum(b.numel() * b.element_size() for n, b in m.named_buffers() if n != "code")
-            n = math.prod(m.shape)
-            out[name] = {"params": n, "bytes": nbytes, "bits_per_param": 8 * nbytes / n}
-    return out
+    for m in _loras(model):
+        m.lora_B.zero_()
 
 
 # ----------------------------------------------------------------------------------------------

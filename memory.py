@@ -21,17 +21,20 @@ Sizes are decimal, as the lecture counts them: 1 GB = 1e9 bytes.
 import argparse
 import math
 import sys
+from contextlib import contextmanager
+from dataclasses import replace
 
-from model import GPTConfig
-from train import ConfigError, TrainConfig, load_preset
+import torch
+
+from configurator import ConfigError, TrainConfig, OneLineParser, load_preset
+from lora import TARGETS, apply_lora, parse_targets
+from model import GPT, GPTConfig
+from zero import plan_buckets, zero_formula
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "nf4": 0.5}  # bytes per value
 # stored bytes per quantized weight: two 4-bit codes per byte plus one fp32 absmax per block of
 # 64 (our assumption for lora.py; QLoRA's double quantization brings the scales to 0.127 bits)
 QUANT_BYTES = {"nf4": 0.5 + 4 / 64}
-# lora.py's targets: (fan-in, fan-out) in units of n_embd, so an adapter holds r*h*(in + out) parameters
-# (A: r x in, B: out x r). q, k, v are slices of the fused c_attn
-LORA_TARGETS = {"q": (1, 1), "k": (1, 1), "v": (1, 1), "attn_out": (1, 1), "mlp_fc": (1, 4), "mlp_proj": (4, 1)}
 # the activation each adapter's A reads (and so keeps for its gradient), as activation_bytes() names it
 ADAPTER_INPUT = {"q": "c_attn input", "k": "c_attn input", "v": "c_attn input",
                  "attn_out": "attention output = c_proj input", "mlp_fc": "c_fc input",
@@ -44,7 +47,7 @@ def param_numels(cfg):
     """(unit, numel) of every parameter in GPT.named_parameters() order, the tied head counted once
     (as the wte it is). unit: the block index, or "root" for embeddings and ln_f (ZeRO-3's units)."""
     h, nb = cfg.n_embd, 2 if cfg.bias else 1  # a LayerNorm has a gain, and a bias if cfg.bias
-    out = [("root", cfg.vocab_size * h), ("root", cfg.block_size * h)]  # wte (= lm_head), wpe
+    out = [("root", cfg.padded_vocab * h), ("root", cfg.block_size * h)]  # wte (= lm_head), wpe
     for i in range(cfg.n_layer):
         for fan_in, fan_out in ((0, 0), (h, 3 * h), (h, h), (0, 0), (h, 4 * h), (4 * h, h)):
             if fan_in == 0:  # ln_1 / ln_2
@@ -54,31 +57,35 @@ def param_numels(cfg):
     return out + [("root", h)] * nb  # ln_f
 
 
-def param_count(n_layer, n_embd, n_head, vocab, block, bias=True):
+def param_count(n_layer, n_embd, n_head, vocab, block, bias=True, pad_vocab=64):
     """= GPT(...).num_params(non_embedding=False). Per block 12h^2 of matmuls (qkv 3h^2, attention
     output h^2, MLP 4h^2 + 4h^2), two LayerNorm gains, and with bias 9h of Linear biases + 2h of
     LayerNorm biases. n_head splits the width but adds nothing."""
     h = n_embd
     block_params = 12 * h * h + 2 * h + (11 * h if bias else 0)
+    vocab = math.ceil(vocab / pad_vocab) * pad_vocab  # model.py pads the embedding's rows
     return vocab * h + block * h + n_layer * block_params + (2 * h if bias else h)
 
 
 def bucket_sizes(params, stage, dtype, bucket_mb=25.0):
-    """Real (unpadded) numel of each ZeRO flat buffer, by zero.py's rules. Stage 3: the root unit
-    (embeddings, ln_f), then one unit per block. Stages 0-2: last parameter first, a new bucket when
-    the next one would pass bucket_mb (a larger parameter gets a bucket of its own).
-    params: param_numels(cfg), less any frozen ones."""
+    """Real (unpadded) numel of each ZeRO flat buffer, by zero.py's own planner. Stage 3: the
+    root unit (embeddings, ln_f), then one unit per block. Stages 0-2: plan_buckets over
+    bucket_mb. params: param_numels(cfg), less any frozen ones."""
     if stage == 3:
         units = {}
         for unit, n in params:
             units[unit] = units.get(unit, 0) + n
         return list(units.values())
-    cap, sizes, size = max(1, int(bucket_mb * 2**20 / BYTES[dtype])), [], 0
-    for _, n in reversed(params):
-        if size and size + n > cap:
-            sizes, size = sizes + [size], 0
-        size += n
-    return sizes + [size]
+    cap = max(1, int(bucket_mb * 2**20 / BYTES[dtype]))
+    return [sum(params[i][1] for i in b) for b in plan_buckets([n for _, n in params], cap)]
+
+
+def lora_numel(cfg, rank, targets):
+    """Trainable LoRA parameters of the whole model: lora.py's adapters on a shapes-only copy."""
+    with torch.device("meta"):  # nothing allocated
+        model = GPT(replace(cfg, n_layer=1))
+    apply_lora(model, rank, targets=targets)
+    return cfg.n_layer * sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def frozen_buckets(cfg, dtype, quantize=None):
@@ -169,6 +176,53 @@ def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_
             "total": sum(first.values()) + (cfg.n_layer - 1) * per_layer + sum(outside.values())}
 
 
+@contextmanager
+def saved_activation_bytes(model, out):
+    """The measurement activation_bytes() predicts: adds to out[0] the bytes autograd keeps for
+    backward during the enclosed forward, every saved tensor's storage once, weights left out.
+    Under activation checkpointing autograd saves almost nothing inside a block; what the
+    checkpoint keeps is the block's input, which the pre-hooks count. Exact on any device: it
+    counts tensors, not allocator pages."""
+    seen = set()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def count(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen and ptr not in weights:
+            seen.add(ptr)
+            out[0] += t.untyped_storage().nbytes()
+
+    def pack(t):
+        count(t)
+        return t
+
+    hooks = []
+    if model.grad_ckpt:
+        for block in model.transformer.h:
+            hooks.append(block.register_forward_pre_hook(lambda m, args: count(args[0])))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+    for h in hooks:
+        h.remove()
+
+
+def model_state_report(zero, world_size):
+    """What each rank holds (ZeRO.state_bytes(), gathered from every rank: a collective) beside
+    the ZeRO paper's formula: (one printable line, a row for metrics.jsonl)."""
+    held = zero.state_bytes()
+    per_rank = [held] * world_size
+    if world_size > 1:
+        torch.distributed.all_gather_object(per_rank, held)
+    paper = zero_formula(zero.psi, zero.stage, world_size, zero.dtype)
+    mib = lambda b: f"{b / 2**20:8.2f} MiB"
+    line = (f"model state per rank, Ψ = {zero.psi:,} trainable parameters (measured | ZeRO paper): "
+            f"params {mib(held['params'])} | {mib(paper['params'])}, grads {mib(held['grads'])} | "
+            f"{mib(paper['grads'])}, master+Adam {mib(held['master'] + held['optimizer'])} | "
+            f"{mib(paper['optimizer_side'])}, total {mib(held['total'])} | {mib(paper['total'])}")
+    return line, {"event": "model_state", "psi": zero.psi, "stage": zero.stage,
+                  "world_size": world_size, "per_rank": per_rank, "formula": paper}
+
+
 def shape_for(psi, vocab=50257, block=2048):
     """A GPT shape for a bare parameter count, for the activations: width 128 x depth and heads
     128 wide (GPT-3 175B: 96 layers of 12288). Model state uses psi itself."""
@@ -183,11 +237,12 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     and under ZeRO-3 the gathered root + 1 block, + 1 more with prefetch) and the optimizer step's
     fp32 copy of this rank's gradient slice (16-bit only)."""
     seq, L, h, E = seq or cfg.block_size, cfg.n_layer, cfg.n_embd, BYTES[dtype]
-    total = psi or param_count(L, h, cfg.n_head, cfg.vocab_size, cfg.block_size, cfg.bias)
+    total = psi or param_count(L, h, cfg.n_head, cfg.vocab_size, cfg.block_size, cfg.bias,
+                               cfg.pad_vocab)
     buckets = bucket_sizes(param_numels(cfg), stage, dtype, bucket_mb) if psi is None else None
     trainable, frozen, quantized = total, 0, 0
     if lora_rank:  # the base model frozen, an A (r x in) and a B (out x r) per target per layer
-        trainable, frozen = L * lora_rank * h * sum(sum(LORA_TARGETS[t]) for t in lora_targets), total
+        trainable, frozen = lora_numel(cfg, lora_rank, lora_targets), total
         quantized, buckets = (L * 12 * h * h if quantize else 0), None  # the blocks' matmul weights
     layout = frozen_buckets(cfg, dtype, quantize) if lora_rank and stage == 3 and psi is None else None
     state = model_state_bytes(trainable, stage, world_size, dtype, buckets, rank, frozen, quantized, quantize, layout)
@@ -344,9 +399,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         return lecture()
-    p = argparse.ArgumentParser(description="Memory per GPU of a nanoZeRO run; no flags: the lecture's tables.",
+    p = OneLineParser(description="Memory per GPU of a nanoZeRO run; no flags: the lecture's tables.",
                                 allow_abbrev=False)
-    p.error = lambda msg: (_ for _ in ()).throw(ConfigError(msg))  # one line, as in train.py
     p.add_argument("--config", help="a preset from config/: its model, batch size, dtype and --zero")
     p.add_argument("--params", type=float, help="a bare parameter count, e.g. 1e9 (a GPT shape is assumed)")
     for name in ("n_layer", "n_embd", "n_head", "vocab", "batch_size", "lora_rank"):
@@ -359,7 +413,7 @@ def main(argv=None):
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--grad-ckpt", action="store_true")
     p.add_argument("--lora", action="store_true", help="LoRA adapters (rank 8 unless --lora-rank)")
-    p.add_argument("--lora-targets", default="q,v", help=f"'all' or some of {','.join(LORA_TARGETS)}")
+    p.add_argument("--lora-targets", default="q,v", help=f"'all' or some of {','.join(TARGETS)}")
     p.add_argument("--quantize", choices=tuple(QUANT_BYTES), help="LoRA's frozen base in 4 bits (QLoRA)")
     p.add_argument("--gpu-mem", default="80GB", help="memory of one GPU, e.g. 80GB, 24GiB")
     p.add_argument("--advise", action="store_true", help="the lecture's decision flow, ending in a command")
@@ -379,9 +433,10 @@ def main(argv=None):
         cfg = GPTConfig(block_size=block, vocab_size=vocab, bias=bias, dropout=0.0 if psi else tc.dropout, **shape)
     except ValueError as e:
         raise ConfigError(str(e))
-    targets = tuple(LORA_TARGETS) if a.lora_targets == "all" else tuple(a.lora_targets.split(","))
-    if any(t not in LORA_TARGETS for t in targets):
-        raise ConfigError(f"--lora-targets {a.lora_targets}: use some of {','.join(LORA_TARGETS)}")
+    try:
+        targets = parse_targets(a.lora_targets)
+    except ValueError as e:
+        raise ConfigError(str(e))
     if a.quantize and not a.lora:
         raise ConfigError("--quantize stores LoRA's frozen base in 4 bits: add --lora")
     gpu = parse_bytes(a.gpu_mem)

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 class GPTConfig:
     block_size: int = 256   # longest sequence the position embedding covers
     vocab_size: int = 65    # 65 characters for shakespeare_char, 50257 for GPT-2 BPE
+    pad_vocab: int = 64     # embedding / head rows rounded up to a multiple of this
     n_layer: int = 6        # transformer blocks
     n_head: int = 6         # attention heads per block
     n_embd: int = 384       # residual stream width
@@ -31,7 +32,7 @@ class GPTConfig:
     bias: bool = True       # biases in Linear and LayerNorm, as GPT-2 has them
 
     def __post_init__(self):
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "pad_vocab"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.n_embd % self.n_head != 0:
@@ -39,6 +40,14 @@ class GPTConfig:
                              f"pick n_embd as a multiple of n_head")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def padded_vocab(self):
+        """Rows of the embedding and the LM head. 50257 rows make the head's three matmuls (~27%
+        of GPT-2's FLOPs) miss the GPU's tiles; 50304 = 786 x 64 fit them. The padded rows start
+        at zero and stay zero: no token id reaches them, and their logits are cut off before the
+        loss and sampling, so they get no gradient."""
+        return math.ceil(self.vocab_size / self.pad_vocab) * self.pad_vocab
 
 
 class LayerNorm(nn.Module):
@@ -116,13 +125,13 @@ class GPT(nn.Module):
         self.config = config
         self.grad_ckpt = False  # activation checkpointing per block, set by train.py --grad-ckpt
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wte=nn.Embedding(config.padded_vocab, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
             ln_f=LayerNorm(config.n_embd, bias=config.bias),
         ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab, bias=False)
         # weight tying (Press & Wolf 2017): the LM head *is* the token embedding, one Parameter
         self.transformer.wte.weight = self.lm_head.weight
         self.apply(self._init_weights)
@@ -131,6 +140,8 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        with torch.no_grad():
+            self.lm_head.weight[config.vocab_size:] = 0.0  # the padded rows (see padded_vocab)
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -163,9 +174,10 @@ class GPT(nn.Module):
             else:
                 x = block(x)
         x = self.transformer.ln_f(x)
+        V = self.config.vocab_size  # the padded rows' logits are no tokens: cut them off
         if targets is None:
-            return self.lm_head(x[:, [-1], :]), None  # inference: only the last position
-        logits = self.lm_head(x)  # (B, T, vocab)
+            return self.lm_head(x[:, [-1], :])[..., :V], None  # inference: the last position
+        logits = self.lm_head(x)[..., :V]  # (B, T, vocab)
         # log-softmax in fp32: 16-bit logits over a 50k vocabulary lose the small probabilities
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
@@ -204,16 +216,21 @@ class GPT(nn.Module):
         return idx
 
 
-# Dense bf16 peak FLOP/s (no sparsity) of common GPUs, from the vendors' data sheets, for MFU.
-PEAK_FLOPS = {
-    "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
-    "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
-}
+# Dense peak TFLOP/s per GPU from the vendors' data sheets, for MFU: (name as
+# torch.cuda.get_device_name gives it, 16-bit (bf16 / fp16), TF32 (fp32 matmuls with TF32 on, as
+# train.py sets; V100 and T4 have no TF32: their plain fp32)). First match wins: the specific
+# variants (NVL, PCIe) come before the plain name, which is the SXM part.
+PEAK_TFLOPS = [
+    ("H200 NVL", 835, 418), ("H200", 989, 495), ("H100 NVL", 835, 418), ("H100 PCIe", 756, 378),
+    ("H100", 989, 495), ("A100", 312, 156), ("L40S", 362, 183), ("A10", 125, 62.5),
+    ("RTX 4090", 165, 82.6), ("RTX 3090", 71, 35.6), ("V100", 125, 15.7), ("T4", 65, 8.1),
+]
 
 
-def peak_flops_for(device_name):
-    """Look the device's name up in PEAK_FLOPS; None when unknown (then MFU is not shown)."""
-    for key, flops in PEAK_FLOPS.items():
+def peak_flops(device_name, dtype):
+    """Dense peak FLOP/s of the GPU called device_name (torch.cuda.get_device_name) in this
+    dtype; None when unknown or no GPU (then MFU is not shown; --peak-tflops sets it)."""
+    for key, half, tf32 in PEAK_TFLOPS:
         if key.lower() in (device_name or "").lower():
-            return flops
+            return (tf32 if dtype == torch.float32 else half) * 1e12
     return None

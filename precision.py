@@ -12,19 +12,20 @@ bf16 has fp32's 8 exponent bits, so its gradients do not underflow and need no s
 
 Dynamic loss scaling (Sec. 3.2), as torch.amp.GradScaler does it, bit for bit: start high (2^16);
 a step whose gradients hold an inf/NaN is skipped and the scale halved; after growth_interval clean
-steps in a row it doubles (never to inf).
+steps in a row it doubles (never to inf). Like DeepSpeed we keep a floor, min_scale: a step that
+overflows at the floor would need a smaller scale, which no longer rescues fp16's range; the loss
+itself is non-finite (a NaN, most likely), and `exhausted` says so.
 
 Under ZeRO each rank holds only a slice of the gradients, so the found-inf flag is all-reduced
 (MAX) before the decision: all ranks skip together. A rank that skipped alone would diverge, or hang
 in an all-gather the others never enter. torch.amp.GradScaler does not do this for you.
 
-A skipped step still counts as an iteration: the iteration counter and the LR schedule advance, as
-with torch.amp.GradScaler in nanoGPT's train.py, so the run length and schedule do not depend on
-how many steps overflowed and all ranks agree on the iteration. Log `scaler.skipped`, under bf16
-too: a run whose steps are all skipped looks healthy while no weight ever moves.
+Everything stays on the device: the scale, the growth counter and the found-inf flag are tensors,
+and the optimizer skips on the device (fused AdamW takes found_inf), so a step never waits for the
+GPU. A skipped step still counts as an iteration: the iteration counter and the LR schedule
+advance, as with torch.amp.GradScaler in nanoGPT's train.py. Log the skips (train.py does, on
+logged steps), under bf16 too: a run whose steps are all skipped looks healthy while no weight moves.
 """
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -42,15 +43,6 @@ def resolve_dtype(name, device):
     return DTYPES[name]
 
 
-def _fp32(x):
-    """Round a python float to the nearest fp32 value: torch keeps its scale in an fp32 tensor."""
-    return torch.tensor(x, dtype=torch.float32).item()
-
-
-def has_inf_or_nan(tensors):
-    return any(not bool(t.isfinite().all()) for t in tensors if t is not None)
-
-
 def grad_zero_frac(tensors):
     """Fraction of entries that are exactly zero. Under fp16 a rising value means that gradients
     underflow: the loss scale is too low."""
@@ -60,96 +52,77 @@ def grad_zero_frac(tensors):
 
 
 class GradScaler:
-    """Loss scaler with torch.amp.GradScaler's defaults and method names, plus the found-inf
-    all-reduce. dynamic=False keeps the scale fixed (1.0 for bf16), yet still detects and skips."""
+    """Loss scaler for one optimizer: torch.amp.GradScaler's defaults and arithmetic, on the
+    device, plus the cross-rank found-inf all-reduce and a floor. dynamic=False keeps the scale
+    fixed (1.0 for bf16 and fp32), yet still finds inf/NaN so that the step is skipped.
+
+    Per step: loss -> scale(loss) -> backward; found_inf = unscale_(fp32 grads); clip; the
+    optimizer step, skipped where found_inf; update(found_inf)."""
 
     def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
-                 growth_interval=2000, dynamic=True, process_group=None):
-        assert growth_factor > 1.0 and backoff_factor < 1.0
-        self._scale = _fp32(init_scale)
+                 growth_interval=2000, dynamic=True, min_scale=1.0, device="cpu", group=None):
+        if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and min_scale > 0.0):
+            raise ValueError("need growth_factor > 1, 0 < backoff_factor < 1 and min_scale > 0")
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval, self.dynamic = growth_interval, dynamic
-        self.process_group = process_group
-        self._growth_tracker = 0  # clean steps in a row since the scale last changed
-        self._stage = {}  # id(optimizer) -> "unscaled" | "stepped", cleared by update()
-        self._found = {}  # id(optimizer) -> did its gradients (on any rank) hold an inf/NaN?
-        self.found_inf = False  # any inf/NaN this iteration (kept after update() for logging)
-        self.skipped = False  # did the last step() skip optimizer.step()?
-
-    def get_scale(self):
-        return self._scale
+        self.growth_interval, self.dynamic, self.group = growth_interval, dynamic, group
+        self.min_scale = min_scale if dynamic else 0.0  # a fixed scale has no floor to hit
+        self._scale = torch.full((), init_scale, dtype=torch.float32, device=device)
+        self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)  # clean steps
+        self.exhausted = torch.zeros((), dtype=torch.bool, device=device)  # overflowed at floor
 
     def scale(self, loss):
         # loss must be fp32 (the model upcasts logits before the cross-entropy): 2^16 overflows fp16
         return loss * self._scale
 
     @torch.no_grad()
-    def unscale_(self, optimizer):
-        """Divide the optimizer's gradients (fp32 masters, or a ZeRO rank's fp32 slice) by the
-        scale in place, and agree with all ranks on whether any of them holds an inf/NaN."""
-        key = id(optimizer)
-        if key in self._stage:  # as torch: once per optimizer per iteration, before step()
-            raise RuntimeError(f"unscale_() has already been called (stage {self._stage[key]}) "
-                               "on this optimizer since the last update().")
-        if not self._stage:
-            self.found_inf = False  # the first optimizer of a new iteration
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        device = params[0].device if params else "cpu"
-        found = torch.zeros(1, device=device)
-        # as torch: the reciprocal in fp64, rounded to fp32, then an fp32 multiply (bit for bit)
-        inv_scale = torch.full((1,), _fp32(1.0 / self._scale), device=device)
-        grads = [p.grad for p in params if p.grad is not None]
+    def unscale_(self, grads):
+        """Divide fp32 gradients (the master gradients, or a ZeRO rank's fp32 slice) by the scale
+        in place. Returns found_inf: a device tensor, 1.0 when any rank's gradients hold an
+        inf/NaN, else 0.0."""
         if any(g.dtype == torch.float16 for g in grads):  # 1/scale would underflow them again
             raise ValueError("Attempting to unscale FP16 gradients: unscale fp32 master grads.")
+        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        # as torch: the reciprocal in fp64, rounded to fp32, then an fp32 multiply (bit for bit)
+        inv_scale = self._scale.double().reciprocal().float()
         # one fused pass over all gradients, the kernel torch's own scaler runs: for each g, set
-        # found if g holds an inf/NaN, then g *= inv_scale. Written as a Python loop it is
-        # g.isfinite().all() and g.mul_(inv_scale) per tensor: the same result, 15x slower on CPU
-        # and several kernel launches per tensor on a GPU.
+        # found_inf if g holds an inf/NaN, then g *= inv_scale. As a Python loop it would be
+        # g.isfinite().all() and g.mul_(inv_scale) per tensor: the same, 15x slower on CPU.
         if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
-        if dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)  # PITFALLS 2
-        self._found[key] = bool(found.item())
-        self.found_inf = self.found_inf or self._found[key]
-        self._stage[key] = "unscaled"
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)  # all skip together
+        return found_inf
 
-    def step(self, optimizer, *args, **kwargs):
-        """optimizer.step() on unscaled gradients, or None (skipped) if any rank found inf/NaN."""
-        if self._stage.get(id(optimizer)) == "stepped":
-            raise RuntimeError("step() has already been called since the last update().")
-        if id(optimizer) not in self._stage:
-            self.unscale_(optimizer)
-        self._stage[id(optimizer)] = "stepped"
-        self.skipped = self._found[id(optimizer)]
-        return None if self.skipped else optimizer.step(*args, **kwargs)  # skip: no state changes
-
-    def update(self):
-        """Adapt the scale (torch's _amp_update_scale_); a fixed scaler only ends the iteration."""
-        if not self._stage:
-            raise RuntimeError("update() before unscale_() or step(): no inf checks were recorded.")
-        found_inf = any(self._found.values())
-        self._stage, self._found = {}, {}
+    @torch.no_grad()
+    def update(self, found_inf):
+        """Adapt the scale after a step: torch's _amp_update_scale_, written out with tensors.
+        Products are taken in fp64 and rounded to fp32 once, as torch's kernel does."""
         if not self.dynamic:
             return
-        if found_inf:
-            self._scale = _fp32(self._scale * self.backoff_factor)
-            self._growth_tracker = 0
-        elif self._growth_tracker + 1 == self.growth_interval:
-            grown = _fp32(self._scale * self.growth_factor)
-            if math.isfinite(grown):  # an inf scale would overflow every later step
-                self._scale = grown
-            self._growth_tracker = 0
-        else:
-            self._growth_tracker += 1
+        overflow = found_inf > 0
+        self.exhausted |= overflow & (self._scale <= self.min_scale)
+        tracker = torch.where(overflow, 0, self._growth_tracker + 1)
+        grow = tracker == self.growth_interval
+        grown = (self._scale.double() * self.growth_factor).float()
+        backed_off = (self._scale.double() * self.backoff_factor).float()
+        new_scale = torch.where(grow & torch.isfinite(grown), grown, self._scale)  # never to inf
+        new_scale = torch.where(overflow, backed_off.clamp(min=self.min_scale), new_scale)
+        self._scale.copy_(new_scale)
+        self._growth_tracker.copy_(torch.where(grow, 0, tracker))
+
+    def get_scale(self):
+        return self._scale.item()  # waits for the device: for logging steps only
 
     def state_dict(self):
         # plain python numbers: torch.load(weights_only=True) reads them; keys as in torch's
-        return {"scale": self._scale, "growth_factor": self.growth_factor,
+        return {"scale": self.get_scale(), "growth_factor": self.growth_factor,
                 "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
-                "_growth_tracker": self._growth_tracker, "dynamic": self.dynamic}
+                "_growth_tracker": int(self._growth_tracker.item()), "dynamic": self.dynamic,
+                "min_scale": self.min_scale}
 
     def load_state_dict(self, sd):
-        self._scale = float(sd["scale"])
+        self._scale.fill_(float(sd["scale"]))
+        self._growth_tracker.fill_(int(sd["_growth_tracker"]))
         self.growth_factor, self.backoff_factor = sd["growth_factor"], sd["backoff_factor"]
-        self.growth_interval, self._growth_tracker = sd["growth_interval"], sd["_growth_tracker"]
-        self.dynamic = sd["dynamic"]
+        self.growth_interval, self.dynamic = sd["growth_interval"], sd["dynamic"]
+        self.min_scale = sd.get("min_scale", self.min_scale)

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from checkpoint import CheckpointError, Reader, list_checkpoints
+from checkpoint import CheckpointError, Reader, list_checkpoints, load_weights
 from data.prepare import DataError, get_codec
 from lora import AdapterError, load_adapter, merge_lora
 from model import GPT, GPTConfig
@@ -93,7 +93,7 @@ def sample(args):
     ckpt = load_checkpoint(args.ckpt or find_checkpoint(args.out_dir))
     try:
         model = GPT(GPTConfig(**ckpt["model_args"]))
-        model.load_state_dict(ckpt["model"])  # strict: every name and shape must match model.py
+        load_weights(model, ckpt["model"])  # strict: every name and shape must match model.py
     except (TypeError, ValueError, RuntimeError) as e:
         raise SampleError("checkpoint does not fit model.py: " + " ".join(str(e).split()))
     if args.adapter:  # base + adapter, merged: W0 + B·A·alpha/r, so sampling costs what the base costs

@@ -1,6 +1,7 @@
 """
 Train a GPT with our own data parallelism / ZeRO and mixed precision. Read top to bottom:
-config, distributed init, data, model, ZeRO wrap + optimizer, loss scaler, the loop, saving.
+distributed init, data, the set-up (model, LoRA, ZeRO, loss scaler), the loop, saving.
+The configuration (every flag, the presets) is configurator.py.
 
 One process (CPU or one GPU):
     python train.py                                   # the CPU demo preset, fp32
@@ -10,194 +11,59 @@ Several processes on one machine (one per GPU; on a CPU, gloo processes):
 Several machines (run on each node, node_rank 0..nnodes-1):
     torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=HOST --master_port=29500 \
         train.py --config config/gpt2_124m.py --zero 2 --bf16
+
+The training step, as the lecture teaches it and as the loop below spells it out: forward;
+backward of the scaled loss (gradient collectives overlapped with it); the 16-bit gradient
+slice to fp32; unscale, with an inf/NaN check that all ranks agree on; clip by the global norm;
+the AdamW step, skipped on an inf/NaN; publish the new weights; adapt the loss scale. On steps
+that are not logged nothing waits for the device.
 """
-import ast
 import gc
-import hashlib
 import json
 import math
 import os
 import signal
 import sys
 import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from contextlib import nullcontext
+from dataclasses import asdict
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 import checkpoint
-from checkpoint import CheckpointError, Reader, check_compatible, list_checkpoints, restore
-from lora import adapter_state, apply_lora, base_fingerprint, parse_targets, quantize_base, save_adapter
-from model import GPT, GPTConfig, peak_flops_for
+from checkpoint import CheckpointError
+from configurator import ConfigError, grad_accum_for, parse_args
+from lora import adapter_state, apply_lora, base_fingerprint, parse_targets, save_adapter
+from memory import model_state_report, saved_activation_bytes
+from model import GPT, GPTConfig, peak_flops
 from precision import GradScaler, resolve_dtype
-from zero import ZeRO, traffic_formula, zero_formula
+from quant import quantize_base
+from zero import Traffic, ZeRO, all_reduce_sum, replica_digest, traffic_formula
+from zero3 import ZeRO3
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-class ConfigError(Exception):
-    """Bad input from the user: printed as one line, never a traceback."""
-
-
-def opt(default, help):
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass
-class TrainConfig:
-    # I/O
-    out_dir: str = opt("out", "where metrics.jsonl and ckpt.pt go")
-    dataset: str = opt("shakespeare_char", "a folder under --data-root made by data/prepare.py")
-    data_root: str = opt("data", "where the prepared data sets live (relative to this file)")
-    eval_interval: int = opt(250, "evaluate train/val loss every this many steps")
-    eval_iters: int = opt(20, "batches per loss estimate")
-    log_interval: int = opt(10, "print and log every this many steps")
-    save_interval: int = opt(0, "save a checkpoint every this many steps (and always at the end); 0 = end only")
-    ckpt_format: str = opt("consolidated", "consolidated (one file, gathered on rank 0) | sharded (a file per rank)")
-    keep_last: int = opt(2, "keep the newest K checkpoints in out_dir")
-    resume: bool = opt(False, "carry on from the newest checkpoint in out_dir (start fresh if there is none)")
-    init_from: str = opt("", "start from this checkpoint's weights, e.g. to fine-tune (--resume wins once the run has its own)")
-    input: str = opt("", "train on this UTF-8 text file (prepared into data/<its name>, in --init-from's vocabulary)")
-    # LoRA (Hu et al. 2021) and a quantized frozen base (Dettmers et al. 2023, QLoRA): lora.py
-    lora: bool = opt(False, "freeze the model and train low-rank adapters B·A only")
-    lora_rank: int = opt(8, "r, the adapters' rank")
-    lora_alpha: float = opt(1.0, "alpha; the update is scaled by alpha / r")
-    lora_dropout: float = opt(0.0, "dropout on the adapters' input")
-    lora_targets: str = opt("q,v", "which projections to adapt: q,k,v,attn_out,mlp_fc,mlp_proj or all")
-    quantize: str = opt("", "int8 | nf4: store the frozen base Linear weights quantized (needs --lora)")
-    double_quant: bool = opt(False, "nf4: quantize the block scales too (QLoRA's double quantization)")
-    # model (nanoGPT's CPU shakespeare_char recipe by default)
-    n_layer: int = opt(4, "transformer blocks")
-    n_head: int = opt(4, "attention heads")
-    n_embd: int = opt(128, "residual width; must divide by n_head")
-    block_size: int = opt(64, "context length in tokens")
-    dropout: float = opt(0.0, "dropout probability")
-    bias: bool = opt(False, "biases in Linear and LayerNorm layers")
-    # batch: one optimizer step sees batch_size * grad_accum * world_size sequences
-    batch_size: int = opt(12, "micro-batch per rank (sequences)")
-    grad_accum: int = opt(1, "micro-steps per rank per optimizer step")
-    # AdamW and its schedule: linear warmup, cosine decay to min_lr
-    learning_rate: float = opt(1e-3, "peak learning rate")
-    max_iters: int = opt(2000, "optimizer steps")
-    weight_decay: float = opt(0.1, "decoupled weight decay on 2-D weights")
-    beta1: float = opt(0.9, "Adam beta1")
-    beta2: float = opt(0.99, "Adam beta2")
-    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = off")
-    warmup_iters: int = opt(100, "linear warmup steps")
-    lr_decay_iters: int = opt(2000, "steps of cosine decay (usually = max_iters)")
-    min_lr: float = opt(1e-4, "learning rate at the end of the decay")
-    # system
-    device: str = opt("auto", "auto | cpu | cuda")
-    dtype: str = opt("fp32", "fp32 | bf16 | fp16 (the working precision of weights and gradients)")
-    loss_scale: str = opt("auto", "dynamic | none | VALUE; auto = dynamic for fp16, none otherwise")
-    zero: int = opt(0, "ZeRO stage: 0 data parallel, 1 shard optimizer, 2 +gradients, 3 +parameters")
-    prefetch: bool = opt(True, "ZeRO-3: gather the next unit while this one computes")
-    grad_ckpt: bool = opt(False, "activation checkpointing: recompute each block in backward")
-    bucket_mb: float = opt(25.0, "gradient bucket size in MiB for overlapped communication")
-    peak_tflops: float = opt(0.0, "peak TFLOP/s per device for MFU; 0 = look the GPU up")
-    seed: int = opt(1337, "the batch at step t depends only on (seed, t)")
-    nan_at: int = opt(-1, "a lesson in skipped steps: make the last rank's loss NaN at this step")
-
-
-# ----------------------------------------------------------------------------------------------
-# config: dataclass defaults < preset file (--config) < explicit flags
-
-def load_preset(path):
-    """A preset is a file of plain `name = literal` lines; parsed, never executed."""
-    for cand in (path, path + ".py", os.path.join(ROOT, "config", path), os.path.join(ROOT, "config", path + ".py")):
-        if os.path.isfile(cand):
-            path = cand
-            break
-    else:
-        raise ConfigError(f"no preset {path!r}: see the files in config/")
-    known = {f.name: f for f in fields(TrainConfig)}
-    out = {}
-    with open(path) as f:
-        source = f.read()
-    for node in ast.parse(source, path).body:
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
-            raise ConfigError(f"{path}:{node.lineno}: presets hold only `name = value` lines")
-        name = node.targets[0].id
-        if name not in known:
-            raise ConfigError(f"{path}:{node.lineno}: unknown setting {name!r}")
-        try:
-            value = ast.literal_eval(node.value)
-        except ValueError:
-            raise ConfigError(f"{path}:{node.lineno}: {name} must be a literal value")
-        ftype = known[name].type
-        if ftype is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if type(value) is not ftype:
-            raise ConfigError(f"{path}:{node.lineno}: {name} must be {ftype.__name__}, got {value!r}")
-        out[name] = value
-    return out
-
-
-def parse_args(argv=None):
-    import argparse
-    p = argparse.ArgumentParser(description="Train a GPT with nanoZeRO.", allow_abbrev=False)
-    p.error = lambda msg: (_ for _ in ()).throw(ConfigError(msg))  # one line, no usage dump
-    p.add_argument("--config", help="a preset from config/, e.g. config/shakespeare_char.py")
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f.metadata["help"])
-        else:
-            p.add_argument(flag, type=f.type, default=None, metavar=f.type.__name__.upper(), help=f.metadata["help"])
-    p.add_argument("--bf16", action="store_true", help="shortcut for --dtype bf16")
-    p.add_argument("--fp16", action="store_true", help="shortcut for --dtype fp16")
-    args = p.parse_args(argv)
-    values = load_preset(args.config) if args.config else {}
-    values.update({k: v for k, v in vars(args).items() if v is not None and k in TrainConfig.__dataclass_fields__})
-    if args.bf16 and args.fp16:
-        raise ConfigError("--bf16 and --fp16 conflict: pick one")
-    for short in ("bf16", "fp16"):
-        if getattr(args, short):
-            if args.dtype not in (None, short):
-                raise ConfigError(f"--{short} conflicts with --dtype {args.dtype}: pick one")
-            values["dtype"] = short
-    cfg = TrainConfig(**values)
-    check_config(cfg)
-    return cfg
-
-
-def check_config(cfg):
-    if cfg.dtype not in ("fp32", "bf16", "fp16"):
-        raise ConfigError(f"--dtype {cfg.dtype}: use fp32, bf16 or fp16")
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"--device {cfg.device}: use auto, cpu or cuda")
-    if cfg.zero not in (0, 1, 2, 3):
-        raise ConfigError(f"--zero {cfg.zero}: use 0, 1, 2 or 3")
-    if cfg.loss_scale not in ("auto", "dynamic", "none"):
-        try:
-            if float(cfg.loss_scale) <= 0:
-                raise ValueError
-        except ValueError:
-            raise ConfigError(f"--loss-scale {cfg.loss_scale}: use dynamic, none or a positive number")
-    for name in ("batch_size", "grad_accum", "max_iters", "eval_interval", "eval_iters", "log_interval"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-    if cfg.bucket_mb <= 0:
-        raise ConfigError("--bucket-mb must be positive")
-    if cfg.ckpt_format not in ("consolidated", "sharded"):
-        raise ConfigError(f"--ckpt-format {cfg.ckpt_format}: use consolidated or sharded")
-    if cfg.quantize not in ("", "int8", "nf4"):
-        raise ConfigError(f"--quantize {cfg.quantize}: use int8 or nf4")
-    if (cfg.quantize or cfg.double_quant) and not cfg.lora:
-        raise ConfigError("--quantize stores a frozen base: it needs --lora")
-    if cfg.double_quant and cfg.quantize != "nf4":
-        raise ConfigError("--double-quant quantizes nf4's block scales: it needs --quantize nf4")
-    if cfg.lora:
-        try:
-            parse_targets(cfg.lora_targets)
-        except ValueError as e:
-            raise ConfigError(str(e))
-        if cfg.lora_rank < 1:
-            raise ConfigError("--lora-rank must be at least 1")
-    if cfg.save_interval < 0 or cfg.keep_last < 1:
-        raise ConfigError("--save-interval must be >= 0 and --keep-last >= 1")
+def init_distributed(cfg):
+    """RANK set (torchrun) -> one process per device: nccl on CUDA, gloo on CPU.
+    Returns (rank, world_size, device)."""
+    env = [int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))]
+    rank, world_size, local_rank = env
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but no CUDA device is visible: use --device cpu")
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"rank {rank} wants cuda:{local_rank}, but {torch.cuda.device_count()} "
+                          "GPU(s) are visible: one process per GPU, or --device cpu")
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    return rank, world_size, device
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,6 +79,30 @@ def get_batch(data, seed, step, micro, rank, world_size, batch_size, block_size,
     return xy[:, :-1], xy[:, 1:]  # inputs, next-token targets: (B, T) each
 
 
+class Batches:
+    """This rank's batches in order, one ahead: while the device works on a micro-step, the
+    next batch is cut, pinned (CUDA) and on its way with a non_blocking copy."""
+
+    def __init__(self, data, cfg, rank, world_size, grad_accum, device, start_it):
+        self.data, self.cfg, self.rank, self.world_size = data, cfg, rank, world_size
+        self.grad_accum, self.device = grad_accum, device
+        self.pos, self.ahead = (start_it, 0), None
+
+    def _load(self, it, micro):
+        x, y = get_batch(self.data, self.cfg.seed, it, micro, self.rank, self.world_size,
+                         self.cfg.batch_size, self.cfg.block_size, self.grad_accum)
+        if self.device.type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def next(self):
+        batch = self.ahead or self._load(*self.pos)
+        it, micro = self.pos
+        self.pos = (it, micro + 1) if micro + 1 < self.grad_accum else (it + 1, 0)
+        self.ahead = self._load(*self.pos)
+        return batch
+
+
 def load_data(cfg, rank, world_size, base_meta=None):
     """Memory-map train.bin / val.bin, preparing the data set first if it is missing (the
     built-in ones, or --input FILE in base_meta's vocabulary; rank 0 prepares, the others wait)."""
@@ -221,18 +111,21 @@ def load_data(cfg, rank, world_size, base_meta=None):
         cfg.dataset = os.path.splitext(os.path.basename(cfg.input))[0]
     data_dir = os.path.join(ROOT, cfg.data_root, cfg.dataset)  # an absolute data_root wins
     missing = not os.path.isfile(os.path.join(data_dir, "val.bin"))
-    if missing and not cfg.input and cfg.dataset not in DATASETS:  # the ones prepare.py builds
-        raise ConfigError(f"no prepared data in {data_dir}: run `python data/prepare.py --input FILE --name {cfg.dataset}`")
+    if missing and not cfg.input and cfg.dataset not in DATASETS:
+        raise ConfigError(f"no prepared data in {data_dir}: run "
+                          f"`python data/prepare.py --input FILE --name {cfg.dataset}`")
     if (missing or cfg.input) and rank == 0:
         try:
-            prepare(dataset="shakespeare_char" if cfg.input else cfg.dataset, input_path=cfg.input or None,
-                    out_root=os.path.join(ROOT, cfg.data_root), base_meta=base_meta)
+            prepare(dataset="shakespeare_char" if cfg.input else cfg.dataset,
+                    input_path=cfg.input or None, out_root=os.path.join(ROOT, cfg.data_root),
+                    base_meta=base_meta)
         except DataError as e:
             raise ConfigError(str(e))
     if world_size > 1:
         dist.barrier()
     if not os.path.isfile(os.path.join(data_dir, "val.bin")):
-        raise ConfigError(f"no prepared data in {data_dir}: run `python data/prepare.py --dataset {cfg.dataset}`")
+        raise ConfigError(f"no prepared data in {data_dir}: run "
+                          f"`python data/prepare.py --dataset {cfg.dataset}`")
     meta = load_meta(data_dir)
     train = np.memmap(os.path.join(data_dir, "train.bin"), dtype=np.uint16, mode="r")
     val = np.memmap(os.path.join(data_dir, "val.bin"), dtype=np.uint16, mode="r")
@@ -258,261 +151,276 @@ def estimate_loss(model, train, val, cfg, rank, world_size, device):
     model.eval()
     out = {}
     for si, (split, data) in enumerate((("train", train), ("val", val))):
-        total = torch.zeros(2, dtype=torch.float64, device=device)  # nccl reduces device tensors only
+        total = torch.zeros(2, dtype=torch.float64, device=device)  # nccl: device tensors only
         for k in range(rank, math.ceil(cfg.eval_iters / world_size) * world_size, world_size):
-            x, y = get_batch(data, cfg.seed + 7919 * (si + 1), k, 0, 0, 1, cfg.batch_size, cfg.block_size, 1)
+            x, y = get_batch(data, cfg.seed + 7919 * (si + 1), k, 0, 0, 1, cfg.batch_size,
+                             cfg.block_size, 1)
             _, loss = model(x.to(device), y.to(device))
             if k < cfg.eval_iters:
-                total += torch.stack([loss.detach().double(), torch.ones((), dtype=torch.float64, device=device)])
-        if world_size > 1:
-            dist.all_reduce(total)
+                total += torch.stack([loss.double(), torch.ones_like(total[0])])
+        total = all_reduce_sum(total, world_size)
         out[split] = (total[0] / total[1]).item()
     model.train()
     return out
 
 
-@contextmanager
-def saved_activation_bytes(model, out):
-    """Adds to out[0] the bytes autograd keeps for backward during the enclosed forward: every
-    saved tensor's storage once, weights left out. Under activation checkpointing autograd
-    saves almost nothing inside a block; what the checkpoint keeps is the block's input, which
-    the pre-hooks count. Exact on any device: it counts tensors, not allocator pages."""
-    seen = set()
+# ----------------------------------------------------------------------------------------------
+# the set-up, once for train.py and for every benchmark
 
-    def count(t):
-        ptr = t.untyped_storage().data_ptr()
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        if ptr not in seen and ptr not in weights:
-            seen.add(ptr)
-            out[0] += t.untyped_storage().nbytes()
+def model_config(cfg, vocab_size):
+    """The GPTConfig of a run's configuration (a ConfigError when the shape does not divide)."""
+    try:
+        return GPTConfig(block_size=cfg.block_size, vocab_size=vocab_size, n_layer=cfg.n_layer,
+                         n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)
+    except ValueError as e:
+        raise ConfigError(str(e))
 
-    def pack(t):
-        count(t)
-        return t
 
-    hooks = [b.register_forward_pre_hook(lambda m, a: count(a[0])) for b in model.transformer.h] \
-        if model.grad_ckpt else []
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield
-    for h in hooks:
-        h.remove()
+def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, init_weights=None):
+    """Model in its working dtype -> LoRA (and a quantized base) -> ZeRO -> loss scaler.
+    Returns (model, zero, scaler); init_weights: a state_dict to start from (--init-from)."""
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model = GPT(model_config(cfg, vocab_size))
+    if init_weights is not None:
+        try:
+            checkpoint.load_weights(model, init_weights)
+        except ValueError as e:
+            raise ConfigError(f"--init-from does not fit this model: {e}")
+    # what an adapter file names as its base: the weights before LoRA and quantization
+    model.base_id = base_fingerprint(model) if cfg.lora else None
+    model = model.to(device=device, dtype=dtype)  # 16-bit working weights in bf16 / fp16
+    model.grad_ckpt = cfg.grad_ckpt
+    if cfg.lora:  # freeze the base, add adapters: only they reach ZeRO's buffers and the optimizer
+        apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, parse_targets(cfg.lora_targets))
+        if cfg.quantize:
+            quantize_base(model, cfg.quantize, cfg.double_quant)
+    if cfg.compile:  # the blocks' math; the hooks that drive ZeRO stay outside compiled code
+        for block in model.transformer.h:
+            block.attn.compile()
+            block.mlp.compile()
+    Engine = ZeRO3 if cfg.zero == 3 else ZeRO
+    extra = {"prefetch": cfg.prefetch} if cfg.zero == 3 else {}
+    zero = Engine(model, cfg.zero, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                  weight_decay=cfg.weight_decay, bucket_mb=cfg.bucket_mb, rank=rank,
+                  world_size=world_size, fp32_grad_accum=cfg.fp32_grad_accum and grad_accum > 1
+                  and dtype != torch.float32, **extra)
+    scale = {"auto": "dynamic" if cfg.dtype == "fp16" else "none"}.get(cfg.loss_scale, cfg.loss_scale)
+    # a fixed scale of 1 is "no scaler", but still finds inf/NaN gradients and skips the step
+    fixed = 1.0 if scale == "none" else None if scale == "dynamic" else float(scale)
+    scaler = GradScaler(init_scale=fixed or 2.0**16, dynamic=fixed is None,
+                        min_scale=cfg.min_loss_scale, device=device)
+    torch.manual_seed(cfg.seed + rank)  # dropout: different masks on different ranks
+    return model, zero, scaler
+
+
+class Metrics:
+    """OUT_DIR/metrics.jsonl, one JSON object per row, written by rank 0 only. On resume the
+    rows before the checkpoint are kept: the steps after it are about to be redone."""
+
+    def __init__(self, out_dir, start_it, enabled):
+        self.file = None
+        if enabled:
+            os.makedirs(out_dir, exist_ok=True)
+            path = os.path.join(out_dir, "metrics.jsonl")
+            kept = [line for line in open(path) if json.loads(line).get("iter", -1) < start_it] \
+                if start_it and os.path.exists(path) else []
+            self.file = open(path, "w")
+            self.file.writelines(kept)
+
+    def log(self, row):
+        if self.file:  # NaN / inf become null: metrics.jsonl stays valid JSON for every reader
+            row = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                   for k, v in row.items()}
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+
+
+def agree(flag, device, world_size):
+    """True on every rank when it is True on any (one tiny all-reduce)."""
+    t = torch.tensor([float(flag)], device=device)
+    if world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 # ----------------------------------------------------------------------------------------------
 
 def main(argv=None):
     cfg = parse_args(argv)
-
-    # distributed init: RANK set (torchrun) -> one process per device; nccl on CUDA, gloo on CPU
-    distributed = "RANK" in os.environ
-    rank, world_size, local_rank = 0, 1, 0
-    if distributed:
-        rank, world_size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        raise ConfigError("--device cuda but no CUDA device is visible: use --device cpu")
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if distributed:
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
-    master = rank == 0
-    print0 = print if master else (lambda *a, **k: None)
+    rank, world_size, device = init_distributed(cfg)
+    print0 = print if rank == 0 else (lambda *a, **k: None)
     try:
         dtype = resolve_dtype(cfg.dtype, device)
     except ValueError as e:
         raise ConfigError(str(e))
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank (reseeded per rank below)
-    if use_cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-
-    init = Reader(cfg.init_from) if cfg.init_from else None
-    train, val, meta = load_data(cfg, rank, world_size, base_meta=init.header["meta"] if init else None)
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * world_size * cfg.block_size
-    print0(f"world size {world_size} on {device.type} ({'nccl' if use_cuda else 'gloo'} if distributed), "
-           f"{cfg.dtype}, ZeRO stage {cfg.zero}; {tokens_per_step:,} tokens per step "
-           f"({cfg.batch_size} seq x {cfg.grad_accum} micro-steps x {world_size} ranks x {cfg.block_size} tokens)")
-
-    try:
-        gptconf = GPTConfig(block_size=cfg.block_size, vocab_size=meta["vocab_size"], n_layer=cfg.n_layer,
-                            n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)
-    except ValueError as e:
-        raise ConfigError(str(e))
-    model = GPT(gptconf)
+    grad_accum = grad_accum_for(cfg, world_size)
+    init = checkpoint.Reader(cfg.init_from) if cfg.init_from else None
+    train, val, meta = load_data(cfg, rank, world_size, init.header["meta"] if init else None)
+    tokens_per_step = cfg.batch_size * grad_accum * world_size * cfg.block_size
+    print0(f"world size {world_size} on {device.type}, {cfg.dtype}, ZeRO stage {cfg.zero}; "
+           f"{tokens_per_step:,} tokens per step ({cfg.batch_size} seq x {grad_accum} micro-steps "
+           f"x {world_size} ranks x {cfg.block_size} tokens)")
+    gptconf = model_config(cfg, meta["vocab_size"])
+    weights = None
     if init:  # weights of another run (either checkpoint format), checked against this model
-        check_compatible(init.header, asdict(gptconf), meta, cfg.init_from)
-        model.load_state_dict(init.weights())
-        print0(f"initialised from {cfg.init_from} (iteration {init.header['iter']})")
-    model = model.to(device=device, dtype=dtype)  # 16-bit working weights in bf16 / fp16
-    model.grad_ckpt = cfg.grad_ckpt
-    if cfg.lora:  # freeze the base, add adapters: only they reach ZeRO's buffers and the optimizer
-        base_id = base_fingerprint(init.weights() if init else model)  # what an adapter file checks
-        apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, parse_targets(cfg.lora_targets))
-        if cfg.quantize:
-            quantize_base(model, cfg.quantize, cfg.double_quant)
-        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        n_all = n_train + sum(p.numel() for p in model.parameters() if not p.requires_grad)
-        print0(f"LoRA r={cfg.lora_rank} on {cfg.lora_targets}: {n_train:,} trainable of {n_all:,} parameters "
-               f"({100 * n_train / n_all:.2f}%)" + (f", base in {cfg.quantize}" if cfg.quantize else ""))
-    torch.manual_seed(cfg.seed + rank)  # dropout: different masks on different ranks
-    print0(f"model: {model.num_params(non_embedding=False):,} parameters (tied embedding counted once)")
+        checkpoint.check_compatible(init.header, asdict(gptconf), meta, cfg.init_from)
+        weights = init.weights()
+    model, zero, scaler = build(cfg, meta["vocab_size"], device, dtype, rank, world_size,
+                                grad_accum, weights)
+    print0(f"model: {model.num_params(non_embedding=False):,} parameters, {zero.psi:,} trainable")
 
-    zero = ZeRO(model, cfg.zero, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                weight_decay=cfg.weight_decay, bucket_mb=cfg.bucket_mb, rank=rank, world_size=world_size,
-                prefetch=cfg.prefetch)
-    scale = {"auto": "dynamic" if cfg.dtype == "fp16" else "none"}.get(cfg.loss_scale, cfg.loss_scale)
-    # a fixed scale of 1 is "no scaler", but still finds inf/NaN gradients and skips the step
-    scaler = GradScaler(dynamic=True) if scale == "dynamic" else \
-        GradScaler(init_scale=1.0 if scale == "none" else float(scale), dynamic=False)
-
-    start_it = 0
-    if cfg.resume:  # read everything before touching any file of the run
-        ckpts = list_checkpoints(cfg.out_dir)
-        if ckpts:
-            start_it = restore(ckpts[-1], zero, model, scaler, asdict(gptconf), meta, rank, world_size)
-            print0(f"resumed from {ckpts[-1]} at iteration {start_it}")
-        else:
-            print0(f"--resume: no checkpoint in {cfg.out_dir} yet, starting fresh")
-    header = {"config": asdict(cfg), "model_args": asdict(gptconf), "meta": meta}
+    start_it, header = 0, {"config": asdict(cfg), "model_args": asdict(gptconf), "meta": meta}
+    ckpts = checkpoint.list_checkpoints(cfg.out_dir) if cfg.resume else []
+    if ckpts:  # read and check everything before touching any file of the run
+        start_it, note = checkpoint.restore(ckpts[-1], zero, model, scaler, asdict(cfg),
+                                            asdict(gptconf), meta)
+        print0(f"resumed from {ckpts[-1]} at iteration {start_it}" + (f"; {note}" if note else ""))
+    elif cfg.resume:
+        print0(f"--resume: no checkpoint in {cfg.out_dir} yet, starting fresh")
+    if start_it >= cfg.max_iters:
+        print0(f"the run is already at iteration {start_it} (--max-iters {cfg.max_iters}): "
+               "nothing to train; raise --max-iters to go on")
+        return finish(model, zero, world_size)
+    metrics = Metrics(cfg.out_dir, start_it, rank == 0)
+    line, row = model_state_report(zero, world_size)  # measured vs the paper, per rank
+    print0(line)
+    metrics.log({**row, "dtype": cfg.dtype, "config": asdict(cfg)})
 
     # a preemption (SIGTERM) or Ctrl-C (SIGINT) asks every rank to finish its step, save and exit
     stop = {"signal": None}
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.update(signal=signum))
-
-    # what we hold vs what the ZeRO paper predicts, per rank
-    held = zero.state_bytes()
-    formula = zero_formula(zero.psi, cfg.zero, world_size, dtype)
-    per_rank = [None] * world_size
-    if distributed:
-        dist.all_gather_object(per_rank, held)
-    else:
-        per_rank = [held]
-    metrics = None
-    if master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        path = os.path.join(cfg.out_dir, "metrics.jsonl")
-        # on resume keep the rows before the checkpoint: the steps after it are about to be redone
-        kept = [line for line in open(path) if json.loads(line).get("iter", -1) < start_it] \
-            if start_it and os.path.exists(path) else []
-        metrics = open(path, "w")
-        metrics.writelines(kept)
-
-    def log(row):
-        if master:  # NaN / inf become null: metrics.jsonl stays valid JSON for every reader
-            row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
-
-    mb = lambda b: f"{b / 2**20:8.2f} MiB"
-    print0(f"model state per rank, Ψ = {zero.psi:,} trainable parameters "
-           f"(measured | ZeRO paper): params {mb(held['params'])} | {mb(formula['params'])}, "
-           f"grads {mb(held['grads'])} | {mb(formula['grads'])}, master+Adam "
-           f"{mb(held['master'] + held['optimizer'])} | {mb(formula['optimizer_side'])}, "
-           f"total {mb(held['total'])} | {mb(formula['total'])}")
-    log({"event": "model_state", "psi": zero.psi, "stage": cfg.zero, "world_size": world_size,
-         "dtype": cfg.dtype, "per_rank": per_rank, "formula": formula, "config": asdict(cfg)})
-
-    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else (
-        peak_flops_for(torch.cuda.get_device_name(device)) if use_cuda else None)
-    running_mfu, t_last, it, stopped = None, time.time(), start_it, False
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit: an OSError, not death
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    peak = cfg.peak_tflops * 1e12 or peak_flops(gpu, dtype)  # for MFU
+    batches = Batches(train, cfg, rank, world_size, grad_accum, device, start_it)
+    clock = {"t": time.time(), "it": start_it, "mfu": None, "warm": False}  # the last log
+    it, stopped = start_it, False
     while True:
         if it % cfg.eval_interval == 0 or it == cfg.max_iters:
+            t0 = time.time()
             losses = estimate_loss(model, train, val, cfg, rank, world_size, device)
             print0(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            log({"iter": it, "train_loss": losses["train"], "val_loss": losses["val"]})
-            t_last = time.time()  # evaluation time is not step time
+            metrics.log({"iter": it, "train_loss": losses["train"], "val_loss": losses["val"]})
+            clock["t"] += time.time() - t0  # evaluation time is not step time
         if it == cfg.max_iters:
             break
-
         lr = get_lr(it, cfg)
         logging = it % cfg.log_interval == 0 or it == cfg.max_iters - 1
-        zero.traffic = {k: 0 for k in zero.traffic}  # count this step's collectives
+        zero.traffic = Traffic()  # count this step's collectives
         loss_sum = torch.zeros((), device=device)
-        for micro in range(cfg.grad_accum):
-            x, y = get_batch(train, cfg.seed, it, micro, rank, world_size, cfg.batch_size, cfg.block_size, cfg.grad_accum)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            act = [0]  # activation bytes, measured on the first micro-step of the run
-            with saved_activation_bytes(model, act) if it == 0 and micro == 0 else nullcontext():
+        # -- forward and backward, micro-step by micro-step -----------------------------------
+        for micro in range(grad_accum):
+            x, y = batches.next()
+            act = [0]  # activation bytes saved for backward: measured on the first micro-step
+            with saved_activation_bytes(model, act) if it == start_it and micro == 0 \
+                    else nullcontext():
                 _, loss = model(x, y)
-            if it == 0 and micro == 0:
-                print0(f"activations saved for backward: {act[0] / 2**20:.2f} MiB per micro-step"
-                       f"{' (with --grad-ckpt)' if cfg.grad_ckpt else ''}")
-                log({"event": "activations", "saved_bytes": act[0], "grad_ckpt": cfg.grad_ckpt})
-            loss = loss / cfg.grad_accum  # the gradient of the mean over micro-steps
+            if it == start_it and micro == 0:
+                print0(f"activations saved for backward: {act[0] / 2**20:.2f} MiB per micro-step")
+                metrics.log({"event": "activations", "saved_bytes": act[0],
+                             "grad_ckpt": cfg.grad_ckpt})
+            loss = loss / grad_accum  # the gradient of the mean over micro-steps
             if it == cfg.nan_at and rank == world_size - 1:
-                loss = loss * float("nan")  # only this rank's gradients go bad: every rank must skip
+                loss = loss * float("nan")  # only this rank's gradients go bad: every rank skips
             loss_sum += loss.detach()
-            zero.backward(scaler.scale(loss), sync=micro == cfg.grad_accum - 1)
-        stats = zero.step(lr, scaler, cfg.grad_clip, want_zero_frac=logging)
-        if stats["skipped"]:
-            # loud in every dtype: a run whose steps are all skipped looks healthy while no
-            # weight changes. The step still counts: iteration and LR schedule advance.
-            print0(f"step {it}: inf/NaN gradient, update skipped (loss scale now {scaler.get_scale():g})")
+            # backward of the scaled loss; each gradient bucket's collective is launched as soon
+            # as the bucket is complete (all-reduce / reduce-scatter, by stage)
+            zero.backward(scaler.scale(loss), sync=micro == grad_accum - 1)
+        # -- the mixed-precision step ---------------------------------------------------------
+        grads = zero.master_grads()  # this rank's 16-bit gradient slice -> fp32 master gradient
+        zero_frac = zero.grad_zero_frac() if logging else None  # fp16 underflow shows as zeros
+        found_inf = scaler.unscale_(grads)  # divide by the loss scale; an inf/NaN on any rank?
+        grad_norm = zero.clip_grad_norm_(cfg.grad_clip)  # global norm over every rank's slice
+        zero.step(lr, found_inf)  # AdamW on this rank's fp32 slice; skipped if found_inf
+        zero.publish()  # fp32 master -> working weights (stages 1-2: all-gather them)
+        scaler.update(found_inf)  # halve the scale after an overflow, grow it after a clean run
+        zero.zero_grad()  # the next step's gradients start from zero
 
-        if logging:
-            if world_size > 1:
-                dist.all_reduce(loss_sum)  # the loss of the whole global batch
-                loss_sum /= world_size
-            lossf = loss_sum.item()  # .item() waits for the device: only on logged steps
-            dt = time.time() - t_last
-            tps = tokens_per_step / dt
-            mfu = model.estimate_mfu(tps / world_size, peak)
-            if mfu is not None:
-                running_mfu = mfu if running_mfu is None else 0.9 * running_mfu + 0.1 * mfu
-            print0(f"iter {it}: loss {lossf:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms, {tps:,.0f} tok/s"
-                   + (f", mfu {running_mfu * 100:.2f}%" if running_mfu is not None else ""))
-            log({"iter": it, "loss": lossf, "lr": lr, "ms": dt * 1000, "tokens_per_sec": tps,
-                 "mfu": running_mfu, "loss_scale": scaler.get_scale(), "skipped": stats["skipped"],
-                 "cuda_max_mem": torch.cuda.max_memory_allocated(device) if use_cuda else None,
-                 "grad_norm": stats["grad_norm"], "grad_zero_frac": stats["grad_zero_frac"],
-                 "comm_elements": sum(zero.traffic[k] for k in ("all_reduce", "reduce_scatter", "all_gather")),
-                 "comm_bytes": zero.traffic["bytes"], "comm_theory_elements": traffic_formula(zero.psi, cfg.zero, world_size, cfg.grad_accum,
-                                                         zero.frozen_numel)})
+        if logging:  # the only steps that wait for the device
+            step = dict(it=it, lr=lr, loss_sum=loss_sum, found_inf=found_inf, grad_norm=grad_norm,
+                        zero_frac=zero_frac, grad_accum=grad_accum, peak=peak)
+            log_step(step, clock, cfg, model, zero, scaler, metrics, print0)
+            stopped = agree(stop["signal"] is not None, device, world_size)
         it += 1
-        # every rank must agree to stop at the same step: one tiny all-reduce of the signal flag
-        flag = torch.tensor([stop["signal"] is not None], dtype=torch.float32, device=device)
-        if distributed:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        stopped = bool(flag.item())
-        if (cfg.save_interval and it % cfg.save_interval == 0 and it < cfg.max_iters) or stopped:
-            path = checkpoint.save(cfg.out_dir, it, zero, model, scaler, header, cfg.ckpt_format, cfg.keep_last,
-                                   rank, world_size)
-            print0(f"saved {path}")
+        saving = cfg.save_interval and it % cfg.save_interval == 0 and it < cfg.max_iters
+        if (logging or saving) and scaler.exhausted.item():
+            raise ConfigError(f"the gradients overflow at the minimum loss scale "
+                              f"{cfg.min_loss_scale:g} (by step {it - 1}): the loss is non-finite "
+                              "at any scale, a NaN rather than an overflow; nothing saved since")
+        if saving or stopped:
+            save(cfg, it, zero, model, scaler, header, print0)
         if stopped:
             print0(f"stopped by a signal after iteration {it}: resume with --resume")
             break
-        t_last = time.time()
+    wrap_up(cfg, it, zero, model, scaler, header, metrics, stopped, print0)
+    finish(model, zero, world_size)
 
-    # every rank must hold bitwise the same full parameters: compare fingerprints once, at the end
-    # (under ZeRO-3 no rank holds them between steps: the checkpoint below gathers them)
-    digest = "sharded" if cfg.zero == 3 else hashlib.sha256(
-        b"".join(p.detach().cpu().float().numpy().tobytes() for p in model.parameters())).hexdigest()
-    digests = [digest] * world_size
-    if distributed:
+
+def log_step(step, clock, cfg, model, zero, scaler, metrics, print0):
+    """One logged step: read the step's numbers off the device (the only .item() calls of the
+    loop) and print and log them. Time per step is averaged since the last log; MFU leaves out
+    the first interval of the run (warm-up, compilation)."""
+    world_size, it = zero.world_size, step["it"]
+    dt = (time.time() - clock["t"]) / (it + 1 - clock["it"])
+    warm = clock["warm"]  # the first interval holds the warm-up (and compilation)
+    clock.update(t=time.time(), it=it + 1, warm=True)
+    lossf = all_reduce_sum(step["loss_sum"], world_size).item() / world_size
+    skipped = bool(step["found_inf"].item())
+    tps = cfg.batch_size * step["grad_accum"] * world_size * cfg.block_size / dt
+    mfu = model.estimate_mfu(tps / world_size, step["peak"]) if warm else None
+    if mfu is not None:
+        clock["mfu"] = mfu if clock["mfu"] is None else 0.9 * clock["mfu"] + 0.1 * mfu
+    print0(f"iter {it}: loss {lossf:.4f}, lr {step['lr']:.2e}, {dt * 1000:.1f} ms, "
+           f"{tps:,.0f} tok/s" + (f", mfu {clock['mfu'] * 100:.2f}%" if clock["mfu"] else "")
+           + (f", inf/NaN gradient: step skipped (loss scale now {scaler.get_scale():g})"
+              if skipped else ""))
+    device = zero.device
+    metrics.log({"iter": it, "loss": lossf, "lr": step["lr"], "ms": dt * 1000,
+                 "tokens_per_sec": tps, "mfu": clock["mfu"], "loss_scale": scaler.get_scale(),
+                 "skipped": skipped, "grad_norm": step["grad_norm"].item(),
+                 "grad_zero_frac": step["zero_frac"].item(),
+                 "cuda_max_mem": torch.cuda.max_memory_allocated(device)
+                 if device.type == "cuda" else None,
+                 "comm_elements": zero.traffic.elements, "comm_bytes": zero.traffic.bytes,
+                 "comm_theory_elements": traffic_formula(zero.psi, cfg.zero, world_size,
+                                                         step["grad_accum"], zero.frozen_numel)})
+
+
+def save(cfg, it, zero, model, scaler, header, print0):
+    path = checkpoint.save(cfg.out_dir, it, zero, model, scaler, header, cfg.ckpt_format,
+                           cfg.keep_last)
+    print0(f"saved {path}")
+
+
+def wrap_up(cfg, it, zero, model, scaler, header, metrics, stopped, print0):
+    """The end of a run: the replica check, the final checkpoint, a LoRA run's adapter."""
+    # every rank must hold bitwise the same full parameters (under ZeRO-3 no rank holds them)
+    digest = "sharded" if cfg.zero == 3 else replica_digest(model)
+    digests = [digest] * zero.world_size
+    if zero.world_size > 1:
         dist.all_gather_object(digests, digest)
     if len(set(digests)) > 1:
         print0(f"WARNING: ranks hold different parameters: {digests}")
-    log({"event": "end", "iter": it, "replica_sha256": digests})
-
+    metrics.log({"event": "end", "iter": it, "replica_sha256": digests})
     if not stopped:  # the final checkpoint (a signal's was just written)
-        print0(f"saved {checkpoint.save(cfg.out_dir, it, zero, model, scaler, header, cfg.ckpt_format, cfg.keep_last, rank, world_size)}")
-    if cfg.lora:  # the adapter alone: kilobytes, full tensors gathered onto rank 0 (also under ZeRO-3)
-        full = zero.full_state_dict(model)
-        if master:
+        save(cfg, it, zero, model, scaler, header, print0)
+    if cfg.lora:  # the adapter alone: kilobytes, full tensors gathered onto rank 0 one by one
+        full = checkpoint.state_dict(zero, model)
+        if zero.rank == 0:
             path = os.path.join(cfg.out_dir, "adapter.pt")
-            save_adapter(path, adapter_state(full), model.lora_settings, base_id)
+            save_adapter(path, adapter_state(full), model.lora_settings, model.base_id)
             print0(f"saved {path} ({os.path.getsize(path) / 1024:.1f} KiB)")
-    if master:
-        metrics.close()
-    if distributed:
-        # free the model, ZeRO's buffers and their finished collectives while the process group
-        # exists (freed at interpreter exit instead, gloo can abort the process), then leave
-        # together: a gloo rank that tears down while its peer is still busy saving can abort too
-        # ("terminate called without an active exception")
-        model = zero = loss = None
-        gc.collect()
+
+
+def finish(model, zero, world_size):
+    """Free the model, ZeRO's buffers and their finished collectives while the process group
+    exists (freed at interpreter exit instead, gloo can abort the process), then leave together:
+    a gloo rank that tears down while a peer still saves can abort ("terminate called without
+    an active exception")."""
+    del model, zero
+    gc.collect()
+    if world_size > 1:
         dist.barrier()
         dist.destroy_process_group()
 

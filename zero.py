@@ -1,5 +1,6 @@
 """
-Data parallelism and ZeRO stages 0 to 3, written on raw torch.distributed collectives.
+Data parallelism and ZeRO stages 0, 1 and 2, written on raw torch.distributed collectives.
+Stage 3, which shards the parameters themselves, extends this engine in zero3.py.
 
 Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models".
 With mixed-precision Adam every parameter costs 2 (16-bit weight) + 2 (16-bit gradient) + 12
@@ -9,31 +10,35 @@ on every one of N ranks. ZeRO partitions the redundant parts:
   stage 0  plain data parallelism: all-reduce the gradients          16Ψ per rank
   stage 1  shard the optimizer side (master + Adam)                  4Ψ + 12Ψ/N
   stage 2  shard the gradients too                                   2Ψ + 14Ψ/N
-  stage 3  shard the parameters too (PyTorch calls it FSDP)          16Ψ/N
+  stage 3  shard the parameters too (zero3.py; PyTorch calls it FSDP) 16Ψ/N
 
 Stages 0-2 move the same 2Ψ elements per step: a ring all-reduce *is* a reduce-scatter
 followed by an all-gather, and stages 1-2 simply do the two halves at different times,
-updating only their own shard in between. Stage 3 gathers each unit's parameters just before
-its forward, frees them after, gathers them again for its backward and reduce-scatters its
-gradients right after: 3Ψ per step, 1.5x data parallelism, for memory that falls as 1/N.
-Frozen tensors (a LoRA base, quantized or not) are sharded with their unit as well: gathered
-like the rest, never reduced or updated, 2 x their size in traffic per step.
+updating only their own shard in between. So the three stages differ in two places only:
+`_reduce` (which collective runs in backward) and `publish` (whether the step all-gathers).
 
 Layout. The trainable parameters (deduplicated by identity: the tied embedding / LM head is
 one tensor) are packed, last layer first, into buckets of about --bucket-mb. Each bucket is
 one flat tensor padded to a multiple of N, and the parameters become views into it, so every
 collective runs on contiguous memory without copies. Rank r owns the r-th 1/N of every
 bucket. Padding makes every world size legal and stays zero; it is never counted in norms,
-inf checks or checkpoints. The optimizer sees one 1-D view per (parameter, rank) piece, so
-weight-decay groups and per-parameter checkpoint metadata come for free.
+inf checks or checkpoints. The optimizer sees one 1-D view per (parameter, rank) piece, a
+`Segment`, so weight-decay groups and per-parameter checkpoint metadata come for free.
 
 Overlap. A post-accumulate-grad hook counts the parameters of a bucket as their gradients
 land; once a bucket is complete its collective is launched asynchronously while backward
 goes on with earlier layers. Buckets are launched strictly in index order, so every rank
 issues the same collectives in the same order whatever order autograd finishes them in.
+
+The step (train.py's loop calls these in the lecture's order): `master_grads` (the 16-bit
+gradient slice as fp32), the scaler's unscale and inf check, `clip_grad_norm_`, `step`
+(fused AdamW, skipped on the device when any rank found an inf), `publish`. Nothing in it
+waits for the device: norms, the inf flag and the skip stay tensors.
 """
+import hashlib
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,11 +54,24 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 # all-gather halves), a reduce-scatter or all-gather of an n-element buffer moves n.
 # On one rank they are local copies and count nothing.
 
+@dataclass
+class Traffic:
+    """Elements (and bytes) this rank's collectives moved since the counter was made."""
+    all_reduce: int = 0
+    reduce_scatter: int = 0
+    all_gather: int = 0
+    bytes: int = 0
+
+    @property
+    def elements(self):
+        return self.all_reduce + self.reduce_scatter + self.all_gather
+
+
 def all_reduce_grads(flat, traffic, world_size, group=None):
     if world_size == 1:
         return None
-    traffic["all_reduce"] += 2 * flat.numel()
-    traffic["bytes"] += 2 * flat.numel() * flat.element_size()
+    traffic.all_reduce += 2 * flat.numel()
+    traffic.bytes += 2 * flat.numel() * flat.element_size()
     # SUM and an explicit division elsewhere, never ReduceOp.AVG (not supported on gloo)
     return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
@@ -62,8 +80,8 @@ def reduce_scatter_grads(shard, flat, traffic, world_size, group=None):
     if world_size == 1:
         shard.copy_(flat)
         return None
-    traffic["reduce_scatter"] += flat.numel()
-    traffic["bytes"] += flat.numel() * flat.element_size()
+    traffic.reduce_scatter += flat.numel()
+    traffic.bytes += flat.numel() * flat.element_size()
     # gloo has no native reduce-scatter: it runs an all-reduce and keeps one slice, so on CPU
     # this half costs what a whole all-reduce costs. NCCL's ring does only the reduce half.
     return _reduce_scatter(shard, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -73,301 +91,232 @@ def all_gather_params(flat, shard, traffic, world_size, group=None):
     if world_size == 1:
         flat.copy_(shard)
         return None
-    traffic["all_gather"] += flat.numel()
-    traffic["bytes"] += flat.numel() * flat.element_size()
+    traffic.all_gather += flat.numel()
+    traffic.bytes += flat.numel() * flat.element_size()
     return _all_gather(flat, shard, group=group, async_op=True)
 
 
-def all_reduce_scalar(x, world_size, group=None):
+def all_reduce_sum(x, world_size, group=None):
     """A few bytes of control traffic (norms, counts), not counted as model traffic."""
     if world_size > 1:
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
 
 
-def new_traffic():
-    return {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "bytes": 0}
-
-
 # ----------------------------------------------------------------------------------------------
+# Layout: buckets and the segments the optimizer steps
+
+def plan_buckets(numels, cap):
+    """Group tensors of sizes `numels` into buckets of at most `cap` elements, last tensor first
+    (gradients arrive in reverse order, so bucket 0 is complete first); a tensor larger than
+    `cap` gets a bucket of its own. Returns lists of indices into numels. memory.py plans with
+    this very function, so its estimate packs exactly what the trainer packs."""
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(numels))):
+        if current and size + numels[i] > cap:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += numels[i]
+    return buckets + [current]
+
 
 def frozen_tensors(module, keep=lambda t: True):
     """What a module holds but never trains: frozen parameters (LoRA's base) and persistent
     buffers (a quantized base's codes and scales; not nf4's shared 16-value code table)."""
-    ts = [p for p in module.parameters() if not p.requires_grad and keep(p)]
-    return ts + [b for m in module.modules() for n, b in m._buffers.items()
-                 if b is not None and n not in m._non_persistent_buffers_set and keep(b)]
+    frozen = [p for p in module.parameters() if not p.requires_grad and keep(p)]
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set and keep(b):
+                frozen.append(b)
+    return frozen
+
+
+@dataclass
+class Segment:
+    """The piece [lo, hi) of one flattened parameter that this rank owns: what AdamW steps
+    (as `master`, an fp32 view into the master slice) and what a checkpoint saves by name."""
+    name: str  # the parameter's name in model.state_dict()
+    param: torch.Tensor  # the working parameter
+    lo: int
+    hi: int
+    start: int  # where the piece begins inside its bucket's owned slice
+    master: torch.Tensor = None
 
 
 class Bucket:
-    """A contiguous group of parameters: one flat buffer, padded to a multiple of N. frozen:
-    stage 3 shards frozen tensors too (LoRA's base, a quantized base's codes and scales):
-    gathered and freed with their unit, but with no gradient and no optimizer state."""
+    """Tensors packed into one flat buffer, padded to a multiple of N when pad; the tensors
+    become views of it. This rank owns [lo, hi) of the buffer: the optimizer state, and from
+    stage 2 on the gradient, of that range live here only."""
 
-    def __init__(self, params, stage, rank, world_size, dtype, device, module=None, frozen=False):
-        self.params, self.module, self.frozen = params, module, frozen  # module: stage 3's user
-        numel = sum(p.numel() for p in params)
-        self.numel = math.ceil(numel / world_size) * world_size if stage >= 1 else numel
-        shard = self.numel // world_size
-        # the range of the flat buffer whose optimizer state (and, stage 2, gradient) this rank owns
-        self.lo, self.hi = (rank * shard, (rank + 1) * shard) if stage >= 1 else (0, self.numel)
+    def __init__(self, tensors, rank, world_size, dtype, device, pad=True):
+        self.params = tensors
+        numel = sum(t.numel() for t in tensors)
+        self.numel = math.ceil(numel / world_size) * world_size if pad else numel
+        shard = self.numel // world_size if pad else self.numel
+        self.lo, self.hi = (rank * shard, (rank + 1) * shard) if pad else (0, self.numel)
         self.flat = torch.zeros(self.numel, dtype=dtype, device=device)
-        self.offsets, off = [], 0
-        for p in params:
-            self.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = self.flat[off:off + p.numel()].view_as(p)  # the parameter is now a view
-            self.offsets.append(off)
-            off += p.numel()
-        self.flat_grad = None  # stages 0-1: the full gradient, parameters' .grad are views into it
-        self.grad_shard = None  # stages 2-3: only this rank's reduced gradient slice
-        self.shard = None  # stage 3: this rank's slice of the weights, the only copy kept
-        self.gathered, self.pending = True, None  # stage 3: full weights present / arriving
-        if stage == 3:
-            self.shard = self.flat[self.lo:self.hi].clone()
-            self.free()
-        if frozen:
-            pass  # nothing to reduce, nothing to update
-        elif stage <= 1:
-            self.flat_grad = torch.zeros_like(self.flat)
-            for p, off in zip(params, self.offsets):
-                p.grad = self.flat_grad[off:off + p.numel()].view_as(p)
-        else:
-            self.grad_shard = torch.zeros(self.hi - self.lo, dtype=dtype, device=device)
+        self.offsets, offset = [], 0
+        for t in tensors:
+            self.flat[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
+            t.data = self.flat[offset:offset + t.numel()].view_as(t)  # the tensor is now a view
+            self.offsets.append(offset)
+            offset += t.numel()
+        self.flat_grad = None  # stages 0-1: the full gradient of the bucket
+        self.grad_shard = None  # stages 2-3: only this rank's reduced slice of it
+        self.segments = []  # the pieces of its parameters this rank owns, in order
         self.ready = 0  # parameters whose gradient has landed in this backward
 
-    def free(self):
-        """Release the full weights but keep the tensor objects: resizing the storage to 0 frees
-        the memory, and every view of it (the parameters, and the weights autograd or activation
-        checkpointing saved for backward) sees the data again once it is gathered back into the
-        same storage. Swapping .data instead would leave saved views on the old, full tensor
-        (PITFALLS 6: the "recomputed shape [0]" error)."""
-        self.flat.untyped_storage().resize_(0)
-        self.gathered = False
-
-    def allocate(self):
-        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
-
-    def grad_piece(self):
-        """This rank's reduced gradient slice, in the working dtype."""
+    def owned_grad(self):
+        """This rank's reduced gradient slice."""
         return self.grad_shard if self.grad_shard is not None else self.flat_grad[self.lo:self.hi]
 
+    def make_segments(self, names, master):
+        """Cut the owned range into one Segment per tensor that overlaps it; `master` is the
+        fp32 copy (or, in fp32, the view) of the owned range, None for frozen tensors."""
+        for p, offset in zip(self.params, self.offsets):
+            lo, hi = max(offset, self.lo), min(offset + p.numel(), self.hi)
+            if lo < hi:  # else another rank owns all of this tensor
+                start = lo - self.lo
+                view = None if master is None else master[start:start + hi - lo]
+                self.segments.append(Segment(names[id(p)], p, lo - offset, hi - offset, start,
+                                             view))
+
+
+# ----------------------------------------------------------------------------------------------
 
 class ZeRO:
-    """Owns the trainable parameters' flat buffers, this rank's fp32 master slice and AdamW.
+    """Owns the trainable parameters' flat buckets, this rank's fp32 master slice and AdamW.
 
     model must already be on its device and in its working dtype (fp32, bf16 or fp16).
-    Use: zero.backward(loss, sync) for each micro-step (sync on the last one), then
-    zero.step(lr, scaler, grad_clip)."""
+    Per micro-step: zero.backward(loss, sync) (sync on the last one). Then, per step:
+    master_grads, clip_grad_norm_, step, publish, zero_grad (train.py shows the order)."""
 
-    def __init__(self, model, stage, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, bucket_mb=25.0,
-                 rank=0, world_size=1, group=None, prefetch=True, eps=1e-8):
-        if stage not in (0, 1, 2, 3):
-            raise ValueError(f"--zero {stage}: the ZeRO stages are 0, 1, 2 and 3")
+    def __init__(self, model, stage, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8,
+                 bucket_mb=25.0, rank=0, world_size=1, group=None, fp32_grad_accum=False):
+        if stage not in self.stages():
+            raise ValueError(f"{type(self).__name__} runs ZeRO stages {self.stages()}, not {stage}")
         self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
-        self.prefetch = prefetch
-        self.traffic = new_traffic()
-        # deduplicated by identity (named_parameters() already skips the second name of the tied
-        # weight); frozen tensors stay out of every gradient buffer and the optimizer (LoRA relies on it)
+        self.bucket_mb, self.traffic = bucket_mb, Traffic()
+        # deduplicated by identity (named_parameters() already skips the second name of the
+        # tied weight); frozen tensors stay out of every gradient buffer and the optimizer
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.names = {id(p): n for n, p in named}  # for checkpoints: model.py's name of each tensor
         if not named:
             raise ValueError("the model has no trainable parameters")
+        self.names = {}  # model.state_dict()'s name of every tensor (the tied one: its first)
+        for n, t in model.state_dict(keep_vars=True).items():
+            self.names.setdefault(id(t), n)
+        self.gathered_bytes = self.peak_gathered_bytes = 0  # full buffers gathered now / at most
         self.frozen = frozen_tensors(model)  # model state too: counted by state_bytes()
-        self.dtype, device = named[0][1].dtype, named[0][1].device
+        self.dtype, self.device = named[0][1].dtype, named[0][1].device
         self.psi = sum(p.numel() for _, p in named)  # Ψ, each weight counted once
-        self.frozen_numel = sum(t.numel() for t in self.frozen)  # elements ZeRO-3 gathers but never updates
-
-        if stage == 3:
-            self._make_units(model, device)
-            self.frozen = []  # now in the units' frozen buckets, sharded like everything else
-        else:
-            # pack last layer first: gradients arrive in reverse order, so bucket 0 is ready first
-            self.buckets, group_params, size = [], [], 0
-            cap = max(1, int(bucket_mb * 2**20 / named[0][1].element_size()))
-            for _, p in reversed(named):
-                if group_params and size + p.numel() > cap:
-                    self.buckets.append(Bucket(group_params, stage, rank, world_size, self.dtype, device))
-                    group_params, size = [], 0
-                group_params.append(p)
-                size += p.numel()
-            self.buckets.append(Bucket(group_params, stage, rank, world_size, self.dtype, device))
-        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}  # tensors hash by id
+        self.frozen_numel = sum(t.numel() for t in self.frozen)
+        # 16-bit gradient accumulation over micro-steps loses the small contributions, as
+        # Megatron and DeepSpeed's bf16 optimizer know: with fp32_grad_accum the gradient
+        # buffer that accumulates (stages 0-1: the full one, 2-3: the shard) is fp32
+        self.grad_dtype = torch.float32 if fp32_grad_accum else self.dtype
+        self.buckets = self._make_buckets(model, [p for _, p in named])
+        # where each trainable parameter lives: its bucket and its offset in the flat buffer
+        self.where = {id(p): (b, offset) for b in self.buckets
+                      for p, offset in zip(b.params, b.offsets)}
 
         # the fp32 master slice. In fp32 the parameters are the master (no copy): the slice is a
         # view of the flat buffer. In 16 bits it is a separate fp32 tensor (Micikevicius et al.
         # 2018): an update below ~2^-9 of a weight rounds away in bf16 and would be lost.
-        self.master_pieces = []
-        for b in self.buckets:
-            piece = b.shard if stage == 3 else b.flat[b.lo:b.hi]
-            self.master_pieces.append(piece if self.dtype == torch.float32 else piece.float())
-        # one optimizer tensor per (parameter, owned range) piece: segments record where it lives
-        decay, no_decay, self.segments = [], [], []
-        for bi, b in enumerate(self.buckets):
-            for p, off in zip(b.params, b.offsets):
-                lo, hi = max(off, b.lo), min(off + p.numel(), b.hi)
-                if lo >= hi:
-                    continue  # another rank owns all of this parameter
-                view = self.master_pieces[bi][lo - b.lo:hi - b.lo]
-                self.segments.append((view, bi, lo - b.lo, hi - b.lo, p, lo - off))
-                # decay 2-D weights (matmuls, embeddings), not biases or LayerNorm gains
-                (decay if p.dim() >= 2 else no_decay).append(view)
+        self.master = [self._owned_weights(b).float() for b in self.buckets]
+        for b, master in zip(self.buckets, self.master):
+            b.make_segments(self.names, master)
+        self.segments = [s for b in self.buckets for s in b.segments]
+        # decay 2-D weights (matmuls, embeddings), not biases or LayerNorm gains
+        decay = [s.master for s in self.segments if s.param.dim() >= 2]
+        no_decay = [s.master for s in self.segments if s.param.dim() < 2]
+        # fused: one multi-tensor kernel for the whole update, and it takes found_inf, so a
+        # skipped step is decided on the device (torch.amp.GradScaler uses the same door)
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
-        # allocate Adam's moments now, exactly as AdamW would on its first step, so the
+                                      {"params": no_decay, "weight_decay": 0.0}],
+                                     lr=lr, betas=betas, eps=eps, fused=True)
+        # allocate Adam's moments now, exactly as fused AdamW would on its first step, so the
         # model-state bytes measured at start-up are the ones training holds
-        for view, *_ in self.segments:
-            self.opt.state[view] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(view),
-                                    "exp_avg_sq": torch.zeros_like(view)}
+        for s in self.segments:
+            self.opt.state[s.master] = {
+                "step": torch.zeros((), dtype=torch.float32, device=self.device),
+                "exp_avg": torch.zeros_like(s.master), "exp_avg_sq": torch.zeros_like(s.master)}
 
-        self.sync, self.next_bucket, self.pending = True, 0, []
+        self.sync, self.next_bucket, self.in_flight = True, 0, []
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
 
-    # -- stage 3: units gathered just in time ---------------------------------------------------
+    @staticmethod
+    def stages():
+        return (0, 1, 2)
 
-    def _make_units(self, model, device):
-        """One unit per transformer block, plus the root: embeddings, final LayerNorm and the
-        tied head, which the forward uses first and last, so it stays gathered from the model's
-        forward until the end of backward (one unit's worth of memory, and no second gather).
-        A unit is a list of buckets: its trainable parameters (if any), then its frozen tensors,
-        one bucket per dtype (a QLoRA base mixes uint8 codes and fp32 scales): PITFALLS 10,
-        frozen weights stay out of gradients and the optimizer but not out of the gathers."""
-        args = (3, self.rank, self.world_size, self.dtype, device)
-        blocks = list(model.transformer.h)
-        in_blocks = {id(t) for blk in blocks for t in list(blk.parameters()) + list(blk.buffers())}
+    def _make_buckets(self, model, params):
+        """Stages 0-2: buckets of about bucket_mb, last layer first; each gets its gradient."""
+        cap = max(1, int(self.bucket_mb * 2**20 / params[0].element_size()))
+        buckets = []
+        for indices in plan_buckets([p.numel() for p in params], cap):
+            b = Bucket([params[i] for i in indices], self.rank, self.world_size, self.dtype,
+                       self.device, pad=self.stage >= 1)
+            if self.stage <= 1:
+                b.flat_grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
+                if self.grad_dtype == self.dtype:  # the parameters' .grad are views into it
+                    for p, offset in zip(b.params, b.offsets):
+                        p.grad = b.flat_grad[offset:offset + p.numel()].view_as(p)
+            else:
+                b.grad_shard = torch.zeros(b.hi - b.lo, dtype=self.grad_dtype, device=self.device)
+            buckets.append(b)
+        return buckets
 
-        def unit(module, keep):
-            trainable = [p for p in module.parameters() if p.requires_grad and keep(p)]
-            frozen = frozen_tensors(module, keep)
-            out = [Bucket(trainable, *args, module=module)] if trainable else []
-            for dtype in dict.fromkeys(t.dtype for t in frozen):  # in order of appearance
-                out.append(Bucket([t for t in frozen if t.dtype == dtype], 3, self.rank, self.world_size, dtype,
-                                  device, module=module, frozen=True))
-            for b in out:
-                b.unit = out  # which unit a bucket belongs to (the root's stay gathered through backward)
-            return out
-
-        units = [unit(blk, lambda t: True) for blk in blocks]
-        root = unit(model, lambda t: id(t) not in in_blocks)
-        # gradients arrive last block first, root last (the tied embedding is the final use)
-        self.buckets = [u[0] for u in units[::-1] + [root] if u and not u[0].frozen]
-        self.units, self.root, self.all_units = units, root, units + [root]
-        self.in_backward, self.gathered_bytes, self.peak_gathered_bytes = False, 0, 0
-        model.register_forward_pre_hook(lambda m, a: self._gather(root))
-        model.register_forward_hook(lambda m, a, out: None if torch.is_grad_enabled() else self._free(root))
-        for i, u in enumerate(units):
-            blocks[i].register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
-            blocks[i].register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
-
-    def _gather(self, unit, wait=True):
-        """Launch the all-gathers of a unit's buckets that are neither present nor arriving;
-        with wait, block until all of them are present."""
-        for u in unit:
-            if not u.gathered and u.pending is None:
-                u.allocate()
-                self.gathered_bytes += u.flat.numel() * u.flat.element_size()
-                self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-                u.pending = all_gather_params(u.flat, u.shard, self.traffic, self.world_size, self.group) or "done"
-        for u in unit if wait else []:
-            if u.pending is not None:
-                if u.pending != "done":
-                    u.pending.wait()
-                u.pending, u.gathered = None, True
-
-    def _free(self, unit):
-        for u in unit:
-            if u.pending is not None:  # a prefetch still in flight: let it land before freeing
-                self._gather([u])
-            if u.gathered:
-                u.free()
-                self.gathered_bytes -= u.flat.numel() * u.flat.element_size()
-
-    @contextmanager
-    def gathered(self, write_back=False):
-        """Stage 3: every unit's full weights present on every rank while inside (a collective:
-        all ranks enter), for checkpoints. write_back: copy the frozen tensors, as changed
-        inside, back into their shards (restoring a checkpoint). Other stages: nothing to do."""
-        if self.stage != 3:
-            yield
-            return
-        for u in self.all_units:
-            self._gather(u)
-        try:
-            yield
-        finally:
-            for u in self.all_units:
-                for b in u:
-                    if write_back and b.frozen:
-                        b.shard.copy_(b.flat[b.lo:b.hi])
-                self._free(u)
-
-    def _pre_forward(self, i):
-        self._gather(self.units[i])
-        if self.prefetch and not self.in_backward and i + 1 < len(self.units):
-            self._gather(self.units[i + 1], wait=False)  # overlap the next unit's gather with compute
-
-    def _post_forward(self, i, out):
-        if self.in_backward:
-            return  # activation checkpointing's recompute: backward needs the weights next
-        self._free(self.units[i])
-        if torch.is_grad_enabled() and out.requires_grad:
-            # the gradient of the block's output arrives just before the block's backward runs
-            out.register_hook(lambda grad, i=i: self._pre_backward(i))
-
-    def _pre_backward(self, i):
-        """The gradient of block i's output is complete, so block i+1's backward is done."""
-        self.in_backward = True
-        if i + 1 < len(self.units):
-            self._free(self.units[i + 1])
-        self._gather(self.units[i])
-        if self.prefetch and i > 0:
-            self._gather(self.units[i - 1], wait=False)
+    def _owned_weights(self, b):
+        return b.flat[b.lo:b.hi]
 
     # -- backward: bucketed, asynchronous gradient reduction ---------------------------------
 
     def _grad_ready(self, p):
+        """Autograd's hook: p's gradient of this micro-step is complete."""
+        b, offset = self.where[id(p)]
+        if b.flat_grad is not None and b.flat_grad.dtype != p.dtype:
+            # fp32 accumulation (stages 0-1): add the 16-bit gradient in, free it
+            b.flat_grad[offset:offset + p.numel()] += p.grad.reshape(-1)
+            p.grad = None
         if not self.sync:
-            return  # stages 0-1, not the last micro-step: let gradients accumulate locally
-        self.bucket_of[id(p)].ready += 1
+            return  # stages 0-1, not the last micro-step: gradients accumulate locally
+        b.ready += 1
         # launch every complete bucket in index order, so all ranks issue the same sequence
         while self.next_bucket < len(self.buckets) and \
                 self.buckets[self.next_bucket].ready == len(self.buckets[self.next_bucket].params):
-            self._launch(self.buckets[self.next_bucket])
+            self._reduce(self.buckets[self.next_bucket])
             self.next_bucket += 1
 
-    def _launch(self, b):
+    def _reduce(self, b):
+        """Launch bucket b's gradient collective. Every gradient is divided by N first: the
+        sum over ranks is then the mean, and in 16 bits a sum of N gradients cannot overflow
+        half way through the reduction."""
         N = self.world_size
-        if self.stage == 0:
-            # divide by N before the 16-bit sum: the sum of N gradients then stays within the
-            # range of one, so an fp16 reduction cannot overflow half way (PITFALLS 4)
-            if N > 1:
-                b.flat_grad.div_(N)
-            self.pending.append((all_reduce_grads(b.flat_grad, self.traffic, N, self.group), None))
-        elif self.stage == 1:
+        if self.stage == 0:  # plain data parallelism: every rank gets the whole sum
             b.flat_grad.div_(N)
-            out = torch.empty_like(b.flat_grad[b.lo:b.hi])
-            work = reduce_scatter_grads(out, b.flat_grad, self.traffic, N, self.group)
-            self.pending.append((work, lambda: b.flat_grad[b.lo:b.hi].copy_(out)))
+            work = all_reduce_grads(b.flat_grad, self.traffic, N, self.group)
+            self.in_flight.append((work, None, None))
+        elif self.stage == 1:  # ZeRO-1: reduce-scatter; only the owned slice's sum is needed
+            b.flat_grad.div_(N)
+            reduced = torch.empty_like(b.flat_grad[b.lo:b.hi])
+            work = reduce_scatter_grads(reduced, b.flat_grad, self.traffic, N, self.group)
+            self.in_flight.append((work, reduced, b.flat_grad[b.lo:b.hi]))
         else:
-            # stages 2-3: copy the bucket's gradients into a temporary flat buffer, free the
-            # parameters' own .grad, reduce-scatter; only the owner's slice survives backward
-            tmp = torch.zeros_like(b.flat)
-            for p, off in zip(b.params, b.offsets):
+            # ZeRO-2: the parameters' gradients go into a temporary flat buffer and are freed;
+            # after the reduce-scatter only this rank's slice survives. With gradient
+            # accumulation it reduces every micro-step and adds into the slice: keeping full
+            # gradients until the last micro-step would hold the 2Ψ bytes stage 2 exists to shard
+            flat = torch.zeros_like(b.flat)
+            for p, offset in zip(b.params, b.offsets):
                 if p.grad is not None:  # None: the parameter was unused in this forward
-                    tmp[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                    flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
                     p.grad = None
-            tmp.div_(N)
-            out = torch.empty_like(b.grad_shard)
-            work = reduce_scatter_grads(out, tmp, self.traffic, N, self.group)
-            # with gradient accumulation, stage 2 reduces every micro-step and sums into the
-            # slice: memory over traffic, since keeping full gradients until the last
-            # micro-step would hold the 2Ψ bytes that stage 2 exists to shard
-            self.pending.append((work, lambda: b.grad_shard.add_(out)))
-            if self.stage == 3 and b.unit is not self.root:
-                # its gradients are out, so its weights were used for the last time; not yet the
-                # unit's frozen weights, which only feed input gradients: _pre_backward frees those
-                self._free([b])
+            flat.div_(N)
+            reduced = torch.empty(b.hi - b.lo, dtype=self.dtype, device=self.device)
+            work = reduce_scatter_grads(reduced, flat, self.traffic, N, self.group)
+            self.in_flight.append((work, reduced, b.grad_shard))
 
     def backward(self, loss, sync=True):
         """loss.backward() with the gradient collectives overlapped. sync=False on all but the
@@ -377,177 +326,156 @@ class ZeRO:
         for b in self.buckets:
             b.ready = 0
         loss.backward()
-        if not self.sync:
-            return
-        while self.next_bucket < len(self.buckets):  # buckets with unused parameters
-            self._launch(self.buckets[self.next_bucket])
-            self.next_bucket += 1
-        for work, post in self.pending:  # always wait before reading a collective's output
+        if self.sync:
+            while self.next_bucket < len(self.buckets):  # buckets with unused parameters
+                self._reduce(self.buckets[self.next_bucket])
+                self.next_bucket += 1
+            self._land()
+
+    def _land(self):
+        """Wait for every collective launched in this backward and put its result in place."""
+        for work, reduced, into in self.in_flight:
             if work is not None:
-                work.wait()
-            if post is not None:
-                post()
-        self.pending = []
-        if self.stage == 3:
-            for u in self.all_units:  # the root, and the first block's frozen weights
-                self._free(u)
-            self.in_backward = False
+                work.wait()  # always wait before reading a collective's output
+            if into is None:
+                continue  # an all-reduce: done in place
+            if self.stage >= 2:
+                into.add_(reduced)  # micro-steps accumulate into the shard (fp32 if asked)
+            else:
+                into.copy_(reduced)
+        self.in_flight = []
 
     # -- the optimizer step on this rank's slice --------------------------------------------
 
     @torch.no_grad()
-    def step(self, lr, scaler, grad_clip=0.0, want_zero_frac=False):
-        """Unscale, check for inf/NaN (all ranks agree), clip by the global norm, step AdamW on
-        the owned slice, write the new weights back and all-gather them. Returns stats."""
-        N = self.world_size
-        # the fp32 gradient of the owned slice, transient: it lives only during the step
-        grads32 = [b.grad_piece().float() for b in self.buckets]
-        for view, bi, lo, hi, _, _ in self.segments:
-            view.grad = grads32[bi][lo:hi]
-        stats = {}
-        if want_zero_frac:  # underflow shows as exact zeros in the 16-bit gradients
-            zeros = sum((v.grad == 0).sum() for v, *_ in self.segments)
-            counts = torch.stack([zeros.double(), torch.tensor(float(sum(v.numel() for v, *_ in self.segments)),
-                                                               dtype=torch.float64, device=zeros.device)])
-            counts = all_reduce_scalar(counts, N if self.stage >= 1 else 1, self.group)
-            stats["grad_zero_frac"] = (counts[0] / counts[1]).item()
-        scaler.unscale_(self.opt)  # in fp32 on the master side; found-inf is all-reduced (MAX)
-        stats["grad_norm"] = float("nan")
-        if not scaler.found_inf:
-            stats["grad_norm"] = self.clip_grad_norm_(grad_clip)
+    def master_grads(self):
+        """The 16-bit gradient slice this rank owns, as fp32 master gradients (a copy; in fp32,
+        or with fp32 accumulation, the slice itself). Sets each segment's master.grad."""
+        for b in self.buckets:
+            grad = b.owned_grad().float()
+            for s in b.segments:
+                s.master.grad = grad[s.start:s.start + s.hi - s.lo]
+        return [s.master.grad for s in self.segments]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm):
+        """Global L2 norm of the (unscaled) gradient, as a device tensor: each rank sums the
+        squares of the elements it owns (padding is in no segment), one all-reduce SUM, a
+        square root, and every rank scales by the same coefficient; clipping by a rank's own
+        norm would clip by ~1/sqrt(N) of the truth. Stage 0 ranks own everything."""
+        grads = [s.master.grad for s in self.segments]
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        if grads:  # a rank may own nothing but padding
+            sq = torch.stack(torch._foreach_norm(grads)).pow(2).sum()  # one kernel per dtype
+        norm = all_reduce_sum(sq, self.world_size if self.stage >= 1 else 1, self.group).sqrt()
+        if max_norm > 0 and grads:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as clip_grad_norm_ does
+            torch._foreach_mul_(grads, coef)
+        return norm
+
+    @torch.no_grad()
+    def step(self, lr, found_inf=None):
+        """AdamW on this rank's fp32 master slice. found_inf (a device tensor, 1.0 when any
+        rank's gradient held an inf/NaN) makes the fused kernel skip the whole update: the
+        weights, both moments and the step count stay as they were."""
         for g in self.opt.param_groups:
             g["lr"] = lr
-        scaler.step(self.opt)  # skips the update when any rank found an inf/NaN
-        scaler.update()
-        stats["skipped"] = bool(scaler.found_inf)
-        for view, *_ in self.segments:
-            view.grad = None
-        if not stats["skipped"]:
-            self._publish_params()
-        self.zero_grad()
-        return stats
+        self.opt.found_inf = found_inf  # read by fused AdamW's step
+        self.opt.step()
+        for s in self.segments:
+            s.master.grad = None
 
-    def clip_grad_norm_(self, max_norm):
-        """Global L2 norm of the unscaled gradient: each rank sums the squares of the elements it
-        owns (padding is in no segment), one all-reduce SUM, a square root, and every rank scales
-        by the same coefficient (PITFALLS 1). Stage 0 ranks own everything: no reduce needed."""
-        grads = [v.grad for v, *_ in self.segments]
-        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
-        for g in grads:
-            sq += g.pow(2).sum()
-        total = all_reduce_scalar(sq, self.world_size if self.stage >= 1 else 1, self.group).sqrt()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as clip_grad_norm_ does
-            for g in grads:
-                g.mul_(coef)
-        return total.item()
-
-    def _publish_params(self):
-        """Copy the updated fp32 master slice into the 16-bit weights; stages 1-2 all-gather so
-        every rank holds the full new parameters again."""
+    @torch.no_grad()
+    def publish(self):
+        """The new fp32 master slice -> the working weights every forward uses: stage 0
+        copies it (each rank updated everything), stages 1-2 all-gather every rank's slice
+        (the second half of the 2Ψ). After a skipped step this re-publishes unchanged
+        weights: deciding to skip it would need the host to read the device's inf flag."""
         works = []
-        for b, piece in zip(self.buckets, self.master_pieces):
-            if self.stage == 3:  # only the shard is kept; the next forward gathers it
-                if piece.data_ptr() != b.shard.data_ptr():
-                    b.shard.copy_(piece)
-            elif self.stage == 0:
-                if piece.data_ptr() != b.flat.data_ptr():
-                    b.flat.copy_(piece)
-            else:
-                # a fresh copy: the input of all-gather must not alias its output
-                works.append(all_gather_params(b.flat, piece.to(self.dtype, copy=True), self.traffic,
-                                               self.world_size, self.group))
-        for w in works:
-            if w is not None:
-                w.wait()
+        for b, master in zip(self.buckets, self.master):
+            if self.stage == 0:
+                if master.data_ptr() != b.flat.data_ptr():  # in fp32 the master is the weight
+                    b.flat.copy_(master)
+            else:  # a fresh copy: the input of all-gather must not alias its output
+                shard = master.to(self.dtype, copy=True)
+                works.append(all_gather_params(b.flat, shard, self.traffic, self.world_size,
+                                               self.group))
+        for work in works:
+            if work is not None:
+                work.wait()
 
     def zero_grad(self):
         for b in self.buckets:
             (b.flat_grad if b.flat_grad is not None else b.grad_shard).zero_()
 
+    # -- for checkpoints ------------------------------------------------------------------------
+
+    def frozen_pieces(self):
+        """(name, lo, hi, values) of every frozen tensor this rank holds: up to stage 2 each one
+        whole, on every rank (values: a flat view, written into on restore)."""
+        return [(self.names[id(t)], 0, t.numel(), t.detach().view(-1)) for t in self.frozen]
+
+    @contextmanager
+    def gathered_flat(self, b, owned):
+        """Every rank's `owned` piece of bucket b (hi - lo elements, any dtype) all-gathered into
+        one full flat tensor: a collective, all ranks enter together. Checkpoints gather one
+        bucket at a time this way; gathered_bytes counts it while it exists."""
+        full = torch.empty(b.numel, dtype=owned.dtype, device=owned.device)
+        nbytes = full.numel() * full.element_size()
+        self.gathered_bytes += nbytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        try:
+            if self.stage == 0:  # every rank owns everything
+                full.copy_(owned)
+            else:
+                work = all_gather_params(full, owned, Traffic(), self.world_size, self.group)
+                if work is not None:
+                    work.wait()
+            yield full
+        finally:
+            self.gathered_bytes -= nbytes
+
     # -- measurement -------------------------------------------------------------------------
 
+    def grad_zero_frac(self):
+        """Fraction of this step's owned gradient entries that are exactly zero, over all
+        ranks (a device tensor). Under fp16 a rising value means gradients underflow."""
+        grads = [s.master.grad for s in self.segments]
+        zeros = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g in grads:
+            zeros += (g == 0).sum()
+        total = torch.tensor(float(sum(g.numel() for g in grads)), dtype=torch.float64,
+                             device=self.device)
+        owners = self.world_size if self.stage >= 1 else 1  # stage 0: every rank has it all
+        counts = all_reduce_sum(torch.stack([zeros, total]), owners, self.group)
+        return counts[0] / counts[1].clamp(min=1)
+
+    def weight_bytes(self):
+        """Bytes of the working weights this rank holds: every bucket whole, and the frozen
+        tensors (LoRA's base, quantized or not) whole."""
+        tensors = [b.flat for b in self.buckets] + self.frozen
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def state_bytes(self):
-        """Model-state bytes this rank holds, by summing the tensors actually allocated; "params"
-        includes the frozen weights (LoRA's base, quantized or not): whole up to stage 2, shards under 3.
-        Adam's scalar step counters (4 bytes each) are left out."""
-        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
-        master = [] if self.dtype == torch.float32 else self.master_pieces
+        """Model-state bytes this rank holds, by summing the tensors actually allocated. Adam's
+        scalar step counters (4 bytes each) are left out."""
+        nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)
         grads = [b.flat_grad if b.flat_grad is not None else b.grad_shard for b in self.buckets]
+        master = [] if self.dtype == torch.float32 else self.master
         moments = [s[k] for s in self.opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
-        if self.stage == 3:  # shards (frozen ones too), plus whatever full unit is gathered now
-            every = [b for u in self.all_units for b in u]
-            weights = [b.shard for b in every]
-            gathered = sum(b.flat.untyped_storage().nbytes() for b in every)
-        else:
-            weights, gathered = [b.flat for b in self.buckets], 0
-        out = {"params": nbytes(weights) + gathered + nbytes(self.frozen),
-               "grads": nbytes(grads), "master": nbytes(master), "optimizer": nbytes(moments)}
+        out = {"params": self.weight_bytes(), "grads": nbytes(grads),
+               "master": nbytes(master), "optimizer": nbytes(moments)}
         out["total"] = sum(out.values())
         return out
 
-    # -- checkpoints: every (parameter, slice) this rank owns, by model.py's name -----------------
 
-    def shard_state(self):
-        """This rank's slices: {name: {"lo", "hi", "master", "exp_avg", "exp_avg_sq"}}, lo/hi
-        indexing the flattened parameter. A topology-free layout: any world size and any stage
-        can read it back (PITFALLS 13)."""
-        out = {}
-        for view, _, _, _, p, p_lo in self.segments:
-            st = self.opt.state[view]
-            out[self.names[id(p)]] = {"lo": p_lo, "hi": p_lo + view.numel(), "master": view.detach().clone(),
-                                      "exp_avg": st["exp_avg"].clone(), "exp_avg_sq": st["exp_avg_sq"].clone()}
-        return out
-
-    def adam_step(self):
-        return int(next(iter(self.opt.state.values()))["step"].item())
-
-    @torch.no_grad()
-    def load_shard_state(self, read, adam_step):
-        """Fill this rank's slices from read(name, key, lo, hi) -> fp32 1-D tensor, then publish
-        the weights to the working (16-bit) parameters on every rank."""
-        for view, _, _, _, p, p_lo in self.segments:
-            name, hi = self.names[id(p)], p_lo + view.numel()
-            view.copy_(read(name, "master", p_lo, hi))
-            st = self.opt.state[view]
-            st["exp_avg"].copy_(read(name, "exp_avg", p_lo, hi))
-            st["exp_avg_sq"].copy_(read(name, "exp_avg_sq", p_lo, hi))
-            st["step"].fill_(adam_step)
-        self._publish_params()
-
-    @torch.no_grad()
-    def full_state_dict(self, model, kind="master"):
-        """Full fp32 tensors with model.py's names, gathered onto rank 0 one bucket at a time
-        (under ZeRO-3 no rank ever holds more than one unit beyond its shards). kind: "master"
-        (the weights: fp32 master values where they exist; frozen parameters too), "exp_avg"
-        or "exp_avg_sq" (Adam's moments, trainable parameters only). None on other ranks."""
-        full = {}
-        for bi, b in enumerate(self.buckets):
-            piece = self.master_pieces[bi].float().clone() if kind == "master" else \
-                torch.zeros(b.hi - b.lo, dtype=torch.float32, device=self.master_pieces[bi].device)
-            if kind != "master":
-                for view, sbi, lo, hi, _, _ in self.segments:
-                    if sbi == bi:
-                        piece[lo:hi] = self.opt.state[view][kind]
-            flat = torch.empty(b.numel, dtype=torch.float32, device=piece.device)
-            if self.stage == 0:
-                flat.copy_(piece)
-            else:
-                w = all_gather_params(flat, piece, new_traffic(), self.world_size, self.group)
-                if w is not None:
-                    w.wait()
-            if self.rank == 0:
-                for p, off in zip(b.params, b.offsets):
-                    full[self.names[id(p)]] = flat[off:off + p.numel()].view(p.shape).clone()
-        if kind != "master":
-            return full if self.rank == 0 else None
-        # model.state_dict() order and names; the tied weight appears under both of its names.
-        # Frozen tensors come from the model itself: under stage 3 they too are gathered first
-        names = {id(t): n for n, t in model.named_parameters()}
-        other = lambda t: t.detach().float().clone() if t.is_floating_point() else t.detach().clone()
-        with self.gathered():
-            return None if self.rank != 0 else {name: full[names[id(t)]] if names.get(id(t)) in full else other(t)
-                                                for name, t in model.state_dict(keep_vars=True).items()}
+def replica_digest(model):
+    """sha256 of every parameter: data parallelism's invariant is that all ranks hold bitwise
+    the same weights after every step (compare the digests across ranks)."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().float().numpy().tobytes())
+    return h.hexdigest()
 
 
 def traffic_formula(psi, stage, world_size, grad_accum=1, frozen=0):
@@ -558,7 +486,8 @@ def traffic_formula(psi, stage, world_size, grad_accum=1, frozen=0):
     the price of not keeping the base whole on every rank."""
     if world_size == 1:
         return 0
-    return {0: 2, 1: 2, 2: grad_accum + 1, 3: 3 * grad_accum}[stage] * psi + (stage == 3) * 2 * grad_accum * frozen
+    per_psi = {0: 2, 1: 2, 2: grad_accum + 1, 3: 3 * grad_accum}[stage]
+    return per_psi * psi + (stage == 3) * 2 * grad_accum * frozen
 
 
 def zero_formula(psi, stage, world_size, dtype):

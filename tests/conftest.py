@@ -41,9 +41,35 @@ def _worker(rank, world_size, port, fn, args):
 
 def run_distributed(fn, world_size, *args):
     """Run fn(rank, world_size, *args) on world_size gloo processes; an exception in any
-    rank fails the test. fn must be a module-level function (it is pickled)."""
+    rank fails the test. fn must be a module-level function (it is pickled). One rank runs
+    in this process: our code needs no process group on one rank."""
+    if world_size == 1:
+        return fn(0, 1, *args)
     mp.start_processes(_worker, args=(world_size, free_port(), fn, args), nprocs=world_size,
                        join=True, start_method="spawn")
+
+
+def make_zero(model, stage, **kwargs):
+    """ZeRO for stages 0-2, ZeRO3 for stage 3 (train.py's build picks the same way)."""
+    from zero import ZeRO
+    from zero3 import ZeRO3
+    if stage == 3:
+        return ZeRO3(model, 3, **kwargs)
+    kwargs.pop("prefetch", None)
+    return ZeRO(model, stage, **kwargs)
+
+
+def zero_step(zero, scaler, lr, clip):
+    """What train.py's loop does after backward, in its order. Returns (grad_norm, skipped)
+    as Python values (the loop reads them only on logged steps)."""
+    grads = zero.master_grads()
+    found_inf = scaler.unscale_(grads)
+    norm = zero.clip_grad_norm_(clip)
+    zero.step(lr, found_inf)
+    zero.publish()
+    scaler.update(found_inf)
+    zero.zero_grad()
+    return norm.item(), bool(found_inf.item())
 
 
 @pytest.fixture

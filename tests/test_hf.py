@@ -14,8 +14,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import checkpoint
 import hf
 import lora
+import quant
 from hf import HFError
 from model import GPT, GPTConfig
 
@@ -91,7 +93,7 @@ def test_load_transformers_files(hf_model, tmp_path, variant):
     model_args, sd = hf.load_pretrained(str(tmp_path))
     assert model_args == ARGS
     model = GPT(GPTConfig(**model_args))
-    model.load_state_dict(sd)
+    checkpoint.load_weights(model, sd)  # the real vocabulary into the padded rows
     torch.testing.assert_close(ours(model), theirs(hf_model), atol=1e-5, rtol=0)
 
 
@@ -118,7 +120,9 @@ def test_save_hf_loads_in_transformers(tmp_path, bias):
     if bias:  # and our own reader reads it back exactly
         model_args, sd = hf.load_pretrained(str(tmp_path))
         assert model_args == ARGS
-        assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
+        V = ARGS["vocab_size"]  # the file holds the real vocabulary, not model.py's padding
+        for k, v in model.state_dict().items():
+            assert torch.equal(sd[k], v[:V] if k.endswith(("wte.weight", "lm_head.weight")) else v)
 
 
 @needs_refs
@@ -220,7 +224,7 @@ def test_bad_tensors(tmp_path, tensor, words):
 def test_load_into_quantized_model(tmp_path):
     hf.save_hf(random_gpt().state_dict(), ARGS, tmp_path)
     model = GPT(GPTConfig(**ARGS))
-    lora.quantize_base(model, "int8")
+    quant.quantize_base(model, "int8")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(HFError) as e:
         hf.load_into(model, str(tmp_path))

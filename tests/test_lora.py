@@ -1,4 +1,4 @@
-"""LoRA, adapter files and the quantized (QLoRA) base, alone and under ZeRO (PITFALLS 6, 7, 10).
+"""LoRA, adapter files and training over a quantized (QLoRA) base, alone and under ZeRO.
 
 Tiny fp32 models on the CPU. The multi-rank test compares LoRA training under ZeRO stages 1-3
 (stage 3 with activation checkpointing: the frozen-weights-under-recompute case) with one
@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import lora
-from conftest import run_distributed
+import quant
+from conftest import make_zero, run_distributed, zero_step
 from lora import AdapterError
 from model import GPT, GPTConfig
 from precision import GradScaler
@@ -45,7 +47,7 @@ def train(model, steps, stage=0, lr=LR, fixed_batch=False):
     for step in range(steps):
         loss = model(*batch(0 if fixed_batch else step))[1]
         zero.backward(loss)
-        zero.step(lr, scaler, CLIP)
+        zero_step(zero, scaler, lr, CLIP)
         losses.append(loss.item())
     return zero, losses
 
@@ -193,67 +195,11 @@ def test_adapter_shape_mismatch(tmp_path):
         lora.load_adapter(make_model(), path)
 
 
-def test_nf4_code_values():
-    # bitsandbytes' NF4 table (functional.py), which the QLoRA paper's construction produces
-    bnb = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-           -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-           0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-           0.7229568362236023, 1.0]
-    torch.testing.assert_close(lora.nf4_code(), torch.tensor(bnb), rtol=0, atol=2e-6)
-
-
-def test_quantization_error_and_bytes():
-    w = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))
-    q8 = lora.QuantizedWeight(w, "int8")
-    absmax = w.abs().amax(1)
-    assert ((q8.dequantize() - w).abs().amax(1) <= absmax / 254 + 1e-7).all()
-    # NF4 against uniform symmetric 4-bit absmax quantization, same blocks of 64 (Gaussian weights)
-    blocks = w.view(-1, 64)
-    scale = blocks.abs().amax(1, keepdim=True) / 7
-    uniform = (torch.round(blocks / scale).clamp(-7, 7) * scale).view_as(w)
-    nf4, nf4_dq = lora.QuantizedWeight(w, "nf4"), lora.QuantizedWeight(w, "nf4", double_quant=True)
-    mse = lambda q: (q.dequantize() - w).pow(2).mean().item()
-    assert mse(nf4) < 0.9 * (uniform - w).pow(2).mean().item()
-    assert mse(nf4_dq) < 1.05 * mse(nf4)  # the 8-bit scales cost little accuracy
-    # storage: codes packed two per byte; the bits per parameter that the QLoRA paper counts
-    assert nf4.codes.dtype == torch.uint8 and nf4.codes.numel() == w.numel() // 2
-    assert q8.codes.dtype == torch.int8 and q8.codes.numel() == w.numel()
-    model = torch.nn.Module()
-    model.a, model.b, model.c = q8, nf4, nf4_dq
-    bits = {k: v["bits_per_param"] for k, v in lora.quantized_bytes(model).items()}
-    assert bits["a"] == pytest.approx(8 + 32 / 64)  # one fp32 scale per row of 64 inputs
-    assert bits["b"] == pytest.approx(4 + 32 / 64)  # one fp32 absmax per block of 64
-    assert abs(bits["c"] - (4 + 8 / 64 + 32 / (64 * 256))) < 0.01  # ~4.127
-
-
-def test_quantized_base_backward_and_call_order():
-    x = torch.randn(3, 5, C, requires_grad=True)
-    qw = lora.QuantizedWeight(torch.randn(2 * C, C), "nf4", double_quant=True)
-    y = lora._linear(x, qw, None)
-    y.backward(torch.ones_like(y))
-    dense = x.detach().clone().requires_grad_()
-    torch.nn.functional.linear(dense, qw.dequantize()).backward(torch.ones_like(y))
-    torch.testing.assert_close(y, torch.nn.functional.linear(dense, qw.dequantize()))
-    torch.testing.assert_close(x.grad, dense.grad)
-    # apply_lora then quantize_base, or the other way round: the same model
-    a, b = make_model(rank=4, targets="all"), make_model()
-    lora.quantize_base(a, "int8")
-    lora.quantize_base(b, "int8")
-    lora.apply_lora(b, rank=4, targets="all")
-    assert a.state_dict().keys() == b.state_dict().keys()
-    assert torch.equal(a(batch()[0])[0], b(batch()[0])[0])
-    # the block Linears' weights are buffers now: no parameter but biases, LayerNorms and LoRA
-    assert {n.split(".")[-1] for n, _ in a.transformer.h.named_parameters() if "ln_" not in n} == \
-        {"bias", "lora_A", "lora_B"}
-    with pytest.raises(RuntimeError, match="quantized"):
-        lora.merge_lora(a)
-
-
 def test_qlora_lowers_the_loss():
     """30 steps on one fixed batch of random tokens. The frozen ln_f and tied head cap the logits
     (|logit| <~ 0.7 at this init), so the loss cannot fall far below ~2.1 from ln(17) = 2.83."""
     model = make_model(rank=8, alpha=16.0, targets="all")
-    lora.quantize_base(model, "nf4", double_quant=True)
+    quant.quantize_base(model, "nf4", double_quant=True)
     zero, losses = train(model, steps=30, fixed_batch=True)
     assert zero.psi == lora_numel(model)  # the quantized base is nowhere in the optimizer
     assert losses[-1] < 0.85 * losses[0], losses  # measured 2.84 -> 2.25
@@ -274,20 +220,20 @@ def test_qlora_lowers_the_loss():
 EPS, LORA_KW = 1e-6, dict(rank=4, alpha=4.0, targets="all")
 
 
-def lora_model(quant=None):
+def lora_model(mode=None):
     model = make_model(**LORA_KW)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.copy_(0.02 * torch.randn(p.shape, generator=g))
-    if quant:
-        lora.quantize_base(model, quant, double_quant=True)
+    if mode:
+        quant.quantize_base(model, mode, double_quant=True)
     return model
 
 
-def reference(world_size, quant=None):
-    model = lora_model(quant)
+def reference(world_size, mode=None):
+    model = lora_model(mode)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=EPS, weight_decay=0.1)  # all 2-D
     for step in range(STEPS):
@@ -303,13 +249,13 @@ def reference(world_size, quant=None):
 def _lora_under_zero(rank, world_size):
     refs = {None: reference(world_size), "nf4": reference(world_size, "nf4")}
     # stage 3 with activation checkpointing: the recompute re-runs each block's forward over its
-    # re-gathered frozen weights and LoRA shards (PITFALLS 6, 7, 10); and over an NF4 base
-    for stage, ckpt, quant in ((1, False, None), (2, False, None), (3, False, None), (3, True, None),
-                               (3, True, "nf4")):
-        model, ref = lora_model(quant), refs[quant]
+    # re-gathered frozen weights and LoRA shards; and over an NF4 base
+    for stage, ckpt, mode in ((1, False, None), (2, False, None), (3, False, None), (3, True, None),
+                              (3, True, "nf4")):
+        model, ref = lora_model(mode), refs[mode]
         model.grad_ckpt = ckpt
-        zero = ZeRO(model, stage, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, bucket_mb=0.002,
-                    rank=rank, world_size=world_size)
+        zero = make_zero(model, stage, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, bucket_mb=0.002,
+                         rank=rank, world_size=world_size)
         for group in zero.opt.param_groups:
             group["eps"] = EPS
         scaler = GradScaler(init_scale=1.0, dynamic=False)
@@ -317,21 +263,21 @@ def _lora_under_zero(rank, world_size):
             for micro in range(ACCUM):
                 x, y = batch(step, micro, rank, world_size, B, ACCUM)
                 zero.backward(model(x, y)[1] / ACCUM, sync=micro == ACCUM - 1)
-            zero.step(LR, scaler, CLIP)
-        if stage == 3:  # the frozen base is sharded too (PITFALLS 10): between steps no rank holds it whole
-            frozen = [b for u in zero.units + [zero.root] for b in u if b.frozen]
-            assert frozen and all(b.flat.untyped_storage().nbytes() == 0 and b.shard.numel() * world_size == b.numel
-                                  for b in frozen)
-            dtypes = {b.flat.dtype for b in frozen}  # nf4 codes (uint8) and double-quantized scales (int8)
-            assert dtypes == ({torch.float32, torch.uint8, torch.int8} if quant else {torch.float32})
-        full = zero.full_state_dict(model)  # a collective: every rank calls it
+            zero_step(zero, scaler, LR, CLIP)
+        if stage == 3:  # the frozen base is sharded too: between steps no rank holds it whole
+            frozen = [b for u in zero.all_units for b in u.buckets if b.frozen]
+            assert frozen and all(b.flat.untyped_storage().nbytes() == 0
+                                  and b.shard.numel() * world_size == b.numel for b in frozen)
+            dtypes = {b.flat.dtype for b in frozen}  # nf4 codes and double-quantized scale codes
+            assert dtypes == ({torch.float32, torch.uint8} if mode else {torch.float32})
+        full = checkpoint.state_dict(zero, model)  # a collective: every rank calls it
         if rank != 0:
             continue
         adapter = lora.adapter_state(full)
         assert adapter.keys() == ref.keys()
-        for n, t in adapter.items():  # full shapes, not ZeRO-3's shape-[0] shards (PITFALLS 10)
+        for n, t in adapter.items():  # full shapes, not ZeRO-3's shape-[0] shards
             torch.testing.assert_close(t, ref[n], rtol=1e-5, atol=5e-6, msg=f"stage {stage} {n}")
-        assert lora.base_fingerprint(full) == lora.base_fingerprint(lora_model(quant))  # base intact
+        assert lora.base_fingerprint(full) == lora.base_fingerprint(lora_model(mode))  # base intact
         if stage == 3:
             with pytest.raises(AdapterError, match="ZeRO-3"):
                 lora.adapter_state(model.state_dict())

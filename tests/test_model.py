@@ -1,12 +1,12 @@
 """Tests for model.py on the CPU with tiny configs: shapes, causality, weight tying, GPT-2's
 initialisation, the parameter count and MFU formula (checked by hand on GPT-2 124M), config
-errors, generate() and activation checkpointing."""
+errors, generate(), activation checkpointing and the padded vocabulary."""
 import math
 
 import pytest
 import torch
 
-from model import GPT, GPTConfig, peak_flops_for
+from model import GPT, GPTConfig, peak_flops
 
 
 
@@ -55,7 +55,7 @@ def test_weight_tying():
     assert model.lm_head.weight is model.transformer.wte.weight
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
     # the state dict names the tied tensor twice; num_params counts it once
-    d, V = TINY["n_embd"], TINY["vocab_size"]
+    d, V = TINY["n_embd"], model.config.padded_vocab
     by_name = sum(t.numel() for t in model.state_dict().values())
     assert model.num_params(non_embedding=False) == by_name - V * d
     assert model.num_params(non_embedding=True) == by_name - V * d - TINY["block_size"] * d
@@ -92,30 +92,35 @@ def test_param_count_and_mfu_gpt2_124m():
     cfg = GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)
     with torch.device("meta"):  # shapes only: no 500 MB of weights, no init time
         model = GPT(cfg)
-    V, T, L, H, d = cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd
+    V, T, L, H, d = cfg.padded_vocab, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd
+    assert V == 50304  # 50257 rounded up to a multiple of 64, as nanoGPT pads it
     per_layer = (2 * 2 * d                  # ln_1, ln_2: weight and bias
                  + 3 * d * d + 3 * d        # c_attn
                  + d * d + d                # attn c_proj
                  + 4 * d * d + 4 * d        # c_fc
                  + 4 * d * d + d)           # mlp c_proj
     total = V * d + T * d + L * per_layer + 2 * d  # wte (= lm_head, once), wpe, blocks, ln_f
-    assert total == 124_439_808  # GPT-2 small, "124M"
+    assert total == 124_439_808 + 47 * d  # GPT-2 small, "124M", and its 47 padded rows
     assert model.num_params(non_embedding=False) == total
-    assert model.num_params(non_embedding=True) == total - T * d == 123_653_376  # nanoGPT prints 123.65M
+    assert model.num_params(non_embedding=True) == total - T * d == 123_689_472  # nanoGPT: 123.69M
 
     # PaLM appendix B: 6N + 12*L*H*Q*T, Q the head size
-    flops = 6 * 123_653_376 + 12 * L * H * (d // H) * T
-    assert flops == 855_166_464
+    flops = 6 * 123_689_472 + 12 * L * H * (d // H) * T
+    assert flops == 855_383_040
     assert model.flops_per_token() == flops
     tps, peak = 150_000.0, 989e12
     assert model.estimate_mfu(tps, peak) == pytest.approx(flops * tps / peak, rel=1e-12)
     assert model.estimate_mfu(tps, None) is None and model.estimate_mfu(tps, 0) is None
 
-    assert peak_flops_for("NVIDIA H100 80GB HBM3") == 989e12
-    assert peak_flops_for("NVIDIA A100-SXM4-80GB") == 312e12  # not the A10 entry, a prefix of it
-    assert peak_flops_for("NVIDIA A10") == 125e12
-    assert peak_flops_for("Some Unknown Accelerator") is None
-    assert peak_flops_for(None) is None
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert peak_flops("NVIDIA H100 80GB HBM3", bf16) == 989e12  # the SXM part
+    assert peak_flops("NVIDIA H100 PCIe", bf16) == 756e12
+    assert peak_flops("NVIDIA H100 NVL", torch.float16) == 835e12
+    assert peak_flops("NVIDIA H200", fp32) == 495e12  # fp32 matmuls run as TF32: half the peak
+    assert peak_flops("NVIDIA A100-SXM4-80GB", bf16) == 312e12  # not the A10 entry, a prefix of it
+    assert peak_flops("NVIDIA A10", bf16) == 125e12
+    assert peak_flops("Some Unknown Accelerator", bf16) is None
+    assert peak_flops(None, bf16) is None  # no GPU
 
 
 def test_config_errors():
@@ -177,3 +182,29 @@ def test_grad_ckpt_same_loss_and_grads(dropout):
     assert torch.equal(loss0, loss1)
     for name in grads0:
         assert torch.equal(grads0[name], grads1[name]), name
+
+
+def test_padded_vocabulary_changes_nothing_but_speed():
+    """The rows past the vocabulary (11 -> 64 here) hold zeros, get no gradient and stay zero
+    under AdamW; the loss and the logits equal an unpadded model's with the same weights."""
+    padded, plain = tiny(), tiny(pad_vocab=1)
+    assert padded.transformer.wte.weight.shape[0] == 64 and plain.config.padded_vocab == 11
+    with torch.no_grad():
+        for p, q in zip(padded.parameters(), plain.parameters()):
+            p[:q.shape[0]].copy_(q)  # all of p, but for the embedding's padded rows
+    assert (padded.lm_head.weight[11:] == 0).all()
+    idx, targets = tokens(3, 10), tokens(3, 10, seed=2)
+    opt = torch.optim.AdamW(padded.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        (l1, loss1), (l2, loss2) = padded(idx, targets), plain(idx, targets)
+        assert l1.shape == l2.shape == (3, 10, 11)
+        torch.testing.assert_close(loss1, loss2, rtol=1e-6, atol=1e-6)
+        loss1.backward()
+        assert (padded.lm_head.weight.grad[11:] == 0).all()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():  # follow the same update in the plain model
+            for p, q in zip(padded.parameters(), plain.parameters()):
+                q.copy_(p[:q.shape[0]])
+    assert (padded.lm_head.weight[11:] == 0).all()
+    assert padded.eval().generate(idx[:, :3], 20).max() < 11  # sampling never draws a padded id

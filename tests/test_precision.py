@@ -1,5 +1,6 @@
 """precision.py: our GradScaler against torch.amp.GradScaler step for step, the fixed scale,
-fp16 gradient underflow with and without loss scaling, and the found-inf all-reduce on 2 ranks."""
+the floor, fp16 gradient underflow with and without loss scaling, and the found-inf all-reduce
+on 2 ranks."""
 import copy
 import io
 import math
@@ -9,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_distributed
-from precision import GradScaler, grad_zero_frac, has_inf_or_nan, resolve_dtype
+from precision import GradScaler, grad_zero_frac, resolve_dtype
 
 INJECT = {3: math.inf, 4: -math.inf, 9: math.nan, 10: math.inf, 17: math.nan, 31: math.inf}
 
@@ -20,19 +21,29 @@ def _batch(step):
 
 
 def _train_step(model, opt, scaler, step):
-    """One iteration as train.py runs it; some steps get an inf/NaN in a (scaled) gradient and
-    every third step unscales explicitly to clip, as a real loop does."""
+    """One iteration; some steps get an inf/NaN in a (scaled) gradient and every third step
+    clips. torch's scaler: nanoGPT's unscale_ / clip / step / update. Ours: train.py's order,
+    with the skip decided by found_inf (fused AdamW takes it on the device; SGD here on the
+    host). Returns whether the weights stayed as they were."""
     x, y = _batch(step)
     opt.zero_grad(set_to_none=True)
     scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
     if step in INJECT:
         model.weight.grad[1, 2] = INJECT[step]
-    if step % 3 == 0:
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     before = [p.clone() for p in model.parameters()]
-    scaler.step(opt)
-    scaler.update()
+    if isinstance(scaler, GradScaler):
+        found_inf = scaler.unscale_([p.grad for p in model.parameters()])
+        if step % 3 == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not found_inf.item():
+            opt.step()
+        scaler.update(found_inf)
+    else:
+        if step % 3 == 0:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
     return all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # skipped?
 
 
@@ -40,7 +51,7 @@ def _assert_same(ours, theirs, m1, m2, steps):
     for step in steps:
         skipped1 = _train_step(m1, ours[1], ours[0], step)
         skipped2 = _train_step(m2, theirs[1], theirs[0], step)
-        assert skipped1 == skipped2 == ours[0].skipped == (step in INJECT), step
+        assert skipped1 == skipped2 == (step in INJECT), step
         assert ours[0].get_scale() == theirs[0].get_scale(), step
         for p1, p2 in zip(m1.parameters(), m2.parameters()):
             assert torch.equal(p1, p2), step  # bitwise
@@ -57,14 +68,14 @@ def test_matches_torch_grad_scaler(opt_name, factors):
     m2 = copy.deepcopy(m1)
     make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
             "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)}[opt_name]
-    ours = (GradScaler(**factors), make(m1.parameters()))
+    ours = (GradScaler(**factors, min_scale=1e-30), make(m1.parameters()))
     theirs = (torch.amp.GradScaler("cpu", **factors), make(m2.parameters()))
     _assert_same(ours, theirs, m1, m2, range(30))
     assert ours[0].get_scale() != factors["init_scale"]  # it moved (both ways, see INJECT)
 
     # state_dict round trip through torch.save / torch.load(weights_only=True), then go on
     sd1, sd2 = ours[0].state_dict(), theirs[0].state_dict()
-    assert {k: sd1[k] for k in sd2} == sd2  # same keys and values as torch's (plus "dynamic")
+    assert {k: sd1[k] for k in sd2} == sd2  # torch's keys and values (plus dynamic, min_scale)
     loaded = []
     for sd, fresh in [(sd1, GradScaler()), (sd2, torch.amp.GradScaler("cpu"))]:
         buf = io.BytesIO()
@@ -78,36 +89,42 @@ def test_matches_torch_grad_scaler(opt_name, factors):
 def test_scale_never_grows_to_inf_and_backoff_resets_tracker():
     ours = GradScaler(2.0**127, growth_interval=1)
     theirs = torch.amp.GradScaler("cpu", 2.0**127, growth_interval=1)
-    for scaler in (ours, theirs):
-        p = torch.nn.Parameter(torch.zeros(2))
+    p = torch.nn.Parameter(torch.zeros(2))
+    for grad in [0.0, 0.0, math.nan, 1.0, 1.0]:
+        ours.update(ours.unscale_([torch.full((2,), grad)]))
         opt = torch.optim.SGD([p], lr=0.1)
-        for grad in [0.0, 0.0, math.nan, 1.0, 1.0]:
-            scaler.scale(p.sum())  # lazily creates torch's scale tensor
-            p.grad = torch.full((2,), grad)
-            scaler.step(opt)
-            scaler.update()
-            assert math.isfinite(scaler.get_scale())
+        theirs.scale(p.sum())  # lazily creates torch's scale tensor
+        p.grad = torch.full((2,), grad)
+        theirs.step(opt)
+        theirs.update()
+        assert math.isfinite(ours.get_scale()) and ours.get_scale() == theirs.get_scale()
     assert ours.state_dict()["scale"] == theirs.state_dict()["scale"] == 2.0**127  # 2^126 * 2 again
     assert ours.state_dict()["_growth_tracker"] == theirs.state_dict()["_growth_tracker"] == 0
 
 
-def test_call_order_errors_like_torch():
-    p = torch.nn.Parameter(torch.ones(2))
-    opt, scaler = torch.optim.SGD([p], lr=0.1), GradScaler()
-    with pytest.raises(RuntimeError):
-        scaler.update()  # nothing recorded yet
-    p.grad = torch.ones(2)
-    scaler.unscale_(opt)
-    with pytest.raises(RuntimeError, match="already been called"):
-        scaler.unscale_(opt)
-    scaler.step(opt)
-    with pytest.raises(RuntimeError, match="step"):
-        scaler.step(opt)
-    scaler.update()
-    half = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
-    half.grad = torch.ones(2, dtype=torch.float16)
+def test_the_floor_stops_a_loss_that_is_nan_at_any_scale():
+    """A NaN that no scale can fix: 2^4 backs off to the floor 1.0 in 4 overflowing steps, and
+    the fifth, at the floor, marks the scaler exhausted (train.py then stops with one line). The
+    scale never reaches 0, which it would after ~150 halvings without a floor."""
+    scaler = GradScaler(2.0**4, min_scale=1.0)
+    nan = [torch.tensor([math.nan])]
+    for step in range(4):
+        scaler.update(scaler.unscale_(nan))
+        assert not scaler.exhausted.item()
+    assert scaler.get_scale() == 1.0
+    scaler.update(scaler.unscale_(nan))
+    assert scaler.exhausted.item() and scaler.get_scale() == 1.0
+    for step in range(200):  # no floor: torch's arithmetic halves down to 0.0
+        scaler.update(scaler.unscale_(nan))
+    assert scaler.get_scale() == 1.0
+    fixed = GradScaler(1.0, dynamic=False)  # bf16: a fixed scale skips, never "exhausts"
+    fixed.update(fixed.unscale_(nan))
+    assert not fixed.exhausted.item()
+
+
+def test_unscale_refuses_fp16_gradients():
     with pytest.raises(ValueError, match="FP16"):  # unscale fp32 masters, as torch insists
-        scaler.unscale_(torch.optim.SGD([half], lr=0.1))
+        GradScaler().unscale_([torch.ones(2, dtype=torch.float16)])
 
 
 @pytest.mark.parametrize("scale", [1024.0, 1.0])  # --loss-scale 1024 / none (the bf16 case)
@@ -119,7 +136,7 @@ def test_fixed_scale_never_changes_but_still_skips(scale):
         x, y = _batch(step)
         ref = torch.autograd.grad(torch.nn.functional.mse_loss(model(x), y), model.weight)[0]
         skipped = _train_step(model, opt, scaler, step)
-        assert skipped == scaler.skipped == (step in INJECT)
+        assert skipped == (step in INJECT)
         if not skipped and step % 3 != 0:  # no clipping: the unscaled gradient is the true one
             assert torch.equal(model.weight.grad, ref)  # power-of-two scales unscale exactly
         assert scaler.get_scale() == scale and scaler.state_dict()["_growth_tracker"] == 0
@@ -134,13 +151,10 @@ def _grads(dtype, w, b, x, loss_mult, scaler=None):
     loss = model(x.to(dtype)).float().pow(2).mean() * loss_mult  # the loss itself in fp32
     (scaler.scale(loss) if scaler else loss).backward()
     low = [model.weight.grad, model.bias.grad]
-    master = [torch.nn.Parameter(p.detach().float()) for p in model.parameters()]
-    for m, g in zip(master, low):
-        m.grad = g.float()
+    master = [g.float() for g in low]
     if scaler:
-        scaler.unscale_(torch.optim.SGD(master, lr=0.1))
-        assert not scaler.found_inf
-    return low, [m.grad for m in master]
+        assert not scaler.unscale_(master).item()
+    return low, master
 
 
 def test_fp16_gradients_underflow_without_loss_scaling():
@@ -166,28 +180,33 @@ def test_fp16_gradients_underflow_without_loss_scaling():
 
 
 def _two_ranks_skip_together(rank, world_size):
-    # each rank owns one fp32 master slice, like a ZeRO shard; only rank 1 overflows
+    # each rank owns one fp32 master slice, like a ZeRO shard; only one rank overflows
     for scaler, bad_rank in [(GradScaler(2.0**16, growth_interval=2), 1),
                              (GradScaler(1.0, dynamic=False), 0)]:  # --loss-scale none (bf16)
         start = scaler.get_scale()
         shard = torch.nn.Parameter(torch.full((4,), float(rank)))
-        opt = torch.optim.AdamW([shard], lr=0.1)
+        opt = torch.optim.AdamW([shard], lr=0.1, fused=True)  # skips on found_inf, on the device
         shard.grad = scaler.scale(torch.ones(4))
         if rank == bad_rank:
             shard.grad[2] = math.nan
-        assert scaler.step(opt) is None  # skipped on both ranks, not only on the one with the NaN
-        scaler.update()
-        assert scaler.found_inf and scaler.skipped
-        assert torch.equal(shard.detach(), torch.full((4,), float(rank))) and not opt.state
+        found_inf = scaler.unscale_([shard.grad])
+        opt.found_inf = found_inf
+        opt.step()
+        scaler.update(found_inf)
+        assert found_inf.item() == 1.0  # on both ranks, not only on the one with the NaN
+        assert torch.equal(shard.detach(), torch.full((4,), float(rank)))
+        assert opt.state[shard]["step"].item() == 0  # not even Adam's step count moved
         expected = start * 0.5 if scaler.dynamic else start
         scales = [None] * world_size
         dist.all_gather_object(scales, scaler.get_scale())
         assert scales == [expected] * world_size, scales
 
         shard.grad = scaler.scale(torch.ones(4))  # a clean step: both ranks move
-        scaler.step(opt)
-        scaler.update()
-        assert not scaler.found_inf and not scaler.skipped
+        found_inf = scaler.unscale_([shard.grad])
+        opt.found_inf = found_inf
+        opt.step()
+        scaler.update(found_inf)
+        assert found_inf.item() == 0.0
         assert not torch.equal(shard.detach(), torch.full((4,), float(rank)))
         assert torch.equal(shard.grad, torch.ones(4))  # unscaled exactly
 
@@ -197,8 +216,6 @@ def test_found_inf_is_all_reduced_across_ranks():
 
 
 def test_helpers_and_resolve_dtype(monkeypatch):
-    assert has_inf_or_nan([None, torch.ones(2), torch.tensor([0.0, math.nan])])
-    assert not has_inf_or_nan([torch.ones(3)])
     assert grad_zero_frac([torch.tensor([0.0, 1.0]), None, torch.zeros(2)]) == 0.75
     cpu = torch.device("cpu")
     assert resolve_dtype("fp32", cpu) is torch.float32

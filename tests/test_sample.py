@@ -14,7 +14,7 @@ import torch
 import sample
 from data.prepare import load_meta, prepare
 from model import GPT, GPTConfig
-from train import TrainConfig
+from configurator import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "abc cab bac\nbad dab cad\n" * 10  # vocabulary: "\n", " ", a, b, c, d

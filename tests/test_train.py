@@ -10,7 +10,8 @@ import torch
 
 from checkpoint import Reader, list_checkpoints
 from conftest import ROOT, free_port
-from train import ConfigError, get_batch, main, parse_args
+from configurator import ConfigError, parse_args
+from train import get_batch, main
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
         "--eval-iters", "2", "--log-interval", "1", "--warmup-iters", "2", "--learning-rate", "3e-3"]
@@ -125,8 +126,12 @@ def test_two_rank_training_learns_and_replicas_agree(data_root, tmp_path):
     assert abs(state["per_rank"][0]["total"] - state["formula"]["total"]) < 0.01 * state["formula"]["total"]
     assert all("val_loss" in r for r in z2 if "train_loss" in r)
     assert all(r["comm_elements"] > 0 for r in z2 if "loss" in r)
-    weights = Reader(list_checkpoints(tmp_path / "z2")[-1]).weights()
-    assert weights["lm_head.weight"].dtype == torch.float32
+    reader = Reader(list_checkpoints(tmp_path / "z2")[-1])
+    weights = reader.weights()
+    assert weights["transformer.wte.weight"].dtype == torch.float32
+    # the real vocabulary, not model.py's padded rows; the tied head saved once
+    assert weights["transformer.wte.weight"].shape[0] == reader.header["meta"]["vocab_size"]
+    assert "lm_head.weight" not in weights
 
 
 def test_two_rank_bf16_zero2_matches_zero0_and_one_process(data_root, tmp_path):
@@ -145,8 +150,9 @@ def test_two_rank_bf16_zero2_matches_zero0_and_one_process(data_root, tmp_path):
 
 def test_grad_ckpt_saves_at_least_two_thirds_of_activation_memory():
     """Saved-tensor bytes on the CPU preset: with --grad-ckpt at most a third of those without."""
+    from configurator import TrainConfig
+    from memory import saved_activation_bytes
     from model import GPT, GPTConfig
-    from train import TrainConfig, saved_activation_bytes
     cfg = TrainConfig()
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=65, n_layer=cfg.n_layer, n_head=cfg.n_head,

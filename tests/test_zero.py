@@ -5,14 +5,16 @@ the same decay groups, torch.nn.utils.clip_grad_norm_, gradient accumulation, fe
 batch (every rank's slice concatenated). Our N-rank runs must land on the same weights.
 """
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import run_distributed
+import checkpoint
+from conftest import make_zero, run_distributed, zero_step
 from model import GPT, GPTConfig
 from precision import GradScaler
 from train import get_batch
-from zero import ZeRO, zero_formula
+from zero import Traffic, ZeRO, zero_formula
 
 # 2 layers, n_embd 10, vocab 13, bias: Ψ = 2,890 (tied wte counted once) -- not a multiple of 4
 CFG = dict(block_size=8, vocab_size=13, n_layer=2, n_head=2, n_embd=10, dropout=0.0, bias=True)
@@ -50,18 +52,18 @@ def train_zero(stage, rank, world_size, dtype=torch.float32, freeze_wpe=False, b
                steps=STEPS, scaler=None, check_replicas=True, grad_ckpt=False, prefetch=True):
     model = make_model(dtype, freeze_wpe)
     model.grad_ckpt = grad_ckpt
-    zero = ZeRO(model, stage, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, bucket_mb=bucket_mb,
-                rank=rank, world_size=world_size, prefetch=prefetch)
+    zero = make_zero(model, stage, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, bucket_mb=bucket_mb,
+                     rank=rank, world_size=world_size, prefetch=prefetch)
     scaler = scaler or GradScaler(init_scale=1.0, dynamic=False)
     norms, traffic = [], []
     for step in range(steps):
-        zero.traffic = {k: 0 for k in zero.traffic}
+        zero.traffic = Traffic()
         for micro in range(ACCUM):
             x, y = get_batch(DATA, SEED, step, micro, rank, world_size, B, T, ACCUM)
             zero.backward(scaler.scale(model(x, y)[1] / ACCUM), sync=micro == ACCUM - 1)
-        stats = zero.step(LR, scaler, CLIP)
-        norms.append(stats["grad_norm"])
-        traffic.append(sum(zero.traffic[k] for k in ("all_reduce", "reduce_scatter", "all_gather")))
+        norm, _ = zero_step(zero, scaler, LR, CLIP)
+        norms.append(norm)
+        traffic.append(zero.traffic.elements)
         if stage == 3:
             # between steps no rank holds a full block parameter: only the shards have storage
             assert all(p.untyped_storage().nbytes() == 0 for p in model.transformer.h.parameters())
@@ -75,12 +77,12 @@ def train_zero(stage, rank, world_size, dtype=torch.float32, freeze_wpe=False, b
 
 def gathered_copy(model, zero):
     """The full fp32 weights of a ZeRO-3 model in a fresh GPT (the same on every rank)."""
-    state = zero.full_state_dict(model)
+    state = checkpoint.state_dict(zero, model)
     objs = [state]
     if zero.world_size > 1:
         dist.broadcast_object_list(objs, src=0)
     copy = GPT(GPTConfig(**CFG))
-    copy.load_state_dict(objs[0])
+    checkpoint.load_weights(copy, objs[0])
     return copy
 
 
@@ -98,66 +100,59 @@ def assert_close_to(model, ref, rtol, atol):
         torch.testing.assert_close(p.detach().float(), q.detach(), rtol=rtol, atol=atol, msg=name)
 
 
-def _equivalence(rank, world_size):
+def _equivalence(rank, world_size, stage):
     ref, ref_norms = reference(world_size)
     ref_frozen, _ = reference(world_size, freeze_wpe=True)
-    for stage in (0, 1, 2, 3):
-        model, zero, norms, traffic = train_zero(stage, rank, world_size)
-        # fp32: the same math in another summation order (all-reduce, pre-division by N), so
-        # gradients differ in their last bits (~1e-7 relative). Adam's g/sqrt(v) passes that on
-        # unchanged, and for tiny gradient entries eps makes it worse: measured up to ~1e-6
-        # absolute after 4 steps of LR=1e-2, i.e. 1e-4 of one step. Tolerance: 5e-6 + 1e-5 rel.
-        assert_close_to(model, ref, rtol=1e-5, atol=5e-6)
-        # the global clipping norm equals clip_grad_norm_ on the unsharded gradient, and the
-        # norm is far above CLIP, so clipping was active and the weights above prove its effect
-        np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
-        assert min(ref_norms) > 10 * CLIP
+    model, zero, norms, traffic = train_zero(stage, rank, world_size)
+    # fp32: the same math in another summation order (all-reduce, pre-division by N), so
+    # gradients differ in their last bits (~1e-7 relative). Adam's g/sqrt(v) passes that on
+    # unchanged, and for tiny gradient entries eps makes it worse: measured up to ~1e-6
+    # absolute after 4 steps of LR=1e-2, i.e. 1e-4 of one step. Tolerance: 5e-6 + 1e-5 rel.
+    assert_close_to(model, ref, rtol=1e-5, atol=5e-6)
+    # the global clipping norm equals clip_grad_norm_ on the unsharded gradient, and the
+    # norm is far above CLIP, so clipping was active and the weights above prove its effect
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+    assert min(ref_norms) > 10 * CLIP
 
-        # model-state bytes: what we hold equals the ZeRO paper's formula, padding aside
-        held, formula = zero.state_bytes(), zero_formula(zero.psi, stage, world_size, torch.float32)
-        pad = sum(b.numel for b in zero.buckets) - zero.psi  # padded elements, < N per bucket
-        assert 0 <= pad < world_size * len(zero.buckets)
-        assert abs(held["params"] - formula["params"]) <= 4 * pad
-        assert abs(held["grads"] - formula["grads"]) <= 4 * pad
-        assert abs(held["optimizer"] - formula["optimizer_side"]) <= 8 * pad
-        assert held["master"] == 0  # fp32: the parameters are the master
-        # traffic per step: 2Ψ elements for stages 0-1 (all-reduce = reduce-scatter + all-gather);
-        # stage 2 reduce-scatters on every one of the ACCUM micro-steps: (ACCUM+1)Ψ; stage 3
-        # gathers in forward, again in backward, and reduce-scatters, per micro-step: 3Ψ,
-        # less the root unit's second gather (it stays gathered through the backward)
-        expected = ACCUM * (3 * zero.psi - sum(p.numel() for p in zero.root[0].params)) if stage == 3 \
-            else (ACCUM + 1) * zero.psi if stage == 2 else 2 * zero.psi
-        expected = expected if world_size > 1 else 0
-        for t in traffic:
-            assert abs(t - expected) <= 3 * ACCUM * pad, (stage, t, expected)
+    # model-state bytes: what we hold equals the ZeRO paper's formula, padding aside
+    held, formula = zero.state_bytes(), zero_formula(zero.psi, stage, world_size, torch.float32)
+    pad = sum(b.numel for b in zero.buckets) - zero.psi  # padded elements, < N per bucket
+    assert 0 <= pad < world_size * len(zero.buckets)
+    assert abs(held["params"] - formula["params"]) <= 4 * pad
+    assert abs(held["grads"] - formula["grads"]) <= 4 * pad
+    assert abs(held["optimizer"] - formula["optimizer_side"]) <= 8 * pad
+    assert held["master"] == 0  # fp32: the parameters are the master
+    # traffic per step: 2Ψ elements for stages 0-1 (all-reduce = reduce-scatter + all-gather);
+    # stage 2 reduce-scatters on every one of the ACCUM micro-steps: (ACCUM+1)Ψ; stage 3
+    # gathers in forward, again in backward, and reduce-scatters, per micro-step: 3Ψ,
+    # less the root unit's second gather (it stays gathered through the backward)
+    expected = ACCUM * (3 * zero.psi - sum(p.numel() for p in zero.root.buckets[0].params)) if stage == 3 \
+        else (ACCUM + 1) * zero.psi if stage == 2 else 2 * zero.psi
+    expected = expected if world_size > 1 else 0
+    for t in traffic:
+        assert abs(t - expected) <= 3 * ACCUM * pad, (stage, t, expected)
 
-        # activation checkpointing changes nothing: the recompute is the same fp32 arithmetic on
-        # the same inputs, so the weights are bitwise equal (with and without ZeRO-3 prefetch:
-        # the recompute must find the block's weights gathered again, PITFALLS 6)
-        for prefetch in ((True, False) if stage == 3 else (True,)):
-            ckpt, _, ckpt_norms, _ = train_zero(stage, rank, world_size, grad_ckpt=True, prefetch=prefetch)
-            for p, q in zip(ckpt.parameters(), model.parameters()):
-                assert torch.equal(p, q), (stage, prefetch)
-            assert ckpt_norms == norms
+    # activation checkpointing changes nothing: the recompute is the same fp32 arithmetic on
+    # the same inputs, so the weights are bitwise equal (with and without ZeRO-3 prefetch:
+    # the recompute must find the block's weights gathered again, PITFALLS 6)
+    for prefetch in ((True, False) if stage == 3 else (True,)):
+        ckpt, _, ckpt_norms, _ = train_zero(stage, rank, world_size, grad_ckpt=True, prefetch=prefetch)
+        for p, q in zip(ckpt.parameters(), model.parameters()):
+            assert torch.equal(p, q), (stage, prefetch)
+        assert ckpt_norms == norms
 
-        # tied embedding + frozen parameter: trains identically sharded and unsharded
-        model, zero, _, _ = train_zero(stage, rank, world_size, freeze_wpe=True, steps=STEPS)
-        assert_close_to(model, ref_frozen, rtol=1e-5, atol=5e-6)
-        assert zero.psi == ref_frozen.num_params(non_embedding=True)  # wte once, wpe frozen
-        assert model.transformer.wpe.weight.grad is None
-        assert model.lm_head.weight is model.transformer.wte.weight
-
-
-def test_zero_equals_single_process_world_1():
-    run_distributed(_equivalence, 1)
+    # tied embedding + frozen parameter: trains identically sharded and unsharded
+    model, zero, _, _ = train_zero(stage, rank, world_size, freeze_wpe=True, steps=STEPS)
+    assert_close_to(model, ref_frozen, rtol=1e-5, atol=5e-6)
+    assert zero.psi == ref_frozen.num_params(non_embedding=True)  # wte once, wpe frozen
+    assert model.transformer.wpe.weight.grad is None
+    assert model.lm_head.weight is model.transformer.wte.weight
 
 
-def test_zero_equals_single_process_world_2():
-    run_distributed(_equivalence, 2)
-
-
-def test_zero_equals_single_process_world_4():
-    run_distributed(_equivalence, 4)
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_equals_single_process(stage, world_size):
+    run_distributed(_equivalence, world_size, stage)
 
 
 def _mixed_precision(rank, world_size):
@@ -181,7 +176,7 @@ def _mixed_precision(rank, world_size):
             one, _, one_norms, _ = train_zero(stage, 0, 1, dtype, steps=3, scaler=scaler(), check_replicas=False)
             test_zero.B = micro_batch
             assert all(p.dtype == dtype for p in zero.buckets[0].params)
-            assert all(piece.dtype == torch.float32 for piece in zero.master_pieces)
+            assert all(piece.dtype == torch.float32 for piece in zero.master)
             np.testing.assert_allclose(norms, one_norms, rtol=norm_rtol)
             update, one_update = flat(model) - theta0, flat(one) - theta0
             assert (update - one_update).norm() <= update_rtol * one_update.norm(), (dtype, stage)
@@ -192,22 +187,22 @@ def _mixed_precision(rank, world_size):
     # an fp16 overflow on one rank only: every rank must skip the step together
     for stage in (0, 1, 2, 3):
         model = make_model(torch.float16)
-        zero = ZeRO(model, stage, lr=LR, bucket_mb=0.002, rank=rank, world_size=world_size)
+        zero = make_zero(model, stage, lr=LR, bucket_mb=0.002, rank=rank, world_size=world_size)
         scaler = GradScaler(init_scale=2.0 ** 10, dynamic=True)
-        before = [t.detach().clone() for t in zero.master_pieces]  # this rank's weights
+        before = [t.detach().clone() for t in zero.master]  # this rank's weights
         x, y = get_batch(DATA, SEED, 0, 0, rank, world_size, B, T, 1)
         zero.backward(scaler.scale(model(x, y)[1]))
         if rank == world_size - 1:  # after the reduction: only this rank's slice sees it
-            zero.buckets[0].grad_piece()[0] = float("inf")
-        stats = zero.step(LR, scaler, CLIP)
-        assert stats["skipped"] and scaler.get_scale() == 2.0 ** 9
-        for t, u in zip(zero.master_pieces, before):
+            zero.buckets[0].owned_grad()[0] = float("inf")
+        _, skipped = zero_step(zero, scaler, LR, CLIP)
+        assert skipped and scaler.get_scale() == 2.0 ** 9
+        for t, u in zip(zero.master, before):
             assert torch.equal(t, u)
         if stage < 3:
             assert_replicas_equal(model, world_size)
         # and the next clean step goes through on every rank
         zero.backward(scaler.scale(model(x, y)[1]))
-        assert not zero.step(LR, scaler, CLIP)["skipped"]
+        assert not zero_step(zero, scaler, LR, CLIP)[1]
         if stage < 3:
             assert_replicas_equal(model, world_size)
 
@@ -250,9 +245,9 @@ def test_16_bit_training_follows_the_fp32_loss_curve():
             loss = model(x, y)[1]
             curve.append(loss.item())
             zero.backward(scaler.scale(loss))
-            assert not zero.step(LR, scaler, CLIP)["skipped"]
+            assert not zero_step(zero, scaler, LR, CLIP)[1]
         curves[dtype] = np.array(curve)
-        assert all(piece.dtype == torch.float32 for piece in zero.master_pieces)
+        assert all(piece.dtype == torch.float32 for piece in zero.master)
     assert curves[torch.float32][-1] < curves[torch.float32][0] - 0.03  # it learns
     np.testing.assert_allclose(curves[torch.bfloat16], curves[torch.float32], rtol=5e-3)
     np.testing.assert_allclose(curves[torch.float16], curves[torch.float32], rtol=5e-4)

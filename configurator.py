@@ -1,0 +1,223 @@
+"""
+The run's configuration: one typed dataclass, presets, the command line, cross-field checks.
+
+    python train.py --config config/shakespeare_char.py --n-layer 8 --bf16
+
+Precedence: the dataclass defaults < a preset file (--config) < explicit flags. Every field
+becomes a flag (`zero` -> --zero, `grad_ckpt` -> --grad-ckpt / --no-grad-ckpt) with its comment
+as the help text. A preset is a file of plain `name = value` lines, parsed with `ast` and never
+executed (nanoGPT's configurator exec()s Python files). Bad input is a ConfigError: train.py
+prints it as one line, never a traceback. The resolved configuration goes into metrics.jsonl
+and every checkpoint.
+"""
+import argparse
+import ast
+import os
+from dataclasses import dataclass, field, fields
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+class ConfigError(Exception):
+    """Bad input from the user: printed as one line, never a traceback."""
+
+
+def opt(default, help):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    # I/O
+    out_dir: str = opt("out", "where metrics.jsonl and the checkpoints go")
+    dataset: str = opt("shakespeare_char", "a folder under --data-root made by data/prepare.py")
+    data_root: str = opt("data", "where the prepared data sets live (relative to this file)")
+    eval_interval: int = opt(250, "evaluate train/val loss every this many steps")
+    eval_iters: int = opt(20, "batches per loss estimate")
+    log_interval: int = opt(10, "print and log every this many steps (the only steps that "
+                                "wait for the device)")
+    save_interval: int = opt(0, "save a checkpoint every this many steps (and at the end); "
+                                "0 = at the end only")
+    ckpt_format: str = opt("consolidated", "consolidated (one file, written by rank 0) | "
+                                           "sharded (a file per rank)")
+    keep_last: int = opt(2, "keep the newest K checkpoints in out_dir")
+    resume: bool = opt(False, "carry on from the newest checkpoint in out_dir "
+                              "(start fresh if there is none)")
+    init_from: str = opt("", "start from these weights: a checkpoint folder of ours, a Hugging "
+                             "Face GPT-2 folder or file, or gpt2 | gpt2-medium | gpt2-large | "
+                             "gpt2-xl (--resume wins once the run has its own checkpoint)")
+    input: str = opt("", "train on this UTF-8 text file (prepared into data/<its name>, "
+                         "in --init-from's vocabulary)")
+    # LoRA (Hu et al. 2021) and a quantized frozen base (Dettmers et al. 2023, QLoRA)
+    lora: bool = opt(False, "freeze the model and train low-rank adapters B·A only")
+    lora_rank: int = opt(8, "r, the adapters' rank")
+    lora_alpha: float = opt(1.0, "alpha; the update is scaled by alpha / r")
+    lora_dropout: float = opt(0.0, "dropout on the adapters' input")
+    lora_targets: str = opt("q,v", "which projections to adapt: "
+                                   "q,k,v,attn_out,mlp_fc,mlp_proj or all")
+    quantize: str = opt("", "int8 | nf4: store the frozen base Linear weights quantized "
+                            "(needs --lora)")
+    double_quant: bool = opt(False, "nf4: quantize the block scales too "
+                                    "(QLoRA's double quantization)")
+    # model (nanoGPT's CPU shakespeare_char recipe by default)
+    n_layer: int = opt(4, "transformer blocks")
+    n_head: int = opt(4, "attention heads")
+    n_embd: int = opt(128, "residual width; must divide by n_head")
+    block_size: int = opt(64, "context length in tokens")
+    dropout: float = opt(0.0, "dropout probability")
+    bias: bool = opt(False, "biases in Linear and LayerNorm layers")
+    # batch: one optimizer step sees batch_size * grad_accum * world_size sequences
+    batch_size: int = opt(12, "micro-batch per rank (sequences)")
+    grad_accum: int = opt(1, "micro-steps per rank per optimizer step")
+    batch_tokens: int = opt(0, "the global batch in tokens; sets --grad-accum from the world "
+                               "size, so a preset trains alike on 1 or 8 GPUs (0 = off)")
+    # AdamW and its schedule: linear warmup, cosine decay to min_lr
+    learning_rate: float = opt(1e-3, "peak learning rate")
+    max_iters: int = opt(2000, "optimizer steps")
+    weight_decay: float = opt(0.1, "decoupled weight decay on 2-D weights")
+    beta1: float = opt(0.9, "Adam beta1")
+    beta2: float = opt(0.99, "Adam beta2")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = off")
+    warmup_iters: int = opt(100, "linear warmup steps")
+    lr_decay_iters: int = opt(2000, "steps of cosine decay (usually = max_iters)")
+    min_lr: float = opt(1e-4, "learning rate at the end of the decay")
+    # system
+    device: str = opt("auto", "auto | cpu | cuda")
+    dtype: str = opt("fp32", "fp32 | bf16 | fp16 (the working precision of weights "
+                             "and gradients)")
+    loss_scale: str = opt("auto", "dynamic | none | VALUE; auto = dynamic for fp16, "
+                                  "none otherwise")
+    min_loss_scale: float = opt(1.0, "the dynamic scaler's floor: an overflow at this scale "
+                                     "stops the run (the loss is non-finite at any scale)")
+    fp32_grad_accum: bool = opt(True, "16-bit runs with --grad-accum > 1: accumulate "
+                                      "gradients in fp32")
+    zero: int = opt(0, "ZeRO stage: 0 data parallel, 1 shard optimizer, 2 +gradients, "
+                       "3 +parameters")
+    prefetch: bool = opt(True, "ZeRO-3: gather the next unit while this one computes")
+    grad_ckpt: bool = opt(False, "activation checkpointing: recompute each block in backward")
+    compile: bool = opt(False, "torch.compile each block's attention and MLP")
+    bucket_mb: float = opt(25.0, "gradient bucket size in MiB for overlapped communication")
+    peak_tflops: float = opt(0.0, "peak TFLOP/s per device for MFU; 0 = look the GPU up")
+    seed: int = opt(1337, "the batch at step t depends only on (seed, t)")
+    nan_at: int = opt(-1, "a lesson in skipped steps: make the last rank's loss NaN "
+                          "at this step")
+
+
+def load_preset(path):
+    """A preset is a file of plain `name = literal` lines; parsed, never executed."""
+    for cand in (path, path + ".py", os.path.join(ROOT, "config", path),
+                 os.path.join(ROOT, "config", path + ".py")):
+        if os.path.isfile(cand):
+            path = cand
+            break
+    else:
+        raise ConfigError(f"no preset {path!r}: see the files in config/")
+    known = {f.name: f for f in fields(TrainConfig)}
+    out = {}
+    with open(path) as f:
+        source = f.read()
+    for node in ast.parse(source, path).body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)):
+            raise ConfigError(f"{path}:{node.lineno}: presets hold only `name = value` lines")
+        name = node.targets[0].id
+        if name not in known:
+            raise ConfigError(f"{path}:{node.lineno}: unknown setting {name!r}")
+        try:
+            value = ast.literal_eval(node.value)
+        except ValueError:
+            raise ConfigError(f"{path}:{node.lineno}: {name} must be a literal value")
+        ftype = known[name].type
+        if ftype is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not ftype:
+            raise ConfigError(f"{path}:{node.lineno}: {name} must be {ftype.__name__}, "
+                              f"got {value!r}")
+        out[name] = value
+    return out
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one-line ConfigErrors."""
+
+    def error(self, message):  # one line, no usage dump
+        raise ConfigError(message)
+
+
+def parse_args(argv=None):
+    p = OneLineParser(description="Train a GPT with nanoZeRO.", allow_abbrev=False)
+    p.add_argument("--config", help="a preset from config/, e.g. config/shakespeare_char.py")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                           help=f.metadata["help"])
+        else:
+            p.add_argument(flag, type=f.type, default=None, metavar=f.type.__name__.upper(),
+                           help=f.metadata["help"])
+    p.add_argument("--bf16", action="store_true", help="shortcut for --dtype bf16")
+    p.add_argument("--fp16", action="store_true", help="shortcut for --dtype fp16")
+    args = p.parse_args(argv)
+    values = load_preset(args.config) if args.config else {}
+    values.update({k: v for k, v in vars(args).items()
+                   if v is not None and k in TrainConfig.__dataclass_fields__})
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16 conflict: pick one")
+    for short in ("bf16", "fp16"):
+        if getattr(args, short):
+            if args.dtype not in (None, short):
+                raise ConfigError(f"--{short} conflicts with --dtype {args.dtype}: pick one")
+            values["dtype"] = short
+    cfg = TrainConfig(**values)
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg):
+    """Cross-field checks that need no data, model or process group."""
+    from lora import parse_targets
+    choices = {"dtype": ("fp32", "bf16", "fp16"), "device": ("auto", "cpu", "cuda"),
+               "zero": (0, 1, 2, 3), "ckpt_format": ("consolidated", "sharded"),
+               "quantize": ("", "int8", "nf4")}
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: use "
+                              f"{', '.join(str(a) for a in allowed if a != '')}")
+    if cfg.loss_scale not in ("auto", "dynamic", "none"):
+        try:
+            if float(cfg.loss_scale) <= 0:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"--loss-scale {cfg.loss_scale}: use dynamic, none or a "
+                              "positive number")
+    for name in ("batch_size", "grad_accum", "max_iters", "eval_interval", "eval_iters",
+                 "log_interval", "keep_last"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("bucket_mb", "min_loss_scale"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    if cfg.save_interval < 0 or cfg.batch_tokens < 0:
+        raise ConfigError("--save-interval and --batch-tokens must not be negative")
+    if (cfg.quantize or cfg.double_quant) and not cfg.lora:
+        raise ConfigError("--quantize stores a frozen base: it needs --lora")
+    if cfg.double_quant and cfg.quantize != "nf4":
+        raise ConfigError("--double-quant quantizes nf4's block scales: it needs --quantize nf4")
+    if cfg.lora:
+        try:
+            parse_targets(cfg.lora_targets)
+        except ValueError as e:
+            raise ConfigError(str(e))
+        if cfg.lora_rank < 1:
+            raise ConfigError("--lora-rank must be at least 1")
+
+
+def grad_accum_for(cfg, world_size):
+    """Micro-steps per rank: --grad-accum, or what --batch-tokens asks of this world size."""
+    if not cfg.batch_tokens:
+        return cfg.grad_accum
+    per_micro = cfg.batch_size * cfg.block_size * world_size  # tokens of one micro-step, all ranks
+    if cfg.batch_tokens % per_micro:
+        raise ConfigError(f"--batch-tokens {cfg.batch_tokens} is not a multiple of batch_size x "
+                          f"block_size x world size = {per_micro}: pick a multiple of it")
+    return cfg.batch_tokens // per_micro
