@@ -9,6 +9,8 @@ import os
 import socket
 import sys
 
+import multiprocessing
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,7 +19,11 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-
+# Ranks start from a fork server that has imported torch and the project and run one step once
+# (tests/warm.py): each rank is a fork of it, seconds of start-up saved per rank, and the server
+# itself never ran a second thread, so forking it is safe where forking pytest would not be.
+# (The server imports with the working directory on its path, so from the repository root.)
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "numpy", "train", "tests.warm"])
 
 def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -46,7 +52,25 @@ def run_distributed(fn, world_size, *args):
     if world_size == 1:
         return fn(0, 1, *args)
     mp.start_processes(_worker, args=(world_size, free_port(), fn, args), nprocs=world_size,
-                       join=True, start_method="spawn")
+                       join=True, start_method="forkserver")
+
+
+def _train_rank(rank, world_size, port, argv):
+    """One rank of train.py, started as torchrun starts it: by environment variables."""
+    if world_size > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import train
+    train.main(argv)
+
+
+def run_train(argv, nproc=1):
+    """train.main(argv) on nproc ranks forked from the warm fork server: what `torchrun
+    --nproc_per_node=nproc train.py ARGV` runs, without starting Python and torch three times
+    over (tests that need torchrun itself, or the command line, run it as a subprocess)."""
+    mp.start_processes(_train_rank, args=(nproc, free_port(), list(argv)), nprocs=nproc,
+                       join=True, start_method="forkserver")
 
 
 def make_zero(model, stage, **kwargs):

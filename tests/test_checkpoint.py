@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from checkpoint import CheckpointError, Reader, list_checkpoints
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, run_train
 from train import main
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
@@ -29,7 +29,12 @@ def cmd(nproc, extra=()):
             f"--master_port={free_port()}", *extra, "train.py"]
 
 
-def run(args, out_dir, nproc=1, expect=0, extra=()):
+def run(args, out_dir, nproc=1, expect=0, extra=(), torchrun=False):
+    """train.py on nproc ranks forked from the tests' warm server; as a subprocess (python
+    train.py, or torchrun for several ranks) with torchrun=True or when an exit code is expected."""
+    if not torchrun and expect == 0 and not extra:
+        run_train(args + ["--out-dir", str(out_dir)], nproc)
+        return None
     r = subprocess.run(cmd(nproc, extra) + args + ["--out-dir", str(out_dir)], cwd=ROOT, capture_output=True,
                        text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == expect, r.stdout[-2000:] + r.stderr[-3000:]

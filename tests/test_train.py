@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from checkpoint import Reader, list_checkpoints
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, run_train
 from configurator import ConfigError, parse_args
 from train import get_batch, main
 
@@ -88,8 +88,12 @@ def test_cli_error_is_one_line_without_traceback(tmp_path):
     assert "train.py: error:" in r.stderr
 
 
-def run(args, out_dir, nproc=1):
-    """train.py as a user runs it: plain python for one process, torchrun for several."""
+def run(args, out_dir, nproc=1, torchrun=False):
+    """train.py on nproc ranks, forked from the tests' warm server; with torchrun=True as a user
+    runs it: plain python for one process, torchrun for several. Returns metrics.jsonl's rows."""
+    if not torchrun:
+        run_train(args + ["--out-dir", str(out_dir)], nproc)
+        return [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "train.py"] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
@@ -201,7 +205,8 @@ def test_nan_on_one_rank_makes_both_skip_under_torchrun(data_root, tmp_path):
     (That an inf in one rank's *slice only* makes every rank skip is tested in test_zero.py.)"""
     rows = run(["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8", "--batch-size", "2",
                 "--eval-iters", "2", "--eval-interval", "100", "--log-interval", "1", "--data-root", data_root,
-                "--dataset", "tiny", "--fp16", "--zero", "1", "--max-iters", "4", "--nan-at", "2"], tmp_path, nproc=2)
+                "--dataset", "tiny", "--fp16", "--zero", "1", "--max-iters", "4", "--nan-at", "2"], tmp_path, nproc=2,
+               torchrun=True)
     steps = {r["iter"]: r for r in rows if "loss" in r}
     assert [steps[i]["skipped"] for i in range(4)] == [False, False, True, False]
     assert steps[2]["loss_scale"] == steps[1]["loss_scale"] / 2
