@@ -107,15 +107,17 @@ def frozen_buckets(cfg, dtype, quantize=None):
 
 
 def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, frozen_psi=0,
-                      quantized_psi=0, quantize=None, frozen_layout=None):
+                      quantized_psi=0, quantize=None, frozen_layout=None, fp32_grad_accum=False):
     """Bytes of model state on one rank, as ZeRO.state_bytes() counts them at start-up.
     psi: trainable parameters (Ψ), in flat buffers of sizes `buckets` (default: one). Stages 1-3
     pad each buffer to a multiple of N, so every rank owns P/N elements (P: the padded total).
     frozen_psi: frozen parameters (LoRA's base model): outside the gradient and optimizer buffers,
     whole on every rank up to stage 2; quantized_psi of them are stored as `quantize`. Stage 3
     shards them with their unit: each of frozen_layout's (numel, bytes) buffers padded to a
-    multiple of N (frozen_buckets()), or without a layout simply 1/N of them."""
+    multiple of N (frozen_buckets()), or without a layout simply 1/N of them. fp32_grad_accum:
+    the gradient buffer that accumulates micro-steps is fp32 (4 bytes, not 2)."""
     E, N, buckets = BYTES[dtype], world_size, buckets or [psi]
+    G = 4 if fp32_grad_accum else E  # bytes per gradient element
     assert sum(buckets) == psi, "the buckets must hold exactly psi parameters"
     padded = [math.ceil(n / N) * N if stage >= 1 else n for n in buckets]
     P = sum(padded)
@@ -127,7 +129,7 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
     if stage == 3 and frozen:
         frozen = sum(math.ceil(n / N) * e for n, e in frozen_layout) if frozen_layout else frozen / N
     out = {"params": E * (owned if stage == 3 else P) + frozen,  # 16-bit (or fp32) working weights
-           "grads": E * (owned if stage >= 2 else P),
+           "grads": G * (owned if stage >= 2 else P),
            "master": 0 if E == 4 else 4 * owned,  # fp32 weights are their own master: no copy
            "optimizer": 8 * real}  # Adam's exp_avg and exp_avg_sq, fp32
     out["total"] = sum(out.values())
@@ -231,7 +233,8 @@ def shape_for(psi, vocab=50257, block=2048):
 
 
 def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_ckpt=False, lora_rank=0,
-             lora_targets=("q", "v"), quantize=None, psi=None, bucket_mb=25.0, rank=0, prefetch=True):
+             lora_targets=("q", "v"), quantize=None, psi=None, bucket_mb=25.0, rank=0, prefetch=True,
+             fp32_grad_accum=False):
     """Everything one GPU holds. psi overrides the parameter count of cfg (then cfg only shapes the
     activations). Peak: model state + the larger of the forward/backward working set (activations,
     and under ZeRO-3 the gathered root + 1 block, + 1 more with prefetch) and the optimizer step's
@@ -245,7 +248,9 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
         trainable, frozen = lora_numel(cfg, lora_rank, lora_targets), total
         quantized, buckets = (L * 12 * h * h if quantize else 0), None  # the blocks' matmul weights
     layout = frozen_buckets(cfg, dtype, quantize) if lora_rank and stage == 3 and psi is None else None
-    state = model_state_bytes(trainable, stage, world_size, dtype, buckets, rank, frozen, quantized, quantize, layout)
+    fp32_grad_accum = fp32_grad_accum and E != 4
+    state = model_state_bytes(trainable, stage, world_size, dtype, buckets, rank, frozen, quantized,
+                              quantize, layout, fp32_grad_accum)
     acts = activation_bytes(cfg, batch, seq, dtype, grad_ckpt, lora_rank, lora_targets)
     pad = lambda n: math.ceil(n / world_size) * world_size
     # ZeRO-3's units: from the layout (root first), else blocks of 12h^2 + 13h and the rest in the root
@@ -254,7 +259,8 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     # (under LoRA the frozen base is gathered the same way, its matmul weights quantized with QLoRA)
     block_bytes = E * pad(block) if not quantize else E * (block - 12 * h * h) + QUANT_BYTES[quantize] * 12 * h * h
     gathered = E * pad(root) + (2 if prefetch else 1) * block_bytes if stage == 3 else 0
-    step = state["master"]  # step(): an fp32 copy of the owned gradient slice (none needed in fp32)
+    # the step's fp32 copy of the owned gradient slice (none when the gradients are fp32 already)
+    step = 0 if fp32_grad_accum else state["master"]
     peak = state["total"] + max(acts["total"] + gathered, step)
     return {"psi": total, "trainable": trainable, "state": state, "activations": acts,
             "gathered": gathered, "step": step, "peak": peak}

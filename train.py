@@ -74,7 +74,7 @@ def get_batch(data, seed, step, micro, rank, world_size, batch_size, block_size,
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     ix = torch.randint(len(data) - block_size, (grad_accum * world_size * batch_size,), generator=g)
     start = (micro * world_size + rank) * batch_size  # micro-step-major, then rank
-    ix = ix[start:start + batch_size].tolist()
+    ix = ix[start:start + batch_size].numpy()
     xy = torch.from_numpy(np.stack([data[i:i + block_size + 1] for i in ix]).astype(np.int64))
     return xy[:, :-1], xy[:, 1:]  # inputs, next-token targets: (B, T) each
 

@@ -198,6 +198,15 @@ class ZeRO:
             raise ValueError(f"{type(self).__name__} runs ZeRO stages {self.stages()}, not {stage}")
         self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
         self.bucket_mb, self.traffic = bucket_mb, Traffic()
+        # NCCL runs each process group's collectives on one stream of its own, in order: with a
+        # second group for the all-gathers, a gather (ZeRO-3's prefetch, stage 1-2's publish)
+        # need not queue behind a reduce-scatter, as FSDP2's separate streams do. Each
+        # collective's wait() makes the compute stream wait for it, and the group keeps the
+        # tensors alive until then: nothing is read early or freed under a running collective.
+        # gloo on CPU keeps one group: its collectives run on the calling threads anyway.
+        on_gpus = world_size > 1 and torch.device(
+            next(model.parameters()).device).type == "cuda"
+        self.gather_group = dist.new_group(backend="nccl") if on_gpus else group
         # deduplicated by identity (named_parameters() already skips the second name of the
         # tied weight); frozen tensors stay out of every gradient buffer and the optimizer
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -399,7 +408,7 @@ class ZeRO:
             else:  # a fresh copy: the input of all-gather must not alias its output
                 shard = master.to(self.dtype, copy=True)
                 works.append(all_gather_params(b.flat, shard, self.traffic, self.world_size,
-                                               self.group))
+                                               self.gather_group))
         for work in works:
             if work is not None:
                 work.wait()
@@ -428,7 +437,8 @@ class ZeRO:
             if self.stage == 0:  # every rank owns everything
                 full.copy_(owned)
             else:
-                work = all_gather_params(full, owned, Traffic(), self.world_size, self.group)
+                work = all_gather_params(full, owned, Traffic(), self.world_size,
+                                         self.gather_group)
                 if work is not None:
                     work.wait()
             yield full

@@ -124,7 +124,7 @@ class ZeRO3(ZeRO):
                 self.gathered_bytes += b.flat.numel() * b.flat.element_size()
                 self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
                 b.arriving = all_gather_params(b.flat, b.shard, self.traffic, self.world_size,
-                                               self.group)
+                                               self.gather_group)
                 b.gathered = b.arriving is None  # one rank: a local copy, already there
         if wait:
             for b in unit.buckets:

@@ -55,21 +55,25 @@ def run_distributed(fn, world_size, *args):
                        join=True, start_method="forkserver")
 
 
-def _train_rank(rank, world_size, port, argv):
+def _train_rank(rank, world_size, port, argv, wrap):
     """One rank of train.py, started as torchrun starts it: by environment variables."""
     if world_size > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     import train
-    train.main(argv)
+    if wrap is None:
+        train.main(argv)
+    else:
+        wrap(train.main, argv)
 
 
-def run_train(argv, nproc=1):
+def run_train(argv, nproc=1, wrap=None):
     """train.main(argv) on nproc ranks forked from the warm fork server: what `torchrun
     --nproc_per_node=nproc train.py ARGV` runs, without starting Python and torch three times
-    over (tests that need torchrun itself, or the command line, run it as a subprocess)."""
-    mp.start_processes(_train_rank, args=(nproc, free_port(), list(argv)), nprocs=nproc,
+    over (tests that need torchrun itself, or the command line, run it as a subprocess).
+    wrap(main, argv), a module-level function, runs in each rank instead of main(argv)."""
+    mp.start_processes(_train_rank, args=(nproc, free_port(), list(argv), wrap), nprocs=nproc,
                        join=True, start_method="forkserver")
 
 

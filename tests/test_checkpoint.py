@@ -15,7 +15,7 @@ from checkpoint import CheckpointError, Reader, list_checkpoints
 from conftest import ROOT, free_port, run_train
 from train import main
 
-TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
+TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
         "--eval-iters", "2", "--eval-interval", "1000", "--log-interval", "1", "--warmup-iters", "2",
         "--learning-rate", "3e-3", "--lr-decay-iters", "12", "--dataset", "tiny"]
 

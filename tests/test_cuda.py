@@ -1,5 +1,6 @@
-"""The CUDA paths of the single-rank code, run when a GPU is present (skipped otherwise).
-Multi-rank tests stay on gloo even there: one GPU cannot host two NCCL ranks."""
+"""The CUDA paths, run when a GPU is present (skipped otherwise). Multi-rank tests elsewhere stay
+on gloo/CPU even there (--device cpu): one GPU cannot host two NCCL ranks. Tolerances here are
+stated for fp32 with TF32 off; the NCCL test needs two GPUs."""
 import json
 import os
 import subprocess
@@ -8,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+import checkpoint
+from conftest import ROOT, make_zero, run_distributed, zero_step
 from model import GPT, GPTConfig
 from precision import GradScaler
-from zero import ZeRO
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -46,14 +47,64 @@ def test_zero_stages_agree_on_cuda():
     for stage in (0, 1, 2, 3):
         torch.manual_seed(0)
         model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32)).cuda()
-        zero = ZeRO(model, stage, lr=1e-2)
-        scaler = GradScaler(init_scale=1.0, dynamic=False)
+        zero = make_zero(model, stage, lr=1e-2)
+        scaler = GradScaler(init_scale=1.0, dynamic=False, device="cuda")
         g = torch.Generator().manual_seed(0)
         for _ in range(3):
             x = torch.randint(0, 50, (4, 16), generator=g).cuda()
             zero.backward(model(x, x)[1])
-            zero.step(1e-2, scaler, 1.0)
-        results.append(zero.full_state_dict(model))
+            zero_step(zero, scaler, 1e-2, 1.0)
+        results.append(checkpoint.state_dict(zero, model))
     for other in results[1:]:
         for k in results[0]:
             torch.testing.assert_close(other[k], results[0][k], rtol=1e-5, atol=1e-6)
+
+
+def test_fp16_scaler_and_fused_step_on_cuda():
+    """The dynamic scaler's state machine on the device: an injected inf skips the fused AdamW
+    step on the GPU (weights, moments and step count unchanged) and halves the scale."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=32)).cuda().half()
+    zero = make_zero(model, 0, lr=1e-2)
+    scaler = GradScaler(init_scale=2.0**10, device="cuda")
+    x = torch.randint(0, 50, (4, 16), device="cuda")
+    zero.backward(scaler.scale(model(x, x)[1]))
+    before = [m.clone() for m in zero.master]
+    zero.buckets[0].owned_grad()[0] = float("inf")
+    _, skipped = zero_step(zero, scaler, 1e-2, 1.0)
+    assert skipped and scaler.get_scale() == 2.0**9
+    assert all(torch.equal(a, b) for a, b in zip(before, zero.master))
+    zero.backward(scaler.scale(model(x, x)[1]))
+    assert not zero_step(zero, scaler, 1e-2, 1.0)[1]
+
+
+def _nccl_zero3(rank, world_size):
+    """Two GPUs, NCCL: ZeRO-3 gathers on their own process group (their own stream), and the
+    result still equals ZeRO-0 on the same GPUs."""
+    import torch.distributed as dist
+    dist.destroy_process_group()  # the harness's gloo group: this test wants NCCL
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size,
+                            device_id=torch.device("cuda", rank))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out = []
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32)).cuda()
+        zero = make_zero(model, stage, lr=1e-2, rank=rank, world_size=world_size)
+        assert zero.gather_group is not zero.group  # a second communicator for the gathers
+        scaler = GradScaler(init_scale=1.0, dynamic=False, device="cuda")
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            x = torch.randint(0, 50, (4, 16), generator=g).cuda()
+            zero.backward(model(x, x)[1])
+            zero_step(zero, scaler, 1e-2, 1.0)
+        out.append(checkpoint.state_dict(zero, model))
+    if rank == 0:
+        for k in out[0]:
+            torch.testing.assert_close(out[1][k], out[0][k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
+def test_zero3_on_two_gpus_with_nccl():
+    run_distributed(_nccl_zero3, 2)

@@ -61,6 +61,14 @@ def check_state(rank, world_size):
                 assert sorted(sum(p.numel() for p in b.params) for b in zero.buckets) == sorted(buckets)
                 assert est == zero.state_bytes(), (dtype, stage, bucket_mb, freeze, rank)
                 assert stage == 3 or bucket_mb == 25.0 or len(buckets) > 3  # several buckets exercised
+            # 16-bit with fp32 gradient accumulation: the accumulating gradient buffer is fp32
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(**SMALL)).to(DTYPES[dtype])
+            zero = make_zero(model, stage, bucket_mb=0.0003, rank=rank, world_size=world_size,
+                             fp32_grad_accum=dtype != "fp32")
+            est = estimate(GPTConfig(**SMALL), world_size, stage, dtype, bucket_mb=0.0003, rank=rank,
+                           fp32_grad_accum=True)
+            assert est["state"] == zero.state_bytes(), (dtype, stage, rank)
 
 
 def test_model_state_exact_one_rank():

@@ -13,7 +13,7 @@ from conftest import ROOT, free_port, run_train
 from configurator import ConfigError, parse_args
 from train import get_batch, main
 
-TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
+TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
         "--eval-iters", "2", "--log-interval", "1", "--warmup-iters", "2", "--learning-rate", "3e-3"]
 
 
@@ -203,7 +203,7 @@ def test_nan_on_one_rank_makes_both_skip_under_torchrun(data_root, tmp_path):
     """fp16 with the dynamic scaler, ZeRO-1, 2 gloo ranks under torchrun: a NaN loss on the last rank
     at step 2 makes both ranks skip, the scale halves, and the ranks still end bitwise identical.
     (That an inf in one rank's *slice only* makes every rank skip is tested in test_zero.py.)"""
-    rows = run(["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8", "--batch-size", "2",
+    rows = run(["--device", "cpu", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8", "--batch-size", "2",
                 "--eval-iters", "2", "--eval-interval", "100", "--log-interval", "1", "--data-root", data_root,
                 "--dataset", "tiny", "--fp16", "--zero", "1", "--max-iters", "4", "--nan-at", "2"], tmp_path, nproc=2,
                torchrun=True)
@@ -213,3 +213,54 @@ def test_nan_on_one_rank_makes_both_skip_under_torchrun(data_root, tmp_path):
     assert steps[2]["loss"] is None and steps[2]["grad_norm"] is None  # NaN is logged as null: valid JSON
     end = [r for r in rows if r.get("event") == "end"][0]
     assert len(set(end["replica_sha256"])) == 1
+
+
+SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__")  # what makes the host wait
+
+
+def _count_syncs(main, argv):
+    """main(argv) with every call that reads a tensor's value on the host counted by the
+    iteration it happens in (get_lr marks the start of each). Iterations 1-10 are not logged:
+    none of them may wait for the device."""
+    import train
+    current, syncs, get_lr = [None], [], train.get_lr
+
+    def marking_get_lr(it, cfg):
+        current[0] = it
+        return get_lr(it, cfg)
+
+    def counting(name, method):
+        def counted(self, *args, **kwargs):
+            syncs.append((current[0], name))
+            return method(self, *args, **kwargs)
+        return counted
+
+    train.get_lr = marking_get_lr
+    for name in SYNCS:
+        setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    torch.cuda.synchronize = counting("synchronize", torch.cuda.synchronize)
+    main(argv)
+    unlogged = [s for s in syncs if s[0] is not None and 1 <= s[0] <= 10]
+    assert not unlogged, f"host syncs on unlogged steps: {unlogged[:5]}"
+    assert any(s[0] == 0 for s in syncs)  # the counter works: the logged step 0 reads its loss
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_unlogged_steps_never_wait_for_the_device(data_root, tmp_path, stage):
+    """The step is sync-free: found-inf, the global norm, the clip coefficient and the skip stay
+    on the device; the stop flag is read on logged steps only. 2 ranks, fp16 with the dynamic
+    scaler (the scaler's state machine runs too), gradient accumulation, every stage."""
+    argv = TINY + ["--data-root", data_root, "--dataset", "tiny", "--max-iters", "12",
+                   "--log-interval", "100", "--eval-interval", "1000", "--zero", str(stage),
+                   "--fp16", "--grad-accum", "2", "--n-embd", "16", "--block-size", "8",
+                   "--out-dir", str(tmp_path), "--device", "cpu"]
+    run_train(argv, 2, wrap=_count_syncs)
+
+
+def test_batch_tokens_sets_the_accumulation_per_world_size():
+    from configurator import grad_accum_for
+    cfg = parse_args(["--batch-size", "4", "--block-size", "32", "--batch-tokens", "512"])
+    assert [grad_accum_for(cfg, n) for n in (1, 2, 4)] == [4, 2, 1]  # the same 512 tokens a step
+    with pytest.raises(ConfigError, match="not a multiple of .* = 384"):
+        grad_accum_for(cfg, 3)
+    assert grad_accum_for(parse_args(["--grad-accum", "3"]), 8) == 3  # off: --grad-accum as given

@@ -251,3 +251,27 @@ def test_16_bit_training_follows_the_fp32_loss_curve():
     assert curves[torch.float32][-1] < curves[torch.float32][0] - 0.03  # it learns
     np.testing.assert_allclose(curves[torch.bfloat16], curves[torch.float32], rtol=5e-3)
     np.testing.assert_allclose(curves[torch.float16], curves[torch.float32], rtol=5e-4)
+
+
+@pytest.mark.parametrize("stage", [0, 2])  # stage 3 accumulates as stage 2 does
+def test_fp32_gradient_accumulation_lands_closer_to_fp32(stage):
+    """bf16 over 32 micro-steps: the sum of the micro-steps' gradients, kept in a bf16 buffer,
+    loses the small contributions; kept in fp32 (fp32_grad_accum, train.py's default for 16-bit
+    runs with --grad-accum > 1) it stays near what an fp32 model accumulates. One rank; the
+    gradient each stage hands the optimizer, compared with an fp32 model's."""
+    torch.set_num_threads(1)
+    steps = 32
+
+    def accumulated(dtype, fp32_accum):
+        model = make_model(dtype)
+        zero = make_zero(model, stage, bucket_mb=0.002, fp32_grad_accum=fp32_accum)
+        for micro in range(steps):
+            x, y = get_batch(DATA, SEED, 0, micro, 0, 1, B, T, steps)
+            zero.backward(model(x, y)[1] / steps, sync=micro == steps - 1)
+        return torch.cat(zero.master_grads())
+
+    ref = accumulated(torch.float32, False)
+    err = {acc: (accumulated(torch.bfloat16, acc) - ref).norm() / ref.norm() for acc in (False, True)}
+    # both see the bf16 forward's rounding; only one also rounds the running sum to 8 bits
+    # (measured: 0.45% vs 0.80% of the gradient's norm)
+    assert err[True] < 0.7 * err[False], err
