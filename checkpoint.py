@@ -259,8 +259,10 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
             if rank == 0 else {}
     error = None
     try:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if rank == 0:  # a crash mid-save leaves a .tmp folder: no checkpoint, and cleared here
+            for stale in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
+                if re.fullmatch(r"ckpt-\d+\.tmp", stale):
+                    shutil.rmtree(os.path.join(out_dir, stale), ignore_errors=True)
             os.makedirs(tmp)
         _barrier(world_size)
         for name, obj in files.items():
@@ -419,12 +421,15 @@ def check_compatible(header, model_args, vocab_meta, path, config=None, shapes=N
     for key, flag in SETTINGS.items() if config is not None else ():
         mine, old = config.get(key), saved.get(key)
         if key == "lora_targets" and config.get("lora") and saved.get("lora"):
-            mine, old = parse_targets(mine), parse_targets(old)
+            mine, old = ",".join(parse_targets(mine)), ",".join(parse_targets(old))
         if key != "lora" and not (config.get("lora") or saved.get("lora")):
             continue  # no LoRA on either side: its settings are unused
         if mine != old:
-            raise CheckpointError(f"{path} was saved with {flag} {old}, this run has {mine}: "
-                                  f"pass {flag} {old} to resume it, or use another --out-dir")
+            as_flag = lambda v: (flag if v else f"--no-{flag[2:]}") if isinstance(v, bool) \
+                else f"{flag} {v}"
+            raise CheckpointError(f"{path} was saved with {as_flag(old)}, this run has "
+                                  f"{as_flag(mine)}: pass {as_flag(old)} to resume it, or use "
+                                  "another --out-dir")
     for name, shape in (shapes or {}).items():
         if header["shapes"].get(name) != shape:
             raise CheckpointError(f"{path}: {name} is {header['shapes'].get(name)} there and "

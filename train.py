@@ -269,7 +269,8 @@ def main(argv=None):
                                 grad_accum, weights)
     print0(f"model: {model.num_params(non_embedding=False):,} parameters, {zero.psi:,} trainable")
 
-    start_it, header = 0, {"config": asdict(cfg), "model_args": asdict(gptconf), "meta": meta}
+    start_it, note = 0, None
+    header = {"config": asdict(cfg), "model_args": asdict(gptconf), "meta": meta}
     ckpts = checkpoint.list_checkpoints(cfg.out_dir) if cfg.resume else []
     if ckpts:  # read and check everything before touching any file of the run
         start_it, note = checkpoint.restore(ckpts[-1], zero, model, scaler, asdict(cfg),
@@ -282,6 +283,8 @@ def main(argv=None):
                "nothing to train; raise --max-iters to go on")
         return finish(model, zero, world_size)
     metrics = Metrics(cfg.out_dir, start_it, rank == 0)
+    if ckpts:
+        metrics.log({"event": "resume", "from": ckpts[-1], "iter": start_it, "note": note})
     line, row = model_state_report(zero, world_size)  # measured vs the paper, per rank
     print0(line)
     metrics.log({**row, "dtype": cfg.dtype, "config": asdict(cfg)})
@@ -345,9 +348,10 @@ def main(argv=None):
         it += 1
         saving = cfg.save_interval and it % cfg.save_interval == 0 and it < cfg.max_iters
         if (logging or saving) and scaler.exhausted.item():
-            raise ConfigError(f"the gradients overflow at the minimum loss scale "
-                              f"{cfg.min_loss_scale:g} (by step {it - 1}): the loss is non-finite "
-                              "at any scale, a NaN rather than an overflow; nothing saved since")
+            raise ConfigError(f"by step {it - 1} the gradients overflowed at the minimum loss scale "
+                              f"{cfg.min_loss_scale:g}: the loss is non-finite at any scale (a NaN, "
+                              "not an overflow); stopped without saving: lower --learning-rate or "
+                              "find the NaN, and resume from the last checkpoint")
         if saving or stopped:
             save(cfg, it, zero, model, scaler, header, print0)
         if stopped:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from checkpoint import CheckpointError, Reader, list_checkpoints
-from conftest import ROOT, free_port, run_train
+from conftest import ROOT, free_port, run_distributed, run_train
 from train import main
 
 TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
@@ -179,16 +179,23 @@ def test_sigkill_one_rank_under_torchrun_restarts_and_ends_the_same(data_root, t
 
 
 def killed_run(p, out):
+    """Kill rank 1 while a save is in progress: the moment a ckpt-*.tmp folder exists after the
+    first complete checkpoint (polled without sleeping: a save of this model takes milliseconds)."""
     deadline, victim = time.time() + 120, None
     while time.time() < deadline and victim is None:
-        if (out / "metrics.jsonl").exists() and len(losses(out)) >= 12:
+        if list_checkpoints(out):
             victim = rank_pid(str(out), 1)
-        time.sleep(0.05)
+        time.sleep(0.01)
     assert victim is not None
+    mid_save = False
+    while time.time() < deadline and not mid_save and p.poll() is None:
+        mid_save = any(n.endswith(".tmp") for n in os.listdir(out))
     os.kill(victim, signal.SIGKILL)
     stdout, stderr = p.communicate(timeout=120)
+    assert mid_save  # the kill landed while a checkpoint was half written
     assert p.returncode == 0, stderr[-3000:]
     assert "resumed from" in stdout
+    assert not any(n.endswith(".tmp") for n in os.listdir(out))  # the half-written one is gone
 
 
 def rank_pid(out_dir, local_rank):
@@ -255,3 +262,191 @@ def test_zero3_restores_a_frozen_base_into_its_shards(tmp_path, fmt):
     for k in want:
         assert torch.equal(want[k], got[k]), k
     assert torch.equal(a(x, x)[1], b(x, x)[1])  # and the restored model computes the same
+
+
+
+def _with_error_file(main, argv):
+    """main(argv), but a CheckpointError is written to OUT_DIR/error-RANK.txt (each rank)."""
+    import torch.distributed as dist
+    out = argv[argv.index("--out-dir") + 1]
+    try:
+        main(argv)
+    except CheckpointError as e:
+        with open(os.path.join(out, f"error-{os.environ.get('RANK', '0')}.txt"), "w") as f:
+            f.write(str(e))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _small_file_limit(main, argv):
+    """A disk that fills up: files may not grow past 32 KiB (the checkpoints' shards are
+    larger, metrics.jsonl is not). SIGXFSZ is ignored by train.py: writes fail with EFBIG."""
+    import resource
+    resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, 32 * 1024))
+    _with_error_file(main, argv)
+
+
+def test_a_full_disk_mid_save_keeps_the_previous_checkpoint(data_root, tmp_path):
+    args = TINY + ["--data-root", data_root, "--zero", "2", "--ckpt-format", "sharded",
+                   "--save-interval", "2", "--lr-decay-iters", "8"]
+    run(args + ["--max-iters", "8"], tmp_path / "ref", 2)
+    out = tmp_path / "run"
+    run(args + ["--max-iters", "4"], out, 2)
+    before = list_checkpoints(out)
+    run_train(args + ["--max-iters", "8", "--resume", "--out-dir", str(out)], 2,
+              wrap=_small_file_limit)
+    for rank in (0, 1):  # one line on every rank, naming the file and the intact checkpoint
+        message = open(out / f"error-{rank}.txt").read()
+        assert "File too large" in message and "ckpt-0000004 is intact" in message, message
+        assert "\n" not in message
+    assert list_checkpoints(out) == before  # ckpt-0000004 is still the newest
+    assert not any(n.endswith(".tmp") for n in os.listdir(out))
+    run(args + ["--max-iters", "8", "--resume"], out, 2)  # and it resumes from there, bitwise
+    assert [losses(out)[i] for i in range(8)] == [losses(tmp_path / "ref")[i] for i in range(8)]
+    assert_same_weights(final_weights(tmp_path / "ref"), final_weights(out))
+
+
+def test_resume_refuses_other_lora_and_quantization_settings(data_root, tmp_path):
+    """A LoRA rank, alpha or targets, or a quantization, other than the checkpoint's: restore
+    would load misaligned or uninitialised tensors; it is one line naming the flag instead.
+    LoRA dropout may change."""
+    base = TINY + ["--data-root", data_root, "--max-iters", "2", "--lora"]
+    runs = {"r8": ["--lora-rank", "8"], "r4": ["--lora-rank", "4", "--ckpt-format", "sharded"],
+            "dq": ["--quantize", "nf4", "--double-quant"]}
+    for name, flags in runs.items():
+        run(base + flags, tmp_path / name)
+
+    def refused(name, flags, message):
+        with pytest.raises(CheckpointError, match=message):
+            main(base + flags + ["--max-iters", "4", "--resume", "--out-dir", str(tmp_path / name)])
+
+    refused("r8", ["--lora-rank", "4"], "saved with --lora-rank 8, this run has --lora-rank 4")
+    refused("r4", ["--lora-rank", "8", "--ckpt-format", "sharded"], "--lora-rank 4")
+    refused("r8", ["--lora-rank", "8", "--lora-alpha", "2"], "--lora-alpha 1.0")
+    refused("r8", ["--lora-rank", "8", "--lora-targets", "q,k,v"], "--lora-targets")
+    refused("dq", ["--quantize", "nf4"], "--double-quant, this run has --no-double-quant")
+    refused("dq", ["--quantize", "int8"], "--quantize nf4, this run has --quantize int8")
+    with pytest.raises(CheckpointError, match="--no-lora"):  # and no LoRA at all
+        main(TINY + ["--data-root", data_root, "--max-iters", "4", "--resume",
+                     "--out-dir", str(tmp_path / "r8")])
+    run(base + ["--lora-rank", "8", "--lora-dropout", "0.1", "--max-iters", "4", "--resume"],
+        tmp_path / "r8")
+    assert max(losses(tmp_path / "r8")) == 3
+
+
+def test_resume_at_or_past_max_iters_trains_nothing(data_root, tmp_path, capsys):
+    args = TINY + ["--data-root", data_root, "--out-dir", str(tmp_path)]
+    run(args + ["--max-iters", "4"], tmp_path)
+    files = sorted(os.listdir(tmp_path))
+    for max_iters in ("4", "2"):
+        main(args + ["--max-iters", max_iters, "--resume"])  # returns: no endless loop
+        assert "already at iteration 4" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path)) == files
+
+
+def test_another_precision_starts_a_fresh_scaler(data_root, tmp_path):
+    """bf16 (a fixed scale of 1) resumed as fp16: a scale of 1 would let fp16 gradients
+    underflow; the run starts the dynamic scaler fresh and says so."""
+    args = TINY + ["--data-root", data_root, "--n-embd", "16", "--block-size", "8"]
+    run(args + ["--max-iters", "2", "--bf16"], tmp_path)
+    run(args + ["--max-iters", "3", "--fp16", "--resume"], tmp_path)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    resume = [r for r in rows if r.get("event") == "resume"][0]
+    assert "--dtype bf16" in resume["note"] and "fresh loss scaler" in resume["note"]
+    assert [r["loss_scale"] for r in rows if r.get("iter") == 2 and "loss" in r] == [2.0**16]
+
+
+def test_the_loss_scale_floor_stops_a_nan_run(data_root, tmp_path):
+    """fp16 with a learning rate that blows the weights up: every step overflows, the scale
+    backs off to the floor (--min-loss-scale 1) instead of to 0.0 and a ZeroDivisionError, and
+    the run stops with one line; nothing is saved from the broken state."""
+    args = ["--device", "cpu", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size",
+            "8", "--batch-size", "2", "--data-root", data_root, "--dataset", "tiny", "--fp16",
+            "--learning-rate", "1e4", "--grad-clip", "0", "--warmup-iters", "0", "--max-iters", "60",
+            "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1", "--save-interval", "40"]
+    r = run(args, tmp_path, expect=2)
+    assert "non-finite at any scale" in r.stderr and r.stderr.strip().count("\n") == 0
+    steps = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"loss"' in line]
+    assert steps[-1]["loss_scale"] == 1.0 and steps[-1]["skipped"]
+    assert list_checkpoints(tmp_path) == []
+
+
+def _peak_gathered(rank, world_size, fmt, lora, folder):
+    """ZeRO-3 on 2 ranks: save and restore, recording the most bytes gathered at once beyond the
+    shards (zero.peak_gathered_bytes), against the largest unit."""
+    import checkpoint
+    import lora as lora_mod
+    from conftest import make_zero
+    from model import GPT, GPTConfig
+    from precision import GradScaler
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=16, vocab_size=30, n_layer=8, n_head=2, n_embd=32)
+    model = GPT(cfg)
+    if lora:
+        lora_mod.apply_lora(model, rank=4, targets="all")
+    zero = make_zero(model, 3, rank=rank, world_size=world_size)
+    units = [sum(b.numel * b.flat.element_size() for b in u.buckets) for u in zero.all_units]
+    header = {"config": {}, "model_args": {}, "meta": {"vocab_size": 30}}
+    peaks = []
+    for step in ("save", "restore"):
+        zero.peak_gathered_bytes = zero.gathered_bytes
+        if step == "save":
+            path = checkpoint.save(folder, 1, zero, model, GradScaler(), header, fmt, 1)
+        else:
+            checkpoint.restore(path, zero, model, GradScaler(), {}, {}, None)
+        peaks.append(zero.peak_gathered_bytes)
+    assert max(peaks) <= max(units), (peaks, max(units))
+    if rank == 0:
+        print(f"{fmt} lora={lora}: peak gathered during save {peaks[0]:,} B, restore "
+              f"{peaks[1]:,} B; largest unit {max(units):,} B, all units {sum(units):,} B")
+
+
+@pytest.mark.parametrize("fmt", ["consolidated", "sharded"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_zero3_saves_and_restores_one_unit_at_a_time(tmp_path, fmt, lora):
+    run_distributed(_peak_gathered, 2, fmt, lora, str(tmp_path))
+
+
+def _files_read(rank, world_size, folder):
+    """A 2-rank ZeRO-3 restore of a 4-rank sharded checkpoint: every rank opens meta.pt and only
+    the shards whose pieces overlap the ranges it owns now."""
+    import checkpoint
+    from conftest import make_zero
+    from model import GPT, GPTConfig
+    from precision import GradScaler
+    opened, load = [], checkpoint._load
+
+    def counted(path, *args):
+        opened.append(os.path.basename(path))
+        return load(path, *args)
+
+    checkpoint._load = counted
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=30, n_layer=2, n_head=2, n_embd=32))
+    zero = make_zero(model, 3, rank=rank, world_size=world_size)
+    path = checkpoint.list_checkpoints(folder)[-1]
+    checkpoint.restore(path, zero, model, GradScaler(), {}, {}, None)
+    layout = checkpoint.Reader(path).header["layout"]
+    owned = [(s.name, s.lo, s.hi) for s in zero.segments]
+    owned += [(name, lo, hi) for name, lo, hi, _ in zero.frozen_pieces()]
+    needed = {f"shard-{r:05d}.pt" for r, pieces in enumerate(layout) for name, lo, hi in owned
+              if name in pieces and pieces[name][0] < hi and lo < pieces[name][1]}
+    assert sorted(set(opened[:-1])) == sorted({"meta.pt"} | needed), (rank, opened)
+    assert len(needed) < len(layout)  # fewer than every shard
+
+
+def _save_sharded_4(rank, world_size, folder):
+    import checkpoint
+    from conftest import make_zero
+    from model import GPT, GPTConfig
+    from precision import GradScaler
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=30, n_layer=2, n_head=2, n_embd=32))
+    zero = make_zero(model, 3, rank=rank, world_size=world_size)
+    header = {"config": {}, "model_args": {}, "meta": {"vocab_size": 30}}
+    checkpoint.save(folder, 1, zero, model, GradScaler(), header, "sharded", 1)
+
+
+def test_a_sharded_resume_reads_only_the_shards_it_needs(tmp_path):
+    run_distributed(_save_sharded_4, 4, str(tmp_path))
+    run_distributed(_files_read, 2, str(tmp_path))
