@@ -112,6 +112,20 @@ def test_bad_checkpoints_give_one_line_and_touch_nothing(data_root, tmp_path):
     newest = list_checkpoints(out)[-1]
     shard = os.path.join(newest, "shard-00000.pt")
     data = open(shard, "rb").read()
+    # a folder someone edited: a shard copied in from another save, a meta.pt gone, a header
+    # that names another model
+    other = os.path.join(list_checkpoints(out)[0], "shard-00000.pt")
+    open(shard, "wb").write(open(other, "rb").read())
+    expect_error(["--resume"], "belongs to another save")
+    open(shard, "wb").write(data)
+    meta = os.path.join(newest, "meta.pt")
+    os.rename(meta, meta + ".away")
+    expect_error(["--resume"], "neither ckpt.pt nor meta.pt")
+    os.rename(meta + ".away", meta)
+    meta_bytes, header = open(meta, "rb").read(), torch.load(meta, weights_only=True)
+    torch.save({**header, "model_args": {**header["model_args"], "n_layer": 3}}, meta)
+    expect_error(["--resume"], "another model")
+    open(meta, "wb").write(meta_bytes)
     open(shard, "wb").write(data[: len(data) // 2])  # truncated
     expect_error(["--resume"], "cannot read")
     open(shard, "wb").write(b"\x00garbage" * 100)  # corrupt
