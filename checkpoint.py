@@ -33,6 +33,7 @@ numpy, python: dropout), the run's flags and the model config.
 """
 import os
 import random
+from contextlib import contextmanager
 import re
 import shutil
 import sys
@@ -41,6 +42,8 @@ import uuid
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from zero import Traffic, all_gather_params
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -179,6 +182,26 @@ def owned_pieces(zero, shapes):
     return out
 
 
+@contextmanager
+def _gathered(zero, b, owned):
+    """Every rank's `owned` piece of bucket b (hi - lo elements, any dtype) all-gathered into one
+    full flat tensor (a collective), counted in zero.gathered_bytes while it exists."""
+    full = torch.empty(b.numel, dtype=owned.dtype, device=owned.device)
+    nbytes = full.numel() * full.element_size()
+    zero.gathered_bytes += nbytes
+    zero.peak_gathered_bytes = max(zero.peak_gathered_bytes, zero.gathered_bytes)
+    try:
+        if zero.stage == 0:  # every rank owns everything
+            full.copy_(owned)
+        else:
+            work = all_gather_params(full, owned, Traffic(), zero.world_size, zero.gather_group)
+            if work is not None:
+                work.wait()
+        yield full
+    finally:
+        zero.gathered_bytes -= nbytes
+
+
 def full_tensors(zero, shapes, keys=("master",) + MOMENTS):
     """Every tensor whole (as stored_shapes says), by name, on rank 0's host ({} on the other
     ranks): {name: {key: tensor}} with the keys of owned_pieces. A collective: buckets are
@@ -194,14 +217,14 @@ def full_tensors(zero, shapes, keys=("master",) + MOMENTS):
             for s in b.segments:
                 src = s.master if key == "master" else zero.opt.state[s.master][key]
                 owned[s.start:s.start + s.hi - s.lo] = src
-            with zero.gathered_flat(b, owned) as full:
+            with _gathered(zero, b, owned) as full:
                 if zero.rank == 0:
                     for p, offset in zip(b.params, b.offsets):
                         name = zero.names[id(p)]
                         out.setdefault(name, {})[key] = host(name, full[offset:offset + p.numel()])
     frozen = [b for u in getattr(zero, "all_units", []) for b in u.buckets if b.frozen]
     for b in frozen:  # ZeRO-3: the frozen buckets' shards, gathered the same way
-        with zero.gathered_flat(b, b.shard) as full:
+        with _gathered(zero, b, b.shard) as full:
             if zero.rank == 0:
                 for t, offset in zip(b.params, b.offsets):
                     name = zero.names[id(t)]

@@ -43,12 +43,18 @@ def resolve_dtype(name, device):
     return DTYPES[name]
 
 
-def grad_zero_frac(tensors):
-    """Fraction of entries that are exactly zero. Under fp16 a rising value means that gradients
-    underflow: the loss scale is too low."""
-    tensors = [t for t in tensors if t is not None]
-    zeros = sum(int((t == 0).sum()) for t in tensors)
-    return zeros / max(1, sum(t.numel() for t in tensors))
+def grad_zero_frac(grads, group=None):
+    """Fraction of gradient entries that are exactly zero, over every rank's gradients (a device
+    tensor). Under fp16 a rising value means that gradients underflow: the scale is too low."""
+    grads = [g for g in grads if g is not None]
+    device = grads[0].device if grads else "cpu"
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
+    for g in grads:
+        counts[0] += (g == 0).sum()
+        counts[1] += g.numel()
+    if dist.is_initialized():  # ranks holding the same gradients (stage 0) leave it unchanged
+        dist.all_reduce(counts, group=group)
+    return counts[0] / counts[1].clamp(min=1)
 
 
 class GradScaler:

@@ -38,7 +38,7 @@ from configurator import ConfigError, grad_accum_for, parse_args
 from lora import adapter_state, apply_lora, base_fingerprint, parse_targets, save_adapter
 from memory import model_state_report, saved_activation_bytes
 from model import GPT, GPTConfig, peak_flops
-from precision import GradScaler, resolve_dtype
+from precision import GradScaler, grad_zero_frac, resolve_dtype
 from quant import quantize_base
 from zero import Traffic, ZeRO, all_reduce_sum, replica_digest, traffic_formula
 from zero3 import ZeRO3
@@ -332,7 +332,7 @@ def main(argv=None):
             zero.backward(scaler.scale(loss), sync=micro == grad_accum - 1)
         # -- the mixed-precision step ---------------------------------------------------------
         grads = zero.master_grads()  # this rank's 16-bit gradient slice -> fp32 master gradient
-        zero_frac = zero.grad_zero_frac() if logging else None  # fp16 underflow shows as zeros
+        zero_frac = grad_zero_frac(grads) if logging else None  # fp16 underflow: zeros
         found_inf = scaler.unscale_(grads)  # divide by the loss scale; an inf/NaN on any rank?
         grad_norm = zero.clip_grad_norm_(cfg.grad_clip)  # global norm over every rank's slice
         zero.step(lr, found_inf)  # AdamW on this rank's fp32 slice; skipped if found_inf

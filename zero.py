@@ -13,31 +13,26 @@ on every one of N ranks. ZeRO partitions the redundant parts:
   stage 3  shard the parameters too (zero3.py; PyTorch calls it FSDP) 16Ψ/N
 
 Stages 0-2 move the same 2Ψ elements per step: a ring all-reduce *is* a reduce-scatter
-followed by an all-gather, and stages 1-2 simply do the two halves at different times,
-updating only their own shard in between. So the three stages differ in two places only:
-`_reduce` (which collective runs in backward) and `publish` (whether the step all-gathers).
+followed by an all-gather, and stages 1-2 do the two halves at different times, updating only
+their own shard in between. So they differ in two places: `_reduce` (which collective runs in
+backward) and `publish` (whether the step all-gathers).
 
-Layout. The trainable parameters (deduplicated by identity: the tied embedding / LM head is
-one tensor) are packed, last layer first, into buckets of about --bucket-mb. Each bucket is
-one flat tensor padded to a multiple of N, and the parameters become views into it, so every
-collective runs on contiguous memory without copies. Rank r owns the r-th 1/N of every
-bucket. Padding makes every world size legal and stays zero; it is never counted in norms,
-inf checks or checkpoints. The optimizer sees one 1-D view per (parameter, rank) piece, a
-`Segment`, so weight-decay groups and per-parameter checkpoint metadata come for free.
+Layout. The trainable parameters (the tied embedding / LM head once) are packed, last layer
+first, into buckets of about --bucket-mb: one flat tensor each, padded to a multiple of N, the
+parameters views into it, so collectives run on contiguous memory. Rank r owns the r-th 1/N of
+every bucket. Padding makes every world size legal and stays zero, outside norms, inf checks
+and checkpoints. The optimizer steps one 1-D view per (parameter, rank) piece, a `Segment`.
 
-Overlap. A post-accumulate-grad hook counts the parameters of a bucket as their gradients
-land; once a bucket is complete its collective is launched asynchronously while backward
-goes on with earlier layers. Buckets are launched strictly in index order, so every rank
-issues the same collectives in the same order whatever order autograd finishes them in.
+Overlap. A post-accumulate-grad hook counts a bucket's gradients as they land; a complete
+bucket's collective is launched asynchronously while backward goes on. Buckets launch strictly
+in index order, so all ranks issue the same collectives in the same order.
 
-The step (train.py's loop calls these in the lecture's order): `master_grads` (the 16-bit
-gradient slice as fp32), the scaler's unscale and inf check, `clip_grad_norm_`, `step`
-(fused AdamW, skipped on the device when any rank found an inf), `publish`. Nothing in it
-waits for the device: norms, the inf flag and the skip stay tensors.
+The step, called by train.py's loop in the lecture's order: `master_grads`, the scaler's
+unscale and inf check, `clip_grad_norm_`, `step` (fused AdamW, skipped on the device when any
+rank found an inf), `publish`. Norms, the inf flag and the skip stay on the device.
 """
 import hashlib
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +44,9 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 # ----------------------------------------------------------------------------------------------
-# The collectives, named. This is the one place that counts traffic, in elements, the way the
-# ZeRO paper counts it: an all-reduce of n elements moves 2n (its reduce-scatter and its
-# all-gather halves), a reduce-scatter or all-gather of an n-element buffer moves n.
-# On one rank they are local copies and count nothing.
+# The collectives, named: the one place that counts traffic, in elements as the ZeRO paper does.
+# An all-reduce of n elements moves 2n (a reduce-scatter and an all-gather half), a
+# reduce-scatter or all-gather of an n-element buffer n. On one rank: local copies, no traffic.
 
 @dataclass
 class Traffic:
@@ -107,10 +101,9 @@ def all_reduce_sum(x, world_size, group=None):
 # Layout: buckets and the segments the optimizer steps
 
 def plan_buckets(numels, cap):
-    """Group tensors of sizes `numels` into buckets of at most `cap` elements, last tensor first
-    (gradients arrive in reverse order, so bucket 0 is complete first); a tensor larger than
-    `cap` gets a bucket of its own. Returns lists of indices into numels. memory.py plans with
-    this very function, so its estimate packs exactly what the trainer packs."""
+    """Indices of tensors of sizes `numels` grouped into buckets of at most `cap` elements, last
+    tensor first (gradients arrive last layer first); a larger tensor gets a bucket of its own.
+    memory.py plans with this very function: its estimate packs what the trainer packs."""
     buckets, current, size = [], [], 0
     for i in reversed(range(len(numels))):
         if current and size + numels[i] > cap:
@@ -145,9 +138,8 @@ class Segment:
 
 
 class Bucket:
-    """Tensors packed into one flat buffer, padded to a multiple of N when pad; the tensors
-    become views of it. This rank owns [lo, hi) of the buffer: the optimizer state, and from
-    stage 2 on the gradient, of that range live here only."""
+    """Tensors packed into one flat buffer (padded to a multiple of N) that they become views
+    of. This rank owns [lo, hi): that range's optimizer state (stage 2+: gradient) lives here."""
 
     def __init__(self, tensors, rank, world_size, dtype, device, pad=True):
         self.params = tensors
@@ -167,8 +159,7 @@ class Bucket:
         self.segments = []  # the pieces of its parameters this rank owns, in order
         self.ready = 0  # parameters whose gradient has landed in this backward
 
-    def owned_grad(self):
-        """This rank's reduced gradient slice."""
+    def owned_grad(self):  # this rank's reduced gradient slice
         return self.grad_shard if self.grad_shard is not None else self.flat_grad[self.lo:self.hi]
 
     def make_segments(self, names, master):
@@ -187,28 +178,23 @@ class Bucket:
 
 class ZeRO:
     """Owns the trainable parameters' flat buckets, this rank's fp32 master slice and AdamW.
-
-    model must already be on its device and in its working dtype (fp32, bf16 or fp16).
-    Per micro-step: zero.backward(loss, sync) (sync on the last one). Then, per step:
-    master_grads, clip_grad_norm_, step, publish, zero_grad (train.py shows the order)."""
+    The model must be on its device, in its working dtype (fp32, bf16 or fp16). Per micro-step
+    backward(loss, sync); per step master_grads, clip_grad_norm_, step, publish, zero_grad."""
+    STAGES = (0, 1, 2)
 
     def __init__(self, model, stage, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8,
                  bucket_mb=25.0, rank=0, world_size=1, group=None, fp32_grad_accum=False):
-        if stage not in self.stages():
-            raise ValueError(f"{type(self).__name__} runs ZeRO stages {self.stages()}, not {stage}")
+        if stage not in self.STAGES:
+            raise ValueError(f"{type(self).__name__} runs ZeRO stages {self.STAGES}, not {stage}")
         self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
         self.bucket_mb, self.traffic = bucket_mb, Traffic()
-        # NCCL runs each process group's collectives on one stream of its own, in order: with a
-        # second group for the all-gathers, a gather (ZeRO-3's prefetch, stage 1-2's publish)
-        # need not queue behind a reduce-scatter, as FSDP2's separate streams do. Each
-        # collective's wait() makes the compute stream wait for it, and the group keeps the
-        # tensors alive until then: nothing is read early or freed under a running collective.
-        # gloo on CPU keeps one group: its collectives run on the calling threads anyway.
-        on_gpus = world_size > 1 and torch.device(
-            next(model.parameters()).device).type == "cuda"
+        # NCCL runs a process group's collectives in order on one stream of its own: with a
+        # second group, an all-gather (ZeRO-3's prefetch, stage 1-2's publish) need not queue
+        # behind a reduce-scatter (FSDP2 uses two streams alike). wait() makes the compute
+        # stream wait for it, and the group holds its tensors until then. gloo: one group.
+        on_gpus = world_size > 1 and next(model.parameters()).device.type == "cuda"
         self.gather_group = dist.new_group(backend="nccl") if on_gpus else group
-        # deduplicated by identity (named_parameters() already skips the second name of the
-        # tied weight); frozen tensors stay out of every gradient buffer and the optimizer
+        # named_parameters() skips the tied weight's second name; frozen tensors stay out
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
@@ -220,12 +206,11 @@ class ZeRO:
         self.dtype, self.device = named[0][1].dtype, named[0][1].device
         self.psi = sum(p.numel() for _, p in named)  # Ψ, each weight counted once
         self.frozen_numel = sum(t.numel() for t in self.frozen)
-        # 16-bit gradient accumulation over micro-steps loses the small contributions, as
-        # Megatron and DeepSpeed's bf16 optimizer know: with fp32_grad_accum the gradient
-        # buffer that accumulates (stages 0-1: the full one, 2-3: the shard) is fp32
+        # a 16-bit sum over micro-steps loses the small contributions (Megatron and DeepSpeed's
+        # bf16 optimizer accumulate in fp32): the accumulating gradient buffer is fp32
         self.grad_dtype = torch.float32 if fp32_grad_accum else self.dtype
         self.buckets = self._make_buckets(model, [p for _, p in named])
-        # where each trainable parameter lives: its bucket and its offset in the flat buffer
+        # where each trainable parameter lives: its bucket, its offset in the flat buffer
         self.where = {id(p): (b, offset) for b in self.buckets
                       for p, offset in zip(b.params, b.offsets)}
 
@@ -239,13 +224,12 @@ class ZeRO:
         # decay 2-D weights (matmuls, embeddings), not biases or LayerNorm gains
         decay = [s.master for s in self.segments if s.param.dim() >= 2]
         no_decay = [s.master for s in self.segments if s.param.dim() < 2]
-        # fused: one multi-tensor kernel for the whole update, and it takes found_inf, so a
-        # skipped step is decided on the device (torch.amp.GradScaler uses the same door)
+        # fused: one multi-tensor kernel for the update; it takes found_inf, so a skipped step
+        # is decided on the device (the door torch.amp.GradScaler uses)
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                       {"params": no_decay, "weight_decay": 0.0}],
                                      lr=lr, betas=betas, eps=eps, fused=True)
-        # allocate Adam's moments now, exactly as fused AdamW would on its first step, so the
-        # model-state bytes measured at start-up are the ones training holds
+        # Adam's moments now, as fused AdamW makes them: start-up measures what training holds
         for s in self.segments:
             self.opt.state[s.master] = {
                 "step": torch.zeros((), dtype=torch.float32, device=self.device),
@@ -255,10 +239,6 @@ class ZeRO:
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
-
-    @staticmethod
-    def stages():
-        return (0, 1, 2)
 
     def _make_buckets(self, model, params):
         """Stages 0-2: buckets of about bucket_mb, last layer first; each gets its gradient."""
@@ -282,8 +262,7 @@ class ZeRO:
 
     # -- backward: bucketed, asynchronous gradient reduction ---------------------------------
 
-    def _grad_ready(self, p):
-        """Autograd's hook: p's gradient of this micro-step is complete."""
+    def _grad_ready(self, p):  # autograd's hook: p's gradient of this micro-step is complete
         b, offset = self.where[id(p)]
         if b.flat_grad is not None and b.flat_grad.dtype != p.dtype:
             # fp32 accumulation (stages 0-1): add the 16-bit gradient in, free it
@@ -313,10 +292,9 @@ class ZeRO:
             work = reduce_scatter_grads(reduced, b.flat_grad, self.traffic, N, self.group)
             self.in_flight.append((work, reduced, b.flat_grad[b.lo:b.hi]))
         else:
-            # ZeRO-2: the parameters' gradients go into a temporary flat buffer and are freed;
-            # after the reduce-scatter only this rank's slice survives. With gradient
-            # accumulation it reduces every micro-step and adds into the slice: keeping full
-            # gradients until the last micro-step would hold the 2Ψ bytes stage 2 exists to shard
+            # ZeRO-2: the gradients go into a temporary flat buffer and are freed; only this
+            # rank's reduced slice survives. It reduces every micro-step and accumulates in the
+            # slice: full gradients kept to the last micro-step are what stage 2 shards away
             flat = torch.zeros_like(b.flat)
             for p, offset in zip(b.params, b.offsets):
                 if p.grad is not None:  # None: the parameter was unused in this forward
@@ -328,8 +306,8 @@ class ZeRO:
             self.in_flight.append((work, reduced, b.grad_shard))
 
     def backward(self, loss, sync=True):
-        """loss.backward() with the gradient collectives overlapped. sync=False on all but the
-        last micro-step of gradient accumulation (stages 0-1 then communicate nothing)."""
+        """loss.backward(), the gradient collectives overlapped. sync=False on all but the last
+        micro-step of gradient accumulation (stages 0-1 then communicate nothing)."""
         self.sync = sync or self.stage >= 2
         self.next_bucket = 0
         for b in self.buckets:
@@ -358,8 +336,8 @@ class ZeRO:
 
     @torch.no_grad()
     def master_grads(self):
-        """The 16-bit gradient slice this rank owns, as fp32 master gradients (a copy; in fp32,
-        or with fp32 accumulation, the slice itself). Sets each segment's master.grad."""
+        """This rank's gradient slice as the fp32 master gradients (a copy of a 16-bit slice, the
+        slice itself when fp32), set as each segment's master.grad and returned."""
         for b in self.buckets:
             grad = b.owned_grad().float()
             for s in b.segments:
@@ -396,10 +374,9 @@ class ZeRO:
 
     @torch.no_grad()
     def publish(self):
-        """The new fp32 master slice -> the working weights every forward uses: stage 0
-        copies it (each rank updated everything), stages 1-2 all-gather every rank's slice
-        (the second half of the 2Ψ). After a skipped step this re-publishes unchanged
-        weights: deciding to skip it would need the host to read the device's inf flag."""
+        """The new fp32 master -> the working weights: stage 0 copies it (each rank updated all
+        of it), stages 1-2 all-gather every rank's slice (the second half of the 2Ψ). After a
+        skipped step this publishes unchanged weights: skipping would need the inf flag read."""
         works = []
         for b, master in zip(self.buckets, self.master):
             if self.stage == 0:
@@ -417,52 +394,14 @@ class ZeRO:
         for b in self.buckets:
             (b.flat_grad if b.flat_grad is not None else b.grad_shard).zero_()
 
-    # -- for checkpoints ------------------------------------------------------------------------
+    # -- for checkpoints and measurement ----------------------------------------------------
 
     def frozen_pieces(self):
-        """(name, lo, hi, values) of every frozen tensor this rank holds: up to stage 2 each one
-        whole, on every rank (values: a flat view, written into on restore)."""
+        """(name, lo, hi, flat view) of the frozen tensors this rank holds: all, whole."""
         return [(self.names[id(t)], 0, t.numel(), t.detach().view(-1)) for t in self.frozen]
 
-    @contextmanager
-    def gathered_flat(self, b, owned):
-        """Every rank's `owned` piece of bucket b (hi - lo elements, any dtype) all-gathered into
-        one full flat tensor: a collective, all ranks enter together. Checkpoints gather one
-        bucket at a time this way; gathered_bytes counts it while it exists."""
-        full = torch.empty(b.numel, dtype=owned.dtype, device=owned.device)
-        nbytes = full.numel() * full.element_size()
-        self.gathered_bytes += nbytes
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-        try:
-            if self.stage == 0:  # every rank owns everything
-                full.copy_(owned)
-            else:
-                work = all_gather_params(full, owned, Traffic(), self.world_size,
-                                         self.gather_group)
-                if work is not None:
-                    work.wait()
-            yield full
-        finally:
-            self.gathered_bytes -= nbytes
-
-    # -- measurement -------------------------------------------------------------------------
-
-    def grad_zero_frac(self):
-        """Fraction of this step's owned gradient entries that are exactly zero, over all
-        ranks (a device tensor). Under fp16 a rising value means gradients underflow."""
-        grads = [s.master.grad for s in self.segments]
-        zeros = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in grads:
-            zeros += (g == 0).sum()
-        total = torch.tensor(float(sum(g.numel() for g in grads)), dtype=torch.float64,
-                             device=self.device)
-        owners = self.world_size if self.stage >= 1 else 1  # stage 0: every rank has it all
-        counts = all_reduce_sum(torch.stack([zeros, total]), owners, self.group)
-        return counts[0] / counts[1].clamp(min=1)
-
     def weight_bytes(self):
-        """Bytes of the working weights this rank holds: every bucket whole, and the frozen
-        tensors (LoRA's base, quantized or not) whole."""
+        """The working weights this rank holds: every bucket and frozen tensor, whole."""
         tensors = [b.flat for b in self.buckets] + self.frozen
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -505,12 +444,6 @@ def zero_formula(psi, stage, world_size, dtype):
     4+4+8 in fp32 (the fp32 weights are the master: no copy)."""
     w = 4 if dtype == torch.float32 else 2  # bytes of a working weight / gradient
     k = 8 if dtype == torch.float32 else 12  # master (16-bit only) + Adam's two moments
-    N = world_size
-    params, grads, opt = w * psi, w * psi, k * psi
-    if stage >= 1:
-        opt /= N
-    if stage >= 2:
-        grads /= N
-    if stage >= 3:
-        params /= N
+    sharded = lambda by_stage: world_size if stage >= by_stage else 1
+    opt, grads, params = k * psi / sharded(1), w * psi / sharded(2), w * psi / sharded(3)
     return {"params": params, "grads": grads, "optimizer_side": opt, "total": params + grads + opt}

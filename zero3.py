@@ -65,15 +65,12 @@ class Unit:
 
 class ZeRO3(ZeRO):
     """ZeRO stage 3: the stage 0-2 engine of zero.py, with parameters sharded by units."""
+    STAGES = (3,)
 
     def __init__(self, model, stage=3, prefetch=True, **kwargs):
         self.prefetch, self.in_backward = prefetch, False
         super().__init__(model, stage, **kwargs)
         self.frozen = []  # now in the units' frozen buckets, sharded like everything else
-
-    @staticmethod
-    def stages():
-        return (3,)
 
     def _make_buckets(self, model, params):
         """(1) shard: one unit per block, then the root. Returns the trainable buckets in the
