@@ -24,7 +24,7 @@ Everything stays on the device: the scale, the growth counter and the found-inf 
 and the optimizer skips on the device (fused AdamW takes found_inf), so a step never waits for the
 GPU. A skipped step still counts as an iteration: the iteration counter and the LR schedule
 advance, as with torch.amp.GradScaler in nanoGPT's train.py. Log the skips (train.py does, on
-logged steps), under bf16 too: a run whose steps are all skipped looks healthy while no weight moves.
+logged steps), under bf16 too: a run whose steps are all skipped looks healthy but never moves.
 """
 import torch
 import torch.distributed as dist
