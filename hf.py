@@ -29,11 +29,12 @@ import torch
 from safetensors import safe_open
 
 from model import GPTConfig
+from tensorfile import replace_atomically, write_safetensors
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 SKIP = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older transformers versions
-DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a GPT-2 export may be in
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin")
 
 
@@ -272,43 +273,13 @@ def load_into(model, source, cache_dir=None):
 # ----------------------------------------------------------------------------------------------
 # Weights out
 
-def _write_safetensors(path, header, tensors):
-    """Write a safetensors file one tensor at a time. header: {name: (dtype, shape)} in file
-    order; tensors yields (name, tensor) in the same order, each already of that dtype."""
-    meta, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, (dtype, shape) in header.items():
-        n = dtype.itemsize * int(torch.Size(shape).numel())
-        meta[name] = {"dtype": DTYPES[dtype], "shape": list(shape),
-                      "data_offsets": [offset, offset + n]}
-        offset += n
-    head = json.dumps(meta, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the format pads the header to 8-byte alignment with spaces
-    with open(path, "wb") as f:
-        f.write(len(head).to_bytes(8, "little"))
-        f.write(head)
-        for (name, t), want in zip(tensors, header):
-            assert name == want and t.dtype == header[name][0], (name, want)
-            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # little-endian
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_atomically(out_dir, safetensors_name, header, tensors, json_name, json_obj):
-    """Temporary files in out_dir, then os.replace each: a crash leaves the old files or the new
-    ones (other files in out_dir, e.g. a tokenizer, stay). The weights go first: the config is
-    the last thing written, so a folder with a new config has its new weights."""
+def _write_folder(out_dir, safetensors_name, header, tensors, json_name, json_obj):
+    """The weights, then the config beside them, each replaced whole: other files in out_dir
+    (a tokenizer) stay, and a folder with a new config has its new weights."""
     os.makedirs(out_dir, exist_ok=True)
-    tmp = [os.path.join(out_dir, f".{n}.tmp{os.getpid()}") for n in (safetensors_name, json_name)]
-    try:
-        _write_safetensors(tmp[0], header, tensors)
-        with open(tmp[1], "w") as f:
-            json.dump(json_obj, f, indent=2)
-            f.write("\n")
-    except BaseException:
-        [os.remove(t) for t in tmp if os.path.exists(t)]
-        raise
-    os.replace(tmp[0], os.path.join(out_dir, safetensors_name))
-    os.replace(tmp[1], os.path.join(out_dir, json_name))
+    write_safetensors(os.path.join(out_dir, safetensors_name), header, tensors)
+    text = json.dumps(json_obj, indent=2) + "\n"
+    replace_atomically(os.path.join(out_dir, json_name), lambda f: f.write(text.encode()))
 
 
 def save_hf(state_dict, model_args, out_dir, dtype=torch.float32):
@@ -350,7 +321,7 @@ def save_hf(state_dict, model_args, out_dir, dtype=torch.float32):
             yield name, (t.t() if name.endswith(CONV1D) else t).to(dtype)
 
     config = model_args_to_gpt2_config(model_args, dtype)
-    _write_atomically(out_dir, "model.safetensors", header, tensors(), "config.json", config)
+    _write_folder(out_dir, "model.safetensors", header, tensors(), "config.json", config)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -429,5 +400,5 @@ def save_peft_adapter(lora_state, settings, out_dir, base_model_name_or_path="gp
         "init_lora_weights": True, "inference_mode": True,
     }
     header = {name: (torch.float32, tuple(t.shape)) for name, t in tensors.items()}
-    _write_atomically(out_dir, "adapter_model.safetensors", header, iter(tensors.items()),
+    _write_folder(out_dir, "adapter_model.safetensors", header, iter(tensors.items()),
                       "adapter_config.json", config)

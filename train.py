@@ -408,7 +408,7 @@ def wrap_up(cfg, it, zero, model, scaler, header, metrics, stopped, print0):
     if cfg.lora:  # the adapter alone: kilobytes, full tensors gathered onto rank 0 one by one
         full = checkpoint.state_dict(zero, model)
         if zero.rank == 0:
-            path = os.path.join(cfg.out_dir, "adapter.pt")
+            path = os.path.join(cfg.out_dir, "adapter.safetensors")
             save_adapter(path, adapter_state(full), model.lora_settings, model.base_id)
             print0(f"saved {path} ({os.path.getsize(path) / 1024:.1f} KiB)")
 
