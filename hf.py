@@ -28,6 +28,7 @@ from contextlib import ExitStack
 import torch
 from safetensors import safe_open
 
+from lora import fingerprint_tensors  # lora.py's definition of a base's name
 from model import GPTConfig
 from tensorfile import replace_atomically, write_safetensors
 
@@ -122,7 +123,8 @@ def locate(source, cache_dir=None):
         return source
     repo = source if "/" in source else f"openai-community/{source}"
     if repo.split("/")[0] != "openai-community" or repo.split("/")[1] not in HUB_NAMES:
-        raise HFError(f"{source}: no such file or folder, and not one of {', '.join(HUB_NAMES)}")
+        raise HFError(f"{source}: no such file or folder, and not one of {', '.join(HUB_NAMES)}:"
+                      " pass a folder holding a GPT-2's config.json and model.safetensors")
     short = repo.split("/")[1]
     hint = (f"download it on a connected machine (`hf download {repo} --local-dir {short}`) "
             f"and pass the folder, e.g. --init-from ./{short}")
@@ -250,24 +252,50 @@ def load_pretrained(source, cache_dir=None):
 def load_into(model, source, cache_dir=None):
     """Copy the weights into an existing GPT's parameters, tensor by tensor, in the model's dtype
     and device: host memory never holds more than the model and one tensor. The model must have
-    been built from read_config(source) (LoRA applied or not; not yet quantized). On an HFError
-    from a tensor read, the model is partly overwritten. Returns the GPTConfig kwargs."""
+    been built from read_config(source) (LoRA applied or not; not yet quantized), or with a
+    smaller block_size: its position embedding then gets the file's first rows (nanoGPT's
+    crop_block_size). On an HFError from a tensor read, the model is partly overwritten.
+    Returns the GPTConfig kwargs."""
     model_args = read_config(source, cache_dir)
     have = {k: getattr(model.config, k) for k in model_args if k != "dropout"}
-    if any(have[k] != model_args[k] for k in have):
+    if any(have[k] != model_args[k] for k in have if k != "block_size") \
+            or have["block_size"] > model_args["block_size"]:
         raise HFError(f"{source} is {model_args}, the model is {have}: build it from read_config")
     params = dict(model.named_parameters())
     missing = [k for k in expected_shapes(model_args) if k not in params]
     if missing:  # a quantized weight is a module of buffers, not a parameter
         raise HFError(f"the model has no parameter {missing[0]}: load before quantize_base")
     for ours, t in _tensors(source, model_args, cache_dir):
-        # the embedding's first vocab_size rows: model.py pads it with rows of zeros
-        target = params["transformer.wte.weight" if ours == "lm_head.weight" else ours][:len(t)]
+        target = params["transformer.wte.weight" if ours == "lm_head.weight" else ours]
+        # the first rows of each: model.py pads the embedding with rows of zeros, and a cropped
+        # position embedding has fewer rows than the file's
+        n = min(len(t), len(target))
         if ours == "lm_head.weight":
-            _check_tied(t, target)
+            _check_tied(t, target[:n])
         else:
-            target.copy_(t)
+            target[:n].copy_(t[:n])
     return model_args
+
+
+def base_fingerprint(source, cache_dir=None):
+    """lora.base_fingerprint of GPT(read_config(source)) loaded from source in fp32 (what
+    sample.py loads as this base), read a tensor at a time: a 16-bit or cropped run names its
+    base without ever holding an fp32 copy of the model."""
+    model_args = read_config(source, cache_dir)
+    rows = GPTConfig(**model_args).padded_vocab
+    _, files = _folder_and_files(locate(source, cache_dir))
+    with ExitStack() as stack:
+        plan = {ours: (read, tr) for ours, read, tr in _read_plan(files, model_args, stack)}
+        plan["lm_head.weight"] = plan["transformer.wte.weight"]  # GPT's state dict has both
+
+        def read(name):  # as GPT holds it: Linear layout, model.py's padded rows as zeros
+            t = plan[name][0]().float()
+            t = t.t() if plan[name][1] else t
+            if name in ("lm_head.weight", "transformer.wte.weight"):
+                t = torch.cat([t, t.new_zeros(rows - len(t), t.shape[1])])
+            return t
+
+        return fingerprint_tensors((name, read(name)) for name in sorted(plan))
 
 
 # ----------------------------------------------------------------------------------------------
