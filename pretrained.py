@@ -92,9 +92,9 @@ def load_hf(source, config, device, dtype):
         model = GPT(config)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.transformer.wte.weight = model.lm_head.weight  # to_empty untied them: tie them again
-    with torch.no_grad():
-        model.lm_head.weight[config.vocab_size:] = 0.0  # model.py's padded rows; the file fills
-    try:                                                # every other element
+    with torch.no_grad():  # to_empty's memory is garbage: load_into overwrites every element
+        model.lm_head.weight[config.vocab_size:] = 0.0  # but model.py's padded rows
+    try:
         hf.load_into(model, source)
     except HFError as e:
         raise ConfigError(f"--init-from {e}")
