@@ -43,6 +43,19 @@ def is_checkpoint(path):
     return any(os.path.isfile(os.path.join(path, f)) for f in ("ckpt.pt", "meta.pt"))
 
 
+def open_init(cfg):
+    """--init-from: (checkpoint.Reader, None, its data's meta) for a checkpoint folder of ours;
+    (None, the local folder or file, GPT-2 BPE's meta) for a Hugging Face GPT-2, whose config
+    sets cfg's model flags (hf_flags); (None, None, None) without --init-from."""
+    if not cfg.init_from:
+        return None, None, None
+    if is_checkpoint(cfg.init_from):
+        reader = Reader(cfg.init_from)
+        return reader, None, reader.header["meta"]
+    source, meta = hf_flags(cfg)
+    return None, source, meta
+
+
 def hf_flags(cfg):
     """--init-from a Hugging Face GPT-2: locate it (a hub name is downloaded, when the hub is
     reachable) and set cfg's model flags from its config.json. A flag given explicitly (command
@@ -81,13 +94,15 @@ def check_vocab(meta, want, cfg):
                           "--dataset shakespeare")
 
 
-def load_hf(source, config, device, dtype):
+def load_hf(source, config, device, dtype, lora=False):
     """The GPT of `config` holding a Hugging Face GPT-2's weights, in dtype on device. Built on
     the meta device (shapes only: no memory, no random init to overwrite), given memory in its
     working dtype, then filled tensor by tensor by hf.load_into. Peak host memory: the model in
     its dtype (nothing on a GPU run) plus one tensor as the file holds it, the largest being
     the embedding (50257 x 1600 x 4 B = 322 MB for gpt2-xl in fp32): never an fp32 copy of a
-    16-bit model. ZeRO-3 then keeps only each rank's shards of it."""
+    16-bit model. ZeRO-3 then keeps only each rank's shards of it. With lora, model.base_id
+    names the base for the adapter file: the file's weights in fp32 (read again, a tensor at a
+    time), what sample.py loads, whatever this run's dtype or --block-size."""
     with torch.device("meta"):
         model = GPT(config)
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -96,6 +111,7 @@ def load_hf(source, config, device, dtype):
         model.lm_head.weight[config.vocab_size:] = 0.0  # but model.py's padded rows
     try:
         hf.load_into(model, source)
+        model.base_id = hf.base_fingerprint(source) if lora else None
     except HFError as e:
         raise ConfigError(f"--init-from {e}")
     return model

@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
-import hf
 import pretrained
 from checkpoint import CheckpointError
 from configurator import ConfigError, grad_accum_for, parse_args
@@ -185,10 +184,7 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, in
     from, or init_hf, a Hugging Face GPT-2 folder or file."""
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     if init_hf:  # built in its working dtype and filled tensor by tensor: no fp32 copy
-        model = pretrained.load_hf(init_hf, model_config(cfg, vocab_size), device, dtype)
-        # the base as its file holds it, in fp32 (read again, a tensor at a time): what
-        # sample.py loads, whatever this run's dtype or --block-size
-        model.base_id = hf.base_fingerprint(init_hf) if cfg.lora else None
+        model = pretrained.load_hf(init_hf, model_config(cfg, vocab_size), device, dtype, cfg.lora)
     else:
         model = GPT(model_config(cfg, vocab_size))
         if init_weights is not None:
@@ -263,12 +259,9 @@ def main(argv=None):
         dtype = resolve_dtype(cfg.dtype, device)
     except ValueError as e:
         raise ConfigError(str(e))
-    init, init_hf, base_meta = None, None, None  # --init-from: a checkpoint of ours, or HF's
-    if cfg.init_from and pretrained.is_checkpoint(cfg.init_from):
-        init = checkpoint.Reader(cfg.init_from)
-        base_meta = init.header["meta"]
-    elif cfg.init_from:  # a Hugging Face GPT-2: its config.json sets the model flags not given
-        init_hf, base_meta = pretrained.hf_flags(cfg)
+    # --init-from: a checkpoint of ours (init) or a Hugging Face GPT-2 (init_hf, whose config
+    # sets the model flags not given), and the vocabulary the data must be in
+    init, init_hf, base_meta = pretrained.open_init(cfg)
     train, val, meta = load_data(cfg, rank, world_size, base_meta)
     if init_hf:
         pretrained.check_vocab(meta, base_meta, cfg)
