@@ -29,7 +29,8 @@ moments and step, the loss-scaler state, the iteration (which fixes the LR sched
 order: the batch of step t depends only on (seed, t)), every rank's RNG states (torch, CUDA,
 numpy, python: dropout), the run's flags and the model config.
 
-    python checkpoint.py out/ckpt-0002000 weights.pt    # export plain weights (a state_dict)
+    python checkpoint.py out/ckpt-0002000 --to hf OUT_DIR        # a Hugging Face GPT-2 folder
+    python checkpoint.py out/ckpt-0002000 --to safetensors weights.safetensors   # plain weights
 """
 import os
 import random
@@ -505,23 +506,6 @@ def restore(path, zero, model, scaler, config, model_args, vocab_meta):
     return h["iter"], note
 
 
-def main(argv=None):
-    """Export plain weights: python checkpoint.py CKPT_DIR OUT.pt"""
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        print("usage: python checkpoint.py CKPT_DIR OUT.pt   (writes a plain state_dict)",
-              file=sys.stderr)
-        return 2
-    try:
-        reader = Reader(argv[0])
-        weights = reader.weights()
-        torch.save({k: v.clone() for k, v in weights.items()}, argv[1])
-    except CheckpointError as e:
-        print(f"checkpoint.py: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {argv[1]}: {len(weights)} tensors, model {reader.header['model_args']}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the export: pretrained.py (Hugging Face, PEFT, safetensors)
+    import pretrained
+    sys.exit(pretrained.main())

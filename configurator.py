@@ -45,7 +45,8 @@ class TrainConfig:
                               "(start fresh if there is none)")
     init_from: str = opt("", "start from these weights: a checkpoint folder of ours, a Hugging "
                              "Face GPT-2 folder or file, or gpt2 | gpt2-medium | gpt2-large | "
-                             "gpt2-xl (--resume wins once the run has its own checkpoint)")
+                             "gpt2-xl, whose config.json sets the model flags not given "
+                             "(--resume wins once the run has its own checkpoint)")
     input: str = opt("", "train on this UTF-8 text file (prepared into data/<its name>, "
                          "in --init-from's vocabulary)")
     # LoRA (Hu et al. 2021) and a quantized frozen base (Dettmers et al. 2023, QLoRA)
@@ -169,6 +170,9 @@ def parse_args(argv=None):
                 raise ConfigError(f"--{short} conflicts with --dtype {args.dtype}: pick one")
             values["dtype"] = short
     cfg = TrainConfig(**values)
+    # the fields a preset or a flag set: --init-from a Hugging Face model takes the model's
+    # shape from its config.json, and must know a flag that contradicts it from a default
+    cfg.explicit = frozenset(values)
     check_config(cfg)
     return cfg
 

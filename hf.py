@@ -28,12 +28,14 @@ from contextlib import ExitStack
 import torch
 from safetensors import safe_open
 
+from lora import fingerprint_tensors  # lora.py's definition of a base's name
 from model import GPTConfig
+from tensorfile import replace_atomically, write_safetensors
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 SKIP = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older transformers versions
-DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a GPT-2 export may be in
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin")
 
 
@@ -121,7 +123,8 @@ def locate(source, cache_dir=None):
         return source
     repo = source if "/" in source else f"openai-community/{source}"
     if repo.split("/")[0] != "openai-community" or repo.split("/")[1] not in HUB_NAMES:
-        raise HFError(f"{source}: no such file or folder, and not one of {', '.join(HUB_NAMES)}")
+        raise HFError(f"{source}: no such file or folder, and not one of {', '.join(HUB_NAMES)}:"
+                      " pass a folder holding a GPT-2's config.json and model.safetensors")
     short = repo.split("/")[1]
     hint = (f"download it on a connected machine (`hf download {repo} --local-dir {short}`) "
             f"and pass the folder, e.g. --init-from ./{short}")
@@ -249,66 +252,62 @@ def load_pretrained(source, cache_dir=None):
 def load_into(model, source, cache_dir=None):
     """Copy the weights into an existing GPT's parameters, tensor by tensor, in the model's dtype
     and device: host memory never holds more than the model and one tensor. The model must have
-    been built from read_config(source) (LoRA applied or not; not yet quantized). On an HFError
-    from a tensor read, the model is partly overwritten. Returns the GPTConfig kwargs."""
+    been built from read_config(source) (LoRA applied or not; not yet quantized), or with a
+    smaller block_size: its position embedding then gets the file's first rows (nanoGPT's
+    crop_block_size). On an HFError from a tensor read, the model is partly overwritten.
+    Returns the GPTConfig kwargs."""
     model_args = read_config(source, cache_dir)
     have = {k: getattr(model.config, k) for k in model_args if k != "dropout"}
-    if any(have[k] != model_args[k] for k in have):
+    if any(have[k] != model_args[k] for k in have if k != "block_size") \
+            or have["block_size"] > model_args["block_size"]:
         raise HFError(f"{source} is {model_args}, the model is {have}: build it from read_config")
     params = dict(model.named_parameters())
     missing = [k for k in expected_shapes(model_args) if k not in params]
     if missing:  # a quantized weight is a module of buffers, not a parameter
         raise HFError(f"the model has no parameter {missing[0]}: load before quantize_base")
     for ours, t in _tensors(source, model_args, cache_dir):
-        # the embedding's first vocab_size rows: model.py pads it with rows of zeros
-        target = params["transformer.wte.weight" if ours == "lm_head.weight" else ours][:len(t)]
+        target = params["transformer.wte.weight" if ours == "lm_head.weight" else ours]
+        # the first rows of each: model.py pads the embedding with rows of zeros, and a cropped
+        # position embedding has fewer rows than the file's
+        n = min(len(t), len(target))
         if ours == "lm_head.weight":
-            _check_tied(t, target)
+            _check_tied(t, target[:n])
         else:
-            target.copy_(t)
+            target[:n].copy_(t[:n])
     return model_args
+
+
+def base_fingerprint(source, cache_dir=None):
+    """lora.base_fingerprint of GPT(read_config(source)) loaded from source in fp32 (what
+    sample.py loads as this base), read a tensor at a time: a 16-bit or cropped run names its
+    base without ever holding an fp32 copy of the model."""
+    model_args = read_config(source, cache_dir)
+    rows = GPTConfig(**model_args).padded_vocab
+    _, files = _folder_and_files(locate(source, cache_dir))
+    with ExitStack() as stack:
+        plan = {ours: (read, tr) for ours, read, tr in _read_plan(files, model_args, stack)}
+        plan["lm_head.weight"] = plan["transformer.wte.weight"]  # GPT's state dict has both
+
+        def read(name):  # as GPT holds it: Linear layout, model.py's padded rows as zeros
+            t = plan[name][0]().float()
+            t = t.t() if plan[name][1] else t
+            if name in ("lm_head.weight", "transformer.wte.weight"):
+                t = torch.cat([t, t.new_zeros(rows - len(t), t.shape[1])])
+            return t
+
+        return fingerprint_tensors((name, read(name)) for name in sorted(plan))
 
 
 # ----------------------------------------------------------------------------------------------
 # Weights out
 
-def _write_safetensors(path, header, tensors):
-    """Write a safetensors file one tensor at a time. header: {name: (dtype, shape)} in file
-    order; tensors yields (name, tensor) in the same order, each already of that dtype."""
-    meta, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, (dtype, shape) in header.items():
-        n = dtype.itemsize * int(torch.Size(shape).numel())
-        meta[name] = {"dtype": DTYPES[dtype], "shape": list(shape),
-                      "data_offsets": [offset, offset + n]}
-        offset += n
-    head = json.dumps(meta, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the format pads the header to 8-byte alignment with spaces
-    with open(path, "wb") as f:
-        f.write(len(head).to_bytes(8, "little"))
-        f.write(head)
-        for (name, t), want in zip(tensors, header):
-            assert name == want and t.dtype == header[name][0], (name, want)
-            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # little-endian
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_atomically(out_dir, safetensors_name, header, tensors, json_name, json_obj):
-    """Temporary files in out_dir, then os.replace each: a crash leaves the old files or the new
-    ones (other files in out_dir, e.g. a tokenizer, stay). The weights go first: the config is
-    the last thing written, so a folder with a new config has its new weights."""
+def _write_folder(out_dir, safetensors_name, header, tensors, json_name, json_obj):
+    """The weights, then the config beside them, each replaced whole: other files in out_dir
+    (a tokenizer) stay, and a folder with a new config has its new weights."""
     os.makedirs(out_dir, exist_ok=True)
-    tmp = [os.path.join(out_dir, f".{n}.tmp{os.getpid()}") for n in (safetensors_name, json_name)]
-    try:
-        _write_safetensors(tmp[0], header, tensors)
-        with open(tmp[1], "w") as f:
-            json.dump(json_obj, f, indent=2)
-            f.write("\n")
-    except BaseException:
-        [os.remove(t) for t in tmp if os.path.exists(t)]
-        raise
-    os.replace(tmp[0], os.path.join(out_dir, safetensors_name))
-    os.replace(tmp[1], os.path.join(out_dir, json_name))
+    write_safetensors(os.path.join(out_dir, safetensors_name), header, tensors)
+    text = json.dumps(json_obj, indent=2) + "\n"
+    replace_atomically(os.path.join(out_dir, json_name), lambda f: f.write(text.encode()))
 
 
 def save_hf(state_dict, model_args, out_dir, dtype=torch.float32):
@@ -350,7 +349,7 @@ def save_hf(state_dict, model_args, out_dir, dtype=torch.float32):
             yield name, (t.t() if name.endswith(CONV1D) else t).to(dtype)
 
     config = model_args_to_gpt2_config(model_args, dtype)
-    _write_atomically(out_dir, "model.safetensors", header, tensors(), "config.json", config)
+    _write_folder(out_dir, "model.safetensors", header, tensors(), "config.json", config)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -429,5 +428,5 @@ def save_peft_adapter(lora_state, settings, out_dir, base_model_name_or_path="gp
         "init_lora_weights": True, "inference_mode": True,
     }
     header = {name: (torch.float32, tuple(t.shape)) for name, t in tensors.items()}
-    _write_atomically(out_dir, "adapter_model.safetensors", header, iter(tensors.items()),
+    _write_folder(out_dir, "adapter_model.safetensors", header, iter(tensors.items()),
                       "adapter_config.json", config)

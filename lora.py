@@ -13,14 +13,16 @@ every rank up to ZeRO-2, and ZeRO-3 shards them with their block like any weight
 the block's forward and backward, never reduced or updated).
 """
 import hashlib
+import json
 import math
-import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import safe_open
 
 from quant import LINEARS, QuantizedWeight, linear
+from tensorfile import write_safetensors
 
 TARGETS = ("q", "k", "v", "attn_out", "mlp_fc", "mlp_proj")
 
@@ -180,25 +182,29 @@ def base_fingerprint(model_or_state_dict):
     integer codes survive fp32 exactly, so zero.full_state_dict's fp32 copies hash the same."""
     sd = model_or_state_dict
     sd = sd.state_dict() if isinstance(sd, nn.Module) else sd
+    return fingerprint_tensors((k, sd[k]) for k in sorted(k for k in sd if "lora_" not in k))
+
+
+def fingerprint_tensors(named_tensors):
+    """base_fingerprint's hash of (name, tensor) pairs in name order, taken one at a time (so
+    hf.base_fingerprint can read them from a file one at a time)."""
     h = hashlib.sha256()
-    for k in sorted(k for k in sd if "lora_" not in k):
-        t = sd[k].detach().float().contiguous().cpu()
+    for k, t in named_tensors:
+        t = t.detach().float().contiguous().cpu()
         h.update(f"{k}{tuple(t.shape)}".encode())
         h.update(t.numpy().tobytes())
     return h.hexdigest()[:16]
 
 
 def save_adapter(path, lora_tensors, settings, fingerprint):
-    """Write atomically: a temporary file, fsync, os.replace. A crash leaves the old file or the
-    new one, never half of one."""
+    """A safetensors file (adapter.safetensors): the LoRA tensors, with the settings (JSON) and
+    the base's fingerprint as its metadata. Written atomically (tensorfile.py): a crash leaves
+    the old file or the new one, never half of one."""
     settings = {k: settings[k] for k in ("rank", "alpha", "dropout", "targets")}
     settings["targets"] = list(settings["targets"])
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save({"lora": lora_tensors, "settings": settings, "base_fingerprint": fingerprint}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    header = {k: (t.dtype, tuple(t.shape)) for k, t in lora_tensors.items()}
+    write_safetensors(path, header, iter(lora_tensors.items()),
+                      metadata={"settings": json.dumps(settings), "base_fingerprint": fingerprint})
 
 
 @torch.no_grad()
@@ -207,11 +213,11 @@ def load_adapter(model, path):
     apply_lora with the file's settings; one with LoRA must have the same settings. The base
     fingerprint and every name and shape must match, else AdapterError. Load before ZeRO wraps
     the model: under ZeRO-3 its LoRA parameters are shards."""
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-        lora, settings, fp = obj["lora"], obj["settings"], obj["base_fingerprint"]
-        if not all(isinstance(t, torch.Tensor) for t in lora.values()):
-            raise TypeError("LoRA entries are not tensors")
+    try:  # safetensors: tensors and strings only, nothing that could run code
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata()
+            lora = {k: f.get_tensor(k) for k in f.keys()}
+        settings, fp = json.loads(meta["settings"]), meta["base_fingerprint"]
     except Exception as e:
         raise AdapterError(f"{path}: not a readable adapter file ({type(e).__name__}: {e})".splitlines()[0])
     if fp != base_fingerprint(model):

@@ -163,6 +163,19 @@ def quantize_base(model, mode="nf4", double_quant=False, block=64):
     return names
 
 
+def dequantize_base(model):
+    """quantize_base undone for export: every quantized weight becomes a frozen fp32 Parameter
+    holding its dequantized values (not the weights before quantization: those are gone), so
+    LoRA can be merged into it and the model saved as plain weights. Returns the module names."""
+    quantized = [(n, m) for n, m in model.named_modules()
+                 if isinstance(getattr(m, "weight", None), QuantizedWeight)]
+    for name, m in quantized:  # collected first: the loop edits the modules it walks
+        w = m.weight.dequantize(torch.float32)
+        del m.weight
+        m.weight = nn.Parameter(w, requires_grad=False)
+    return [name for name, _ in quantized]
+
+
 def quantized_bytes(model):
     """{name: {"params", "bytes", "bits_per_param"}} per quantized weight, by summing the buffers
     actually stored (codes, scales; not the shared 16-value code table)."""

@@ -1,15 +1,19 @@
 """
-Generate text from a checkpoint that train.py wrote.
+Generate text from a checkpoint that train.py wrote, or from a Hugging Face GPT-2.
 
     python sample.py                                    # newest checkpoint in out/: 3 samples
     python sample.py --out-dir out-shakespeare-char-cpu --start "ROMEO:" --num-samples 5
     python sample.py --ckpt out/ckpt-0002000 --start FILE:prompt.txt --device cuda --dtype bf16
+    python sample.py --init-from gpt2 --start "Hello,"  # or ./gpt2, or a folder checkpoint.py
+                                                        # --to hf wrote (also as --ckpt FOLDER)
+    python sample.py --init-from ./gpt2 --adapter out/adapter.safetensors   # + a LoRA adapter
 
 The checkpoint (a folder in either of checkpoint.py's formats, or one file holding model,
 model_args and meta) carries everything needed: the weights (fp32, model.py's names), the
 GPTConfig arguments and the data's meta.json (hence the tokenizer). It is read with weights_only=True:
 tensors and plain data only, so a checkpoint from elsewhere can never run code when loaded
-(nanoGPT's pickled ckpt.pt and meta.pkl could).
+(nanoGPT's pickled ckpt.pt and meta.pkl could). A Hugging Face GPT-2 (config.json beside
+safetensors) carries its shape in config.json and speaks GPT-2 BPE (tiktoken).
 """
 import argparse
 import os
@@ -17,6 +21,7 @@ import sys
 
 import torch
 
+import hf
 from checkpoint import CheckpointError, Reader, list_checkpoints, load_weights
 from data.prepare import DataError, get_codec
 from lora import AdapterError, load_adapter, merge_lora
@@ -32,9 +37,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="sample.py", description="Generate text from a checkpoint of train.py.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out-dir", default="out", help="use the newest checkpoint in train.py's --out-dir")
-    p.add_argument("--ckpt", default=None, metavar="PATH", help="a checkpoint folder or file; overrides --out-dir")
-    p.add_argument("--adapter", default=None, metavar="PATH",
-                   help="a LoRA adapter (train.py --lora writes OUT_DIR/adapter.pt) to load onto the base and merge")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--ckpt", default=None, metavar="PATH", help="a checkpoint folder or file, "
+                     "or a Hugging Face folder (overrides --out-dir)")
+    src.add_argument("--init-from", default=None, metavar="MODEL", help="a Hugging Face GPT-2: "
+                     "gpt2 | gpt2-medium | gpt2-large | gpt2-xl, or a folder")
+    p.add_argument("--adapter", default=None, metavar="PATH", help="a LoRA adapter (train.py "
+                   "--lora writes OUT_DIR/adapter.safetensors) to load onto the base and merge")
     p.add_argument("--start", default="\n", help='the prompt; "FILE:prompt.txt" reads it from a file '
                                                   "(default: %(default)r)")
     p.add_argument("--num-samples", type=int, default=3, metavar="N", help="samples to draw")
@@ -81,6 +90,19 @@ def load_checkpoint(path):
     return ckpt
 
 
+def load_hf(source):
+    """A Hugging Face GPT-2 (a hub name, a folder, a weights file): its ckpt dict, GPT-2 BPE."""
+    try:
+        model_args, weights = hf.load_pretrained(source)
+    except hf.HFError as e:
+        raise SampleError(str(e))
+    if model_args["vocab_size"] != 50257:  # the ids tiktoken's GPT-2 encoding knows
+        raise SampleError(f"{source} has a vocabulary of {model_args['vocab_size']} tokens, "
+                          "not GPT-2 BPE's 50257: sample.py could not decode its ids")
+    return {"model": weights, "model_args": model_args,
+            "meta": {"tokenizer": "gpt2", "vocab_size": 50257}}
+
+
 def sample(args):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
@@ -90,7 +112,9 @@ def sample(args):
         dtype = resolve_dtype(args.dtype, device)
     except ValueError as e:
         raise SampleError(str(e))
-    ckpt = load_checkpoint(args.ckpt or find_checkpoint(args.out_dir))
+    path = args.ckpt or find_checkpoint(args.out_dir)
+    hf_folder = os.path.isfile(os.path.join(path, "config.json"))  # checkpoint.py --to hf wrote it
+    ckpt = load_hf(args.init_from or path) if args.init_from or hf_folder else load_checkpoint(path)
     try:
         model = GPT(GPTConfig(**ckpt["model_args"]))
         load_weights(model, ckpt["model"])  # strict: every name and shape must match model.py

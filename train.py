@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import pretrained
 from checkpoint import CheckpointError
 from configurator import ConfigError, grad_accum_for, parse_args
 from lora import adapter_state, apply_lora, base_fingerprint, parse_targets, save_adapter
@@ -115,10 +116,10 @@ def load_data(cfg, rank, world_size, base_meta=None):
         raise ConfigError(f"no prepared data in {data_dir}: run "
                           f"`python data/prepare.py --input FILE --name {cfg.dataset}`")
     if (missing or cfg.input) and rank == 0:
-        try:
+        try:  # a built-in data set in its own vocabulary: check_vocab compares it with the model's
             prepare(dataset="shakespeare_char" if cfg.input else cfg.dataset,
                     input_path=cfg.input or None, out_root=os.path.join(ROOT, cfg.data_root),
-                    base_meta=base_meta)
+                    base_meta=base_meta if cfg.input else None)
         except DataError as e:
             raise ConfigError(str(e))
     if world_size > 1:
@@ -176,19 +177,24 @@ def model_config(cfg, vocab_size):
         raise ConfigError(str(e))
 
 
-def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, init_weights=None):
+def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, init_weights=None,
+          init_hf=None):
     """Model in its working dtype -> LoRA (and a quantized base) -> ZeRO -> loss scaler.
-    Returns (model, zero, scaler); init_weights: a state_dict to start from (--init-from)."""
+    Returns (model, zero, scaler). --init-from: init_weights, a state_dict of ours to start
+    from, or init_hf, a Hugging Face GPT-2 folder or file."""
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = GPT(model_config(cfg, vocab_size))
-    if init_weights is not None:
-        try:
-            checkpoint.load_weights(model, init_weights)
-        except ValueError as e:
-            raise ConfigError(f"--init-from does not fit this model: {e}")
-    # what an adapter file names as its base: the weights before LoRA and quantization
-    model.base_id = base_fingerprint(model) if cfg.lora else None
-    model = model.to(device=device, dtype=dtype)  # 16-bit working weights in bf16 / fp16
+    if init_hf:  # built in its working dtype and filled tensor by tensor: no fp32 copy
+        model = pretrained.load_hf(init_hf, model_config(cfg, vocab_size), device, dtype, cfg.lora)
+    else:
+        model = GPT(model_config(cfg, vocab_size))
+        if init_weights is not None:
+            try:
+                checkpoint.load_weights(model, init_weights)
+            except ValueError as e:
+                raise ConfigError(f"--init-from does not fit this model: {e}")
+        # what an adapter file names as its base: the weights before LoRA and quantization
+        model.base_id = base_fingerprint(model) if cfg.lora else None
+        model = model.to(device=device, dtype=dtype)  # 16-bit working weights in bf16 / fp16
     model.grad_ckpt = cfg.grad_ckpt
     if cfg.lora:  # freeze the base, add adapters: only they reach ZeRO's buffers and the optimizer
         apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, parse_targets(cfg.lora_targets))
@@ -253,9 +259,13 @@ def main(argv=None):
         dtype = resolve_dtype(cfg.dtype, device)
     except ValueError as e:
         raise ConfigError(str(e))
-    grad_accum = grad_accum_for(cfg, world_size)
-    init = checkpoint.Reader(cfg.init_from) if cfg.init_from else None
-    train, val, meta = load_data(cfg, rank, world_size, init.header["meta"] if init else None)
+    # --init-from: a checkpoint of ours (init) or a Hugging Face GPT-2 (init_hf, whose config
+    # sets the model flags not given), and the vocabulary the data must be in
+    init, init_hf, base_meta = pretrained.open_init(cfg)
+    train, val, meta = load_data(cfg, rank, world_size, base_meta)
+    if init_hf:
+        pretrained.check_vocab(meta, base_meta, cfg)
+    grad_accum = grad_accum_for(cfg, world_size)  # --batch-tokens: after the block size is known
     tokens_per_step = cfg.batch_size * grad_accum * world_size * cfg.block_size
     print0(f"world size {world_size} on {device.type}, {cfg.dtype}, ZeRO stage {cfg.zero}; "
            f"{tokens_per_step:,} tokens per step ({cfg.batch_size} seq x {grad_accum} micro-steps "
@@ -266,7 +276,7 @@ def main(argv=None):
         checkpoint.check_compatible(init.header, asdict(gptconf), meta, cfg.init_from)
         weights = init.weights()
     model, zero, scaler = build(cfg, meta["vocab_size"], device, dtype, rank, world_size,
-                                grad_accum, weights)
+                                grad_accum, weights, init_hf)
     print0(f"model: {model.num_params(non_embedding=False):,} parameters, {zero.psi:,} trainable")
 
     start_it, note = 0, None
@@ -412,7 +422,7 @@ def wrap_up(cfg, it, zero, model, scaler, header, metrics, stopped, print0):
     if cfg.lora:  # the adapter alone: kilobytes, full tensors gathered onto rank 0 one by one
         full = checkpoint.state_dict(zero, model)
         if zero.rank == 0:
-            path = os.path.join(cfg.out_dir, "adapter.pt")
+            path = os.path.join(cfg.out_dir, "adapter.safetensors")
             save_adapter(path, adapter_state(full), model.lora_settings, model.base_id)
             print0(f"saved {path} ({os.path.getsize(path) / 1024:.1f} KiB)")
 

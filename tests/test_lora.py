@@ -157,10 +157,11 @@ def test_adapter_save_load_swap(tmp_path):
             for n, p in model.named_parameters():
                 if "lora_B" in n:
                     p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
-        paths[name], outs[name] = str(tmp_path / f"{name}.pt"), run(model)
+        paths[name], outs[name] = str(tmp_path / f"{name}.safetensors"), run(model)
         lora.save_adapter(paths[name], lora.adapter_state(model.state_dict()), model.lora_settings,
                           lora.base_fingerprint(model))
-    assert not (outs["A"] == base_out).all() and sorted(os.listdir(tmp_path)) == ["A.pt", "B.pt"]
+    assert not (outs["A"] == base_out).all()
+    assert sorted(os.listdir(tmp_path)) == ["A.safetensors", "B.safetensors"]
 
     model = make_model()  # no LoRA yet: load_adapter applies it from the file's settings
     assert torch.equal(run(model), base_out)
@@ -189,7 +190,7 @@ def test_adapter_shape_mismatch(tmp_path):
     model = make_model(rank=4, targets="q")
     state = lora.adapter_state(model.state_dict())
     state["transformer.h.0.attn.c_attn.lora_A"] = torch.zeros(3, C)
-    path = str(tmp_path / "bad.pt")
+    path = str(tmp_path / "bad.safetensors")
     lora.save_adapter(path, state, model.lora_settings, lora.base_fingerprint(model))
     with pytest.raises(AdapterError, match="shapes differ"):
         lora.load_adapter(make_model(), path)
