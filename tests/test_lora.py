@@ -17,7 +17,7 @@ from conftest import make_zero, run_distributed, zero_step
 from lora import AdapterError
 from model import GPT, GPTConfig
 from precision import GradScaler
-from train import get_batch
+from data.loader import get_batch
 from zero import ZeRO
 
 CFG = dict(block_size=16, vocab_size=17, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)

@@ -27,7 +27,8 @@ from checkpoint import Reader, list_checkpoints, load_weights
 from conftest import ROOT, TEXT, run_train
 from configurator import ConfigError, parse_args
 from model import GPT, GPTConfig
-from train import build, get_batch, main
+from data.loader import get_batch
+from train import build, main
 
 transformers = pytest.importorskip("transformers", reason="pip install -r requirements-test.txt")
 peft = pytest.importorskip("peft", reason="pip install -r requirements-test.txt")

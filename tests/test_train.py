@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from checkpoint import Reader, list_checkpoints
 from conftest import ROOT, free_port, run_train
 from configurator import ConfigError, parse_args
-from train import get_batch, main
+from data.loader import get_batch
+from train import main
 
 TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
         "--eval-iters", "2", "--log-interval", "1", "--warmup-iters", "2", "--learning-rate", "3e-3"]

@@ -13,7 +13,7 @@ import checkpoint
 from conftest import make_zero, run_distributed, zero_step
 from model import GPT, GPTConfig
 from precision import GradScaler
-from train import get_batch
+from data.loader import get_batch
 from zero import Traffic, ZeRO, zero_formula
 
 # 2 layers, n_embd 10, vocab 13, bias: Ψ = 2,890 (tied wte counted once) -- not a multiple of 4

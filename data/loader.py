@@ -1,0 +1,81 @@
+"""
+Reading a prepared data set: memory-mapped token ids, and the batches of every step.
+
+The global batch of step t is a function of (seed, t) alone, and rank r of N takes its slice of
+it (micro-step-major, then rank): N ranks see exactly the batches one rank sees with an N-times
+larger micro-batch, a resumed run sees the batches the uninterrupted one would have, and no
+sampler state needs saving. Batches keeps one batch ahead: it is cut, pinned and on its way to
+the GPU (non_blocking) while the GPU still works on the one before.
+"""
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from configurator import ConfigError
+from data.prepare import DATASETS, DataError, load_meta, prepare
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def get_batch(data, seed, step, micro, rank, world_size, batch_size, block_size, grad_accum):
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    ix = torch.randint(len(data) - block_size, (grad_accum * world_size * batch_size,), generator=g)
+    start = (micro * world_size + rank) * batch_size  # micro-step-major, then rank
+    ix = ix[start:start + batch_size].numpy()
+    xy = torch.from_numpy(np.stack([data[i:i + block_size + 1] for i in ix]).astype(np.int64))
+    return xy[:, :-1], xy[:, 1:]  # inputs, next-token targets: (B, T) each
+
+
+class Batches:
+    """This rank's batches in order, from step start_it on, one batch ahead."""
+
+    def __init__(self, data, cfg, rank, world_size, grad_accum, device, start_it):
+        self.data, self.cfg, self.rank, self.world_size = data, cfg, rank, world_size
+        self.grad_accum, self.device = grad_accum, device
+        self.pos, self.ahead = (start_it, 0), None
+
+    def _load(self, it, micro):
+        x, y = get_batch(self.data, self.cfg.seed, it, micro, self.rank, self.world_size,
+                         self.cfg.batch_size, self.cfg.block_size, self.grad_accum)
+        if self.device.type == "cuda":  # page-locked: the copy can run while the GPU computes
+            x, y = x.pin_memory(), y.pin_memory()
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def next(self):
+        batch = self.ahead or self._load(*self.pos)
+        it, micro = self.pos
+        self.pos = (it, micro + 1) if micro + 1 < self.grad_accum else (it + 1, 0)
+        self.ahead = self._load(*self.pos)
+        return batch
+
+
+def load_data(cfg, rank, world_size, base_meta=None):
+    """Memory-map train.bin / val.bin, preparing the data set first if it is missing (the
+    built-in ones, or --input FILE in base_meta's vocabulary; rank 0 prepares, the others wait)."""
+    if cfg.input:
+        cfg.dataset = os.path.splitext(os.path.basename(cfg.input))[0]
+    data_dir = os.path.join(ROOT, cfg.data_root, cfg.dataset)  # an absolute data_root wins
+    missing = not os.path.isfile(os.path.join(data_dir, "val.bin"))
+    if missing and not cfg.input and cfg.dataset not in DATASETS:
+        raise ConfigError(f"no prepared data in {data_dir}: run "
+                          f"`python data/prepare.py --input FILE --name {cfg.dataset}`")
+    if (missing or cfg.input) and rank == 0:
+        try:  # a built-in data set in its own vocabulary: check_vocab compares it with the model's
+            prepare(dataset="shakespeare_char" if cfg.input else cfg.dataset,
+                    input_path=cfg.input or None, out_root=os.path.join(ROOT, cfg.data_root),
+                    base_meta=base_meta if cfg.input else None)
+        except DataError as e:
+            raise ConfigError(str(e))
+    if world_size > 1:
+        dist.barrier()
+    if not os.path.isfile(os.path.join(data_dir, "val.bin")):
+        raise ConfigError(f"no prepared data in {data_dir}: run "
+                          f"`python data/prepare.py --dataset {cfg.dataset}`")
+    meta = load_meta(data_dir)
+    train = np.memmap(os.path.join(data_dir, "train.bin"), dtype=np.uint16, mode="r")
+    val = np.memmap(os.path.join(data_dir, "val.bin"), dtype=np.uint16, mode="r")
+    if min(len(train), len(val)) <= cfg.block_size + 1:
+        raise ConfigError(f"{data_dir} has too few tokens for --block-size {cfg.block_size}")
+    return train, val, meta
