@@ -1,49 +1,46 @@
 """
-Training checkpoints: save, resume, reshard, export; streamed, never the whole model on a rank.
+Training checkpoints: save, resume, reshard; streamed, never the whole model on one rank.
 
-A checkpoint is a folder OUT_DIR/ckpt-ITER (ITER zero-padded) in one of two formats:
+A checkpoint is a folder OUT_DIR/ckpt-ITER in one of two formats:
   consolidated  ckpt.pt, written by rank 0: every tensor whole (trainable ones as fp32 master
-                weights and Adam's two moments, frozen ones in their own dtype), gathered one
-                bucket at a time and moved to the host before the next is gathered
-  sharded       shard-RANK.pt from every rank, the pieces of tensors it owns, plus meta.pt,
-                which says which rank holds which element range [lo, hi) of which tensor
-Both describe the state by (tensor name, element range), never by bucket or rank layout, so
-any world size and any ZeRO stage resumes from either: each rank asks for the ranges it owns
-now, and reads only the files that hold them (ckpt.pt memory-mapped). Under ZeRO-3 no rank
-ever holds more than one bucket beyond its shards, saving or restoring.
+                weights and Adam's moments, frozen ones in their dtype), gathered one bucket at
+                a time, each moved to the host before the next is gathered
+  sharded       shard-RANK.pt from every rank, the pieces it owns, and meta.pt, which says
+                which rank holds which element range [lo, hi) of which tensor
+Both describe the state by (tensor name, element range), never by bucket or rank, so any world
+size and ZeRO stage resumes from either: each rank reads the ranges it owns now, from the files
+that hold them (ckpt.pt memory-mapped). Under ZeRO-3 no rank holds more than one bucket beyond
+its shards, saving or restoring.
 
 Checked on resume, each a one-line CheckpointError that changes no file: the model shape and
-vocabulary, every tensor's name and full shape, the LoRA rank, alpha and targets, the
-quantization (mode, double quantization); every element must come from the file. What may
-change between runs: world size, ZeRO stage, format, LoRA dropout, and the dtype (then the
-loss scaler starts fresh, since a scale fit for one precision is wrong for another).
+vocabulary, every tensor's name and full shape, LoRA's rank, alpha and targets, the
+quantization; every element must come from the file. May change between runs: world size, ZeRO
+stage, format, LoRA dropout, and the dtype (the loss scaler then starts fresh: a scale fit for
+one precision is wrong for another).
 
-Safety: a checkpoint is written into ckpt-ITER.tmp and becomes ckpt-ITER by one atomic rename
-after every rank's files are complete and fsynced and all ranks agree that they are: a full
-disk or a crash mid-save leaves the previous checkpoint as the newest. Every file of one save
-carries its save_id, so a shard copied in from another save is refused. Files are read with
-torch.load(weights_only=True): tensors, numbers and strings, never code.
-
-What is saved, so that a resumed run continues exactly: weights (fp32 master values), Adam's
-moments and step, the loss-scaler state, the iteration (which fixes the LR schedule and the data
-order: the batch of step t depends only on (seed, t)), every rank's RNG states (torch, CUDA,
-numpy, python: dropout), the run's flags and the model config.
+Safety: a save goes into ckpt-ITER.tmp, renamed to ckpt-ITER once every rank's files are written,
+fsynced and agreed on: a full disk or a crash leaves the previous checkpoint the newest. The
+files of one save share a save_id, so a shard copied in from another is refused. Reading is
+torch.load(weights_only=True): tensors, numbers and strings, never code. Saved for an exact
+resume: master weights, Adam's moments and step, the scaler, the iteration (hence the LR and the
+batches: they depend on (seed, step) only), every rank's RNG states, the flags and model config.
 
     python checkpoint.py out/ckpt-0002000 --to hf OUT_DIR        # a Hugging Face GPT-2 folder
     python checkpoint.py out/ckpt-0002000 --to safetensors weights.safetensors   # plain weights
 """
 import os
 import random
-from contextlib import contextmanager
 import re
 import shutil
 import sys
 import uuid
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from tensorfile import torch_save
 from zero import Traffic, all_gather_params
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -55,36 +52,6 @@ class CheckpointError(Exception):
 
 # ----------------------------------------------------------------------------------------------
 # files
-
-class _Recorder:
-    """A file torch.save writes through: torch reports a failed write as an opaque RuntimeError
-    ("unexpected pos"), this keeps the OSError behind it (a full disk, a file-size limit)."""
-
-    def __init__(self, f):
-        self.f, self.error = f, None
-
-    def write(self, data):
-        try:
-            return self.f.write(data)
-        except OSError as e:
-            self.error = e
-            raise
-
-    def flush(self):
-        self.f.flush()
-
-
-def _write(obj, path):
-    """torch.save, flushed and fsynced; an OSError when the bytes did not reach the disk."""
-    with open(path, "wb") as f:
-        out = _Recorder(f)
-        try:
-            torch.save(obj, out)
-        except RuntimeError:
-            raise out.error or OSError(f"torch.save could not write {path}")
-        f.flush()
-        os.fsync(f.fileno())
-
 
 def _load(path, mmap=False):
     try:
@@ -125,39 +92,6 @@ def _all_gather_object(obj, world_size):
 
 # ----------------------------------------------------------------------------------------------
 # what a rank owns, streamed
-
-def stored_shapes(model):
-    """{name: shape} of every tensor a checkpoint holds (parameters and persistent buffers, the
-    tied weight once), as the checkpoint holds it: the embedding with the vocabulary's own rows,
-    not the zero rows model.py pads it with. Padded rows are the flat tensor's last elements,
-    so a checkpoint simply keeps the first rows * columns of them."""
-    shapes, seen = {}, set()
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            shape = list(t.shape)
-            if name.endswith("wte.weight") or name == "lm_head.weight":
-                shape[0] = model.config.vocab_size
-            shapes[name] = shape
-    return shapes
-
-
-@torch.no_grad()
-def load_weights(model, weights):
-    """Copy a state_dict into a model: as checkpoints hold it (stored_shapes: the vocabulary's
-    own rows, the padded ones keep their zeros) or as model.state_dict() gives it (padded, the
-    tied weight under both names). A ValueError names the first tensor that does not fit."""
-    shapes, targets = stored_shapes(model), model.state_dict(keep_vars=True)
-    for name in sorted(set(shapes) - set(weights)) + sorted(set(weights) - set(targets)):
-        raise ValueError(f"{name} is {'missing' if name in shapes else 'not in this model'}")
-    for name, shape in shapes.items():
-        source, target = weights[name], targets[name].detach()
-        if source.shape != target.shape:
-            if list(source.shape) != shape:
-                raise ValueError(f"{name} is {list(source.shape)}, this model has {shape}")
-            target = target[:shape[0]]
-        target.copy_(source)
-
 
 def _stored(shapes, name, lo, hi):
     """[lo, hi) of a flattened tensor, cut to what the checkpoint stores of it."""
@@ -204,9 +138,9 @@ def _gathered(zero, b, owned):
 
 
 def full_tensors(zero, shapes, keys=("master",) + MOMENTS):
-    """Every tensor whole (as stored_shapes says), by name, on rank 0's host ({} on the other
-    ranks): {name: {key: tensor}} with the keys of owned_pieces. A collective: buckets are
-    gathered one at a time, each on the host before the next is gathered."""
+    """Every tensor whole (as model.stored_shapes() says), by name, on rank 0's host ({} on the
+    other ranks): {name: {key: tensor}}, owned_pieces' keys. A collective: buckets are gathered
+    one at a time, each on the host before the next is gathered."""
     out = {}
 
     def host(name, flat):  # the stored part of a tensor, on the host
@@ -224,7 +158,7 @@ def full_tensors(zero, shapes, keys=("master",) + MOMENTS):
                         name = zero.names[id(p)]
                         out.setdefault(name, {})[key] = host(name, full[offset:offset + p.numel()])
     frozen = [b for u in getattr(zero, "all_units", []) for b in u.buckets if b.frozen]
-    for b in frozen:  # ZeRO-3: the frozen buckets' shards, gathered the same way
+    for b in frozen:  # ZeRO-3's frozen buckets: their shards gathered the same way
         with _gathered(zero, b, b.shard) as full:
             if zero.rank == 0:
                 for t, offset in zip(b.params, b.offsets):
@@ -240,7 +174,7 @@ def state_dict(zero, model):
     """What model.state_dict() would give if no rank held a shard: its names, order and shapes
     (the padded vocabulary rows as the zeros they are), fp32 master weights for what trains and
     the frozen tensors as they are; on rank 0's host, None elsewhere. A collective."""
-    full = full_tensors(zero, stored_shapes(model), keys=("master",))
+    full = full_tensors(zero, model.stored_shapes(), keys=("master",))
     if zero.rank != 0:
         return None
     out = {}
@@ -263,11 +197,13 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
     # the collectives first (gathers, metadata), then the writes: a rank whose write fails
     # cannot leave the others waiting in a collective
     save_id = _all_gather_object(uuid.uuid4().hex, world_size)[0]
-    shapes = stored_shapes(model)
+    shapes = model.stored_shapes()
+    trainable = {zero.names[id(p)] for b in zero.buckets for p in b.params}
     adam_step = int(zero.opt.state[zero.segments[0].master]["step"].item()) \
         if zero.segments else -1
     common = dict(header, iter=it, save_id=save_id, world_size=world_size, stage=zero.stage,
                   scaler=scaler.state_dict(), shapes=shapes,
+                  frozen=[name for name in shapes if name not in trainable],
                   adam_step=max(_all_gather_object(adam_step, world_size)))
     if fmt == "sharded":
         pieces = owned_pieces(zero, shapes)
@@ -290,7 +226,7 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
             os.makedirs(tmp)
         _barrier(world_size)
         for name, obj in files.items():
-            _write(obj, os.path.join(tmp, name))
+            torch_save(obj, os.path.join(tmp, name))
     except OSError as e:
         error = e
     # every rank learns whether every rank's files are complete before anything is committed
@@ -399,20 +335,13 @@ class Reader:
         return out
 
     def weights(self):
-        """Every tensor whole (fp32 masters, frozen ones in their dtype), as stored_shapes says:
-        for load_weights."""
+        """Every tensor whole (fp32 masters, frozen ones in their dtype), as files hold them:
+        for GPT.load_weights."""
         state = {}
         for name, shape in self.header["shapes"].items():
-            key = "value" if self._is_frozen(name) else "master"
+            key = "value" if name in self.header["frozen"] else "master"
             state[name] = self.read(name, key, 0, self.numel(name)).view(shape)
         return state
-
-    def _is_frozen(self, name):
-        h = self.header
-        if h["format"] == "consolidated":
-            return "value" in h["tensors"].get(name, {})
-        owner = next((r for r, layout in enumerate(h["layout"]) if name in layout), None)
-        return owner is not None and "value" in self._shard(owner)["pieces"][name]
 
     def rng(self, rank):
         h = self.header
@@ -426,6 +355,12 @@ class Reader:
 SETTINGS = {"lora": "--lora", "lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha",
             "lora_targets": "--lora-targets", "quantize": "--quantize",
             "double_quant": "--double-quant"}
+
+
+def _as_flag(flag, value):  # ("--lora-rank", 8): "--lora-rank 8"; ("--lora", False): "--no-lora"
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag} {value}"
 
 
 def check_compatible(header, model_args, vocab_meta, path, config=None, shapes=None):
@@ -449,11 +384,9 @@ def check_compatible(header, model_args, vocab_meta, path, config=None, shapes=N
         if key != "lora" and not (config.get("lora") or saved.get("lora")):
             continue  # no LoRA on either side: its settings are unused
         if mine != old:
-            as_flag = lambda v: (flag if v else f"--no-{flag[2:]}") if isinstance(v, bool) \
-                else f"{flag} {v}"
-            raise CheckpointError(f"{path} was saved with {as_flag(old)}, this run has "
-                                  f"{as_flag(mine)}: pass {as_flag(old)} to resume it, or use "
-                                  "another --out-dir")
+            old, mine = _as_flag(flag, old), _as_flag(flag, mine)
+            raise CheckpointError(f"{path} was saved with {old}, this run has {mine}: pass "
+                                  f"{old} to resume it, or use another --out-dir")
     for name, shape in (shapes or {}).items():
         if header["shapes"].get(name) != shape:
             raise CheckpointError(f"{path}: {name} is {header['shapes'].get(name)} there and "
@@ -470,25 +403,26 @@ def restore(path, zero, model, scaler, config, model_args, vocab_meta):
     scaler is restored only when the precision is the same as when it was saved."""
     reader = Reader(path)
     h = reader.header
-    shapes = stored_shapes(model)
+    shapes = model.stored_shapes()
     check_compatible(h, model_args, vocab_meta, path, config, shapes)
-    # (the padded vocabulary rows are not in the file: they stay the zeros they start as)
-    segments = [(s, *_stored(shapes, s.name, s.lo, s.hi)) for s in zero.segments]
-    masters = [(s, reader.read(s.name, "master", lo, hi)) for s, lo, hi in segments if lo < hi]
-    moments = [{k: reader.read(s.name, k, lo, hi) for k in MOMENTS}
-               for s, lo, hi in segments if lo < hi]
-    frozen = []
+    # each piece this rank owns, as stored (padded vocabulary rows are not: they stay zero)
+    trainable, frozen = [], []
+    for s in zero.segments:
+        lo, hi = _stored(shapes, s.name, s.lo, s.hi)
+        if lo < hi:
+            keys = ("master",) + MOMENTS
+            trainable.append((s, {k: reader.read(s.name, k, lo, hi) for k in keys}))
     for name, lo, hi, values in zero.frozen_pieces():
         lo, hi = _stored(shapes, name, lo, hi)
         if lo < hi:
             frozen.append((values, reader.read(name, "value", lo, hi)))
     rng = reader.rng(zero.rank) if h["world_size"] == zero.world_size else None
     # everything is read: only now is the run changed
-    for (s, master), m in zip(masters, moments):
-        s.master[:len(master)].copy_(master)
-        state = zero.opt.state[s.master]
+    for s, saved in trainable:
+        n, state = len(saved["master"]), zero.opt.state[s.master]
+        s.master[:n].copy_(saved["master"])
         for k in MOMENTS:
-            state[k][:len(master)].copy_(m[k])
+            state[k][:n].copy_(saved[k])
     for s in zero.segments:
         zero.opt.state[s.master]["step"].fill_(h["adam_step"])
     for values, saved in frozen:

@@ -83,8 +83,8 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         # flash / memory-efficient kernels where the device has them; the causal mask is built in
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
         return self.resid_dropout(self.c_proj(y))
 
@@ -162,14 +162,16 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None):
         B, T = idx.size()
         if T > self.config.block_size:
-            raise ValueError(f"sequence of length {T} is longer than block_size={self.config.block_size}")
+            raise ValueError(f"sequence of length {T} is longer than "
+                             f"block_size={self.config.block_size}")
         pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        tok, pos = self.transformer.wte(idx), self.transformer.wpe(pos)  # (B, T, C), (T, C)
+        x = self.transformer.drop(tok + pos)
         for block in self.transformer.h:
             if self.grad_ckpt and self.training and torch.is_grad_enabled():
-                # drop this block's activations now, recompute them in backward. use_reentrant=False:
-                # the reentrant variant yields no gradients when no input requires grad (frozen
-                # embeddings under LoRA) and is deprecated as a default.
+                # drop this block's activations now, recompute them in backward. Not the
+                # reentrant variant: it yields no gradients when no input requires grad (frozen
+                # embeddings under LoRA), and is deprecated as a default.
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
@@ -179,8 +181,40 @@ class GPT(nn.Module):
             return self.lm_head(x[:, [-1], :])[..., :V], None  # inference: the last position
         logits = self.lm_head(x)[..., :V]  # (B, T, vocab)
         # log-softmax in fp32: 16-bit logits over a 50k vocabulary lose the small probabilities
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=-1)
         return logits, loss
+
+    def stored_shapes(self):
+        """{name: shape} of every tensor as files hold it (checkpoints, exports): parameters and
+        persistent buffers, the tied weight once, and the embedding with the vocabulary's own
+        rows, not the zero rows it is padded with (they are the flat tensor's last elements)."""
+        shapes, seen = {}, set()
+        for name, t in self.state_dict(keep_vars=True).items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                shape = list(t.shape)
+                if name.endswith("wte.weight") or name == "lm_head.weight":
+                    shape[0] = self.config.vocab_size
+                shapes[name] = shape
+        return shapes
+
+    @torch.no_grad()
+    def load_weights(self, weights):
+        """Copy a state_dict in: as files hold it (stored_shapes; the padded rows keep their
+        zeros) or as state_dict() gives it. A ValueError names a tensor that does not fit."""
+        shapes, targets = self.stored_shapes(), self.state_dict(keep_vars=True)
+        missing, extra = sorted(set(shapes) - set(weights)), sorted(set(weights) - set(targets))
+        if missing or extra:
+            raise ValueError(f"{missing[0]} is missing" if missing else
+                             f"{extra[0]} is not in this model")
+        for name, shape in shapes.items():
+            source, target = weights[name], targets[name].detach()
+            if source.shape != target.shape:
+                if list(source.shape) != shape:
+                    raise ValueError(f"{name} is {list(source.shape)}, this model has {shape}")
+                target = target[:shape[0]]
+            target.copy_(source)
 
     def flops_per_token(self):
         """PaLM appendix B: 6N for the matmuls over parameters (2 forward, 4 backward) plus
@@ -200,7 +234,7 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         """Sample max_new_tokens tokens after the prompt idx (B, T), one at a time."""
         for _ in range(max_new_tokens):
-            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
+            idx_cond = idx[:, -self.config.block_size:]  # the context the model can see
             logits, _ = self(idx_cond)
             logits = logits[:, -1, :].float()
             if temperature <= 0:  # greedy

@@ -22,7 +22,7 @@ import sys
 import torch
 
 import hf
-from checkpoint import CheckpointError, Reader, load_weights, stored_shapes
+from checkpoint import CheckpointError, Reader
 from configurator import ConfigError
 from hf import HFError
 from lora import adapter_state, apply_lora, merge_lora, parse_targets
@@ -136,7 +136,7 @@ def rebuild(reader):
         if cfg.get("quantize"):
             quantize_base(model, cfg["quantize"], cfg["double_quant"])
     try:
-        load_weights(model, reader.weights())
+        model.load_weights(reader.weights())
     except ValueError as e:
         raise ExportError(f"{reader.path} does not fit its own model config: {e}")
     return model
@@ -176,7 +176,7 @@ def export(ckpt, to, out, dtype=None, merge=False):
         merge_lora(model)  # W0 + B·A·alpha/r, in fp32
     sd = {k: v for k, v in model.state_dict().items() if "lora_" not in k}
     if to == "safetensors":
-        shapes = stored_shapes(model)  # the tied weight once, the vocabulary's own rows
+        shapes = model.stored_shapes()  # the tied weight once, the vocabulary's own rows
         return write_weights({k: sd[k][:shapes[k][0]] for k in shapes if k in sd}, model_args, out)
     hf.save_hf(sd, model_args, out, DTYPES[dtype or "fp32"])
     lines = [f"wrote {out}: config.json + model.safetensors ({dtype or 'fp32'}, "
@@ -194,7 +194,7 @@ def export(ckpt, to, out, dtype=None, merge=False):
 
 
 def write_weights(weights, model_args, out):
-    """Plain weights (model.py's names, as checkpoint.load_weights reads them) in one
+    """Plain weights (model.py's names, as GPT.load_weights reads them) in one
     safetensors file, the model config in its metadata."""
     header = {name: (t.dtype, tuple(t.shape)) for name, t in weights.items()}
     write_safetensors(out, header, iter(weights.items()),

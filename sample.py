@@ -22,7 +22,7 @@ import sys
 import torch
 
 import hf
-from checkpoint import CheckpointError, Reader, list_checkpoints, load_weights
+from checkpoint import CheckpointError, Reader, list_checkpoints
 from data.prepare import DataError, get_codec
 from lora import AdapterError, load_adapter, merge_lora
 from model import GPT, GPTConfig
@@ -117,7 +117,7 @@ def sample(args):
     ckpt = load_hf(args.init_from or path) if args.init_from or hf_folder else load_checkpoint(path)
     try:
         model = GPT(GPTConfig(**ckpt["model_args"]))
-        load_weights(model, ckpt["model"])  # strict: every name and shape must match model.py
+        model.load_weights(ckpt["model"])  # strict: every name and shape must match model.py
     except (TypeError, ValueError, RuntimeError) as e:
         raise SampleError("checkpoint does not fit model.py: " + " ".join(str(e).split()))
     if args.adapter:  # base + adapter, merged: W0 + B·A·alpha/r, so sampling costs what the base costs

@@ -48,8 +48,8 @@ from zero3 import ZeRO3
 def init_distributed(cfg):
     """RANK set (torchrun) -> one process per device: nccl on CUDA, gloo on CPU.
     Returns (rank, world_size, device)."""
-    env = [int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))]
-    rank, world_size, local_rank = env
+    rank, world_size, local_rank = (int(os.environ.get(k, default)) for k, default in
+                                    (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise ConfigError("--device cuda but no CUDA device is visible: use --device cpu")
@@ -61,7 +61,8 @@ def init_distributed(cfg):
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if "RANK" in os.environ:
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+        dist.init_process_group("nccl" if use_cuda else "gloo",
+                                device_id=device if use_cuda else None)
     return rank, world_size, device
 
 
@@ -119,7 +120,7 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, in
         model = GPT(model_config(cfg, vocab_size))
         if init_weights is not None:
             try:
-                checkpoint.load_weights(model, init_weights)
+                model.load_weights(init_weights)
             except ValueError as e:
                 raise ConfigError(f"--init-from does not fit this model: {e}")
         # what an adapter file names as its base: the weights before LoRA and quantization
@@ -127,7 +128,8 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, in
         model = model.to(device=device, dtype=dtype)  # 16-bit working weights in bf16 / fp16
     model.grad_ckpt = cfg.grad_ckpt
     if cfg.lora:  # freeze the base, add adapters: only they reach ZeRO's buffers and the optimizer
-        apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, parse_targets(cfg.lora_targets))
+        apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
+                   parse_targets(cfg.lora_targets))
         if cfg.quantize:
             quantize_base(model, cfg.quantize, cfg.double_quant)
     if cfg.compile:  # the blocks' math; the hooks that drive ZeRO stay outside compiled code
@@ -140,7 +142,8 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, in
                   weight_decay=cfg.weight_decay, bucket_mb=cfg.bucket_mb, rank=rank,
                   world_size=world_size, fp32_grad_accum=cfg.fp32_grad_accum and grad_accum > 1
                   and dtype != torch.float32, **extra)
-    scale = {"auto": "dynamic" if cfg.dtype == "fp16" else "none"}.get(cfg.loss_scale, cfg.loss_scale)
+    auto = "dynamic" if cfg.dtype == "fp16" else "none"  # bf16 and fp32 need no scale
+    scale = auto if cfg.loss_scale == "auto" else cfg.loss_scale
     # a fixed scale of 1 is "no scaler", but still finds inf/NaN gradients and skips the step
     fixed = 1.0 if scale == "none" else None if scale == "dynamic" else float(scale)
     scaler = GradScaler(init_scale=fixed or 2.0**16, dynamic=fixed is None,
@@ -288,10 +291,11 @@ def main(argv=None):
         it += 1
         saving = cfg.save_interval and it % cfg.save_interval == 0 and it < cfg.max_iters
         if (logging or saving) and scaler.exhausted.item():
-            raise ConfigError(f"by step {it - 1} the gradients overflowed at the minimum loss scale "
-                              f"{cfg.min_loss_scale:g}: the loss is non-finite at any scale (a NaN, "
-                              "not an overflow); stopped without saving: lower --learning-rate or "
-                              "find the NaN, and resume from the last checkpoint")
+            raise ConfigError(f"by step {it - 1} the gradients overflowed at the minimum loss "
+                              f"scale {cfg.min_loss_scale:g}: the loss is non-finite at any scale "
+                              "(a NaN, not an overflow); stopped without saving: lower "
+                              "--learning-rate or find the NaN, and resume from the last "
+                              "checkpoint")
         if saving or stopped:
             save(cfg, it, zero, model, scaler, header, print0)
         if stopped:

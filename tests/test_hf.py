@@ -93,7 +93,7 @@ def test_load_transformers_files(hf_model, tmp_path, variant):
     model_args, sd = hf.load_pretrained(str(tmp_path))
     assert model_args == ARGS
     model = GPT(GPTConfig(**model_args))
-    checkpoint.load_weights(model, sd)  # the real vocabulary into the padded rows
+    model.load_weights(sd)  # the real vocabulary into the padded rows
     torch.testing.assert_close(ours(model), theirs(hf_model), atol=1e-5, rtol=0)
 
 

@@ -23,7 +23,7 @@ import hf
 import lora
 import pretrained
 import sample
-from checkpoint import Reader, list_checkpoints, load_weights
+from checkpoint import Reader, list_checkpoints
 from conftest import ROOT, TEXT, run_train
 from configurator import ConfigError, parse_args
 from model import GPT, GPTConfig
@@ -103,7 +103,7 @@ def test_zero3_run_exports_to_transformers(gpt2, tmp_path, capsys):
                                                                 output_loading_info=True)
     assert not any(info.values()), info
     model = GPT(GPTConfig(**header["model_args"]))
-    load_weights(model, Reader(ckpt).weights())
+    model.load_weights(Reader(ckpt).weights())
     expected = ours(model)
     assert (expected - theirs(base)).abs().max() > 1e-3  # three steps moved the weights
     torch.testing.assert_close(theirs(loaded), expected, atol=1e-5, rtol=0)
@@ -155,7 +155,7 @@ def test_qlora_merge_exports_plain_weights(gpt2, tmp_path, capsys):
         weights = {k: f.get_tensor(k) for k in f.keys()}
     assert weights["transformer.h.0.attn.c_attn.weight.codes"].dtype == torch.uint8
     again = pretrained.rebuild(Reader(ckpt))
-    load_weights(again, weights)
+    again.load_weights(weights)
     assert torch.equal(ours(again), ours(trained))
 
 

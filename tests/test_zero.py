@@ -82,7 +82,7 @@ def gathered_copy(model, zero):
     if zero.world_size > 1:
         dist.broadcast_object_list(objs, src=0)
     copy = GPT(GPTConfig(**CFG))
-    checkpoint.load_weights(copy, objs[0])
+    copy.load_weights(objs[0])
     return copy
 
 
