@@ -291,11 +291,9 @@ def main(argv=None):
         it += 1
         saving = cfg.save_interval and it % cfg.save_interval == 0 and it < cfg.max_iters
         if (logging or saving) and scaler.exhausted.item():
-            raise ConfigError(f"by step {it - 1} the gradients overflowed at the minimum loss "
-                              f"scale {cfg.min_loss_scale:g}: the loss is non-finite at any scale "
-                              "(a NaN, not an overflow); stopped without saving: lower "
-                              "--learning-rate or find the NaN, and resume from the last "
-                              "checkpoint")
+            raise ConfigError(f"by step {it - 1} the loss is non-finite at any scale, even the "
+                              f"minimum {cfg.min_loss_scale:g} (a NaN, not an overflow): stopped "
+                              "without saving; lower --learning-rate or find the NaN and resume")
         if saving or stopped:
             save(cfg, it, zero, model, scaler, header, print0)
         if stopped:
@@ -306,33 +304,29 @@ def main(argv=None):
 
 
 def log_step(step, clock, cfg, model, zero, scaler, metrics, print0):
-    """One logged step: read the step's numbers off the device (the only .item() calls of the
-    loop) and print and log them. Time per step is averaged since the last log; MFU leaves out
-    the first interval of the run (warm-up, compilation)."""
-    world_size, it = zero.world_size, step["it"]
+    """One logged step: read the step's numbers off the device (the loop's only .item() calls),
+    print and log them. Time per step is averaged since the last log; MFU leaves out the first
+    interval of the run (warm-up, compilation)."""
+    world_size, it, device = zero.world_size, step["it"], zero.device
     dt = (time.time() - clock["t"]) / (it + 1 - clock["it"])
-    warm = clock["warm"]  # the first interval holds the warm-up (and compilation)
-    clock.update(t=time.time(), it=it + 1, warm=True)
-    lossf = all_reduce_sum(step["loss_sum"], world_size).item() / world_size
-    skipped = bool(step["found_inf"].item())
     tps = cfg.batch_size * step["grad_accum"] * world_size * cfg.block_size / dt
-    mfu = model.estimate_mfu(tps / world_size, step["peak"]) if warm else None
-    if mfu is not None:
+    mfu = model.estimate_mfu(tps / world_size, step["peak"]) if clock["warm"] else None
+    if mfu is not None:  # a running average, as nanoGPT keeps it; None without a known peak
         clock["mfu"] = mfu if clock["mfu"] is None else 0.9 * clock["mfu"] + 0.1 * mfu
-    print0(f"iter {it}: loss {lossf:.4f}, lr {step['lr']:.2e}, {dt * 1000:.1f} ms, "
+    clock.update(t=time.time(), it=it + 1, warm=True)
+    row = {"iter": it, "loss": all_reduce_sum(step["loss_sum"], world_size).item() / world_size,
+           "lr": step["lr"], "ms": dt * 1000, "tokens_per_sec": tps, "mfu": clock["mfu"],
+           "loss_scale": scaler.get_scale(), "skipped": bool(step["found_inf"].item()),
+           "grad_norm": step["grad_norm"].item(), "grad_zero_frac": step["zero_frac"].item(),
+           "cuda_max_mem": torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+           else None, "comm_elements": zero.traffic.elements, "comm_bytes": zero.traffic.bytes,
+           "comm_theory_elements": traffic_formula(zero.psi, cfg.zero, world_size,
+                                                   step["grad_accum"], zero.frozen_numel)}
+    print0(f"iter {it}: loss {row['loss']:.4f}, lr {row['lr']:.2e}, {row['ms']:.1f} ms, "
            f"{tps:,.0f} tok/s" + (f", mfu {clock['mfu'] * 100:.2f}%" if clock["mfu"] else "")
-           + (f", inf/NaN gradient: step skipped (loss scale now {scaler.get_scale():g})"
-              if skipped else ""))
-    device = zero.device
-    metrics.log({"iter": it, "loss": lossf, "lr": step["lr"], "ms": dt * 1000,
-                 "tokens_per_sec": tps, "mfu": clock["mfu"], "loss_scale": scaler.get_scale(),
-                 "skipped": skipped, "grad_norm": step["grad_norm"].item(),
-                 "grad_zero_frac": step["zero_frac"].item(),
-                 "cuda_max_mem": torch.cuda.max_memory_allocated(device)
-                 if device.type == "cuda" else None,
-                 "comm_elements": zero.traffic.elements, "comm_bytes": zero.traffic.bytes,
-                 "comm_theory_elements": traffic_formula(zero.psi, cfg.zero, world_size,
-                                                         step["grad_accum"], zero.frozen_numel)})
+           + (f", inf/NaN gradient: step skipped (loss scale now {row['loss_scale']:g})"
+              if row["skipped"] else ""))
+    metrics.log(row)
 
 
 def save(cfg, it, zero, model, scaler, header, print0):
