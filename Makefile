@@ -1,6 +1,7 @@
-# The two commands of the README. Both create .venv and install requirements.txt first.
-#   make demo   a short distributed training run on Tiny Shakespeare (offline-safe), then a sample
-#   make test   the test suite (CPU, gloo; CUDA paths too when a GPU is present)
+# The two commands of the README. Both create .venv and install what they need first.
+#   make demo   a short distributed training run on Tiny Shakespeare (it ships: offline), a sample
+#   make test   the test suite (CPU, gloo; CUDA paths too when a GPU is present), with the test
+#               references of requirements-test.txt (transformers, peft)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -17,12 +18,16 @@ $(VENV)/.installed: requirements.txt
 	$(PY) -m pip install -q -r requirements.txt
 	touch $@
 
+$(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
+	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
+	touch $@
+
 demo: $(VENV)/.installed
 	$(PY) data/prepare.py --dataset shakespeare_char
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(DEMO_FLAGS)
 	$(PY) sample.py --out-dir out-demo --num-samples 1 --max-new-tokens 300
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed-test
 	$(PY) -m pytest
 
 clean:
