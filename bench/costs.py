@@ -33,7 +33,8 @@ import torch.multiprocessing as mp
 
 from bench import plots
 from bench.common import (OurRun, PlainRun, Stopwatch, adamw, adamw_settings, comma_list, command,
-                          decay_groups, load_data, paired_ratio, parser, report, table, time_block)
+                          cpu_units, decay_groups, load_data, paired_ratio, parser, report, table,
+                          time_block)
 from configurator import TrainConfig, load_preset
 from lora import parse_targets
 from memory import estimate
@@ -212,9 +213,9 @@ def measure_dtype(dname, args, data, vocab, device, rank, world_size):
     afresh (its memory alone on the device) in a rotated order and times one block of steps.
     Returns {dtype, psi, steps, rounds: {key: ms per round}, info: {key: what it held}}."""
     cfg = replace(costs_config(), dtype=dname)
-    # on a CPU this small model's 16-bit steps are several times slower than fp32's, with bf16
-    # matrix units or without: a few steps only
-    slow = device.type == "cpu" and dname != "fp32"
+    # a 16-bit dtype a CPU emulates (no matrix units for it) runs many times slower than fp32:
+    # a few steps only
+    slow = device.type == "cpu" and dname != "fp32" and not cpu_units([dname])
     rounds, warm = (2, 1) if slow else (5, 2)
     per_round = 1 if slow else max(1, args.steps // rounds)
     keys = list(REFS)
