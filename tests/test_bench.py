@@ -1,6 +1,7 @@
 """bench/'s plumbing (the benchmarks themselves are not tests): flag errors, --plot without
-matplotlib, the charts, the cost table's judgements, the BENCHMARKS.md writer, and our step
-against train.py's."""
+matplotlib, the charts, the cost table's judgements, the BENCHMARKS.md writer, our step against
+train.py's, and smoke runs of the quick benchmarks (gpu.py --tiny, crossover.py, nanogpt.py
+against a fake nanoGPT checkout)."""
 import importlib
 import importlib.util
 import json
@@ -10,14 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from bench import common, costs, plots
+from bench import common, costs, nanogpt, plots
 
 # (module, argv) -> a one-line usage error about that flag
 BAD_FLAGS = [("costs", ["--lora", "lora,full"]), ("costs", ["--stages", "0,4"]),
              ("costs", ["--stages", "0,x"]), ("costs", ["--dtypes", "fp8"]),
              ("costs", ["--runs", "out"]), ("loop", ["--steps", "0"]),
              ("quality", ["--seeds", "1,b"]), ("quality", ["--max-iters", "5"]),
-             ("plots", ["--costs", "no-such.json"])]
+             ("crossover", ["--widths", "130"]), ("gpu", ["--configs", "s1"]),
+             ("nanogpt", []), ("plots", ["--costs", "no-such.json"])]
 
 
 def run_main(module, argv):
@@ -31,6 +33,18 @@ def test_bad_flags(capsys, module, argv):
     assert run_main(module, argv).code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"python -m bench.{module}: error: --"), err
+
+
+def test_nanogpt_says_where_to_get_it(capsys, tmp_path):
+    for argv in ([], ["--nanogpt", str(tmp_path)]):
+        assert run_main("nanogpt", argv).code == 2
+        assert "git clone https://github.com/karpathy/nanoGPT" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
+def test_gpu_without_a_gpu_points_to_tiny(capsys):
+    assert run_main("gpu", []).code == 2
+    assert "--tiny" in capsys.readouterr().err
 
 
 def test_plot_without_matplotlib_says_how(monkeypatch):
@@ -150,3 +164,45 @@ def test_our_step_is_train_py_step(data_root, tmp_path, dtype):
         loss, _ = common.our_step(model, zero, scaler, cfg, x, y, get_lr(it, cfg))
         ours.append(loss.item())
     assert ours == logged
+
+
+def test_gpu_tiny_and_crossover_smoke(capsys):
+    run_main_ok("gpu", ["--tiny", "--configs", "plain,s0,s3,s0+ckpt", "--steps", "1",
+                        "--rounds", "1", "--warmup", "1", "--no-write"])
+    out = capsys.readouterr().out
+    assert "ours: ZeRO-3" in out and "--tiny: a smoke run" in out
+    run_main_ok("crossover", ["--widths", "32", "--steps", "1", "--rounds", "2", "--no-write"])
+    out = capsys.readouterr().out
+    assert "bf16 matrix units" in out and "| 32 |" in out
+
+
+def run_main_ok(module, argv):
+    importlib.import_module(f"bench.{module}").main(argv)
+
+
+FAKE_TRAIN = """import sys
+steps = int([a for a in sys.argv if a.startswith("--max_iters=")][0].split("=")[1])
+for i in range(steps + 1):
+    print(f"iter {i}: loss {4 - i / 100:.4f}, time {30 + i % 3:.2f}ms, mfu -100.00%")
+"""
+FAKE_PREPARE = """import numpy as np
+text = open("input.txt").read()
+stoi = {c: i for i, c in enumerate(sorted(set(text)))}
+n = int(len(text) * 0.9)
+np.array([stoi[c] for c in text[:n]], dtype=np.uint16).tofile("train.bin")
+np.array([stoi[c] for c in text[n:]], dtype=np.uint16).tofile("val.bin")
+"""
+
+
+def test_nanogpt_against_a_fake_checkout(tmp_path, capsys):
+    """Prepares the checkout's data from our copy, runs both sides in turn, parses nanoGPT's
+    per-iteration lines and our metrics.jsonl."""
+    fake = tmp_path / "nanoGPT"
+    (fake / "data" / "shakespeare_char").mkdir(parents=True)
+    (fake / "train.py").write_text(FAKE_TRAIN)
+    (fake / "data" / "shakespeare_char" / "prepare.py").write_text(FAKE_PREPARE)
+    nanogpt.main(["--nanogpt", str(fake), "--rounds", "1", "--steps", "12", "--no-write"])
+    out = capsys.readouterr().out
+    assert (fake / "data" / "shakespeare_char" / "input.txt").stat().st_size == 1115394
+    assert "| 0 |" in out and "| median |" in out
+    assert "nanoGPT: ms/step" in out and "| 31.0 |" in out  # iters 10, 11, 12: 31, 32, 30 ms
