@@ -186,9 +186,10 @@ def saved_activation_bytes(model, out):
     checkpoint keeps is the block's input, which the pre-hooks count. Exact on any device: it
     counts tensors, not allocator pages."""
     seen = set()
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def count(t):
+        # the weights' addresses now: ZeRO-3 gathers them into fresh memory in each forward
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
         ptr = t.untyped_storage().data_ptr()
         if ptr not in seen and ptr not in weights:
             seen.add(ptr)
