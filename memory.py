@@ -12,7 +12,7 @@ References:
     python memory.py --params 7e9 --world-size 8 --gpu-mem 80GB --advise   # which flags, as a command
 
 Model state is exact: it counts what zero.py allocates, padding included, and tests/test_memory.py
-holds it equal to ZeRO.state_bytes(). Activations count what train.py's saved_activation_bytes
+holds it equal to ZeRO.state_bytes(). Activations count what saved_activation_bytes (below)
 measures (tensors saved for backward, weights left out), term by term; on CPU they match to the
 byte. Not estimated: the CUDA context, allocator fragmentation, transient buffers (the logits'
 gradient, communication buckets): --advise keeps HEADROOM of the GPU free for them.
@@ -32,8 +32,9 @@ from model import GPT, GPTConfig
 from zero import plan_buckets, zero_formula
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "nf4": 0.5}  # bytes per value
-# stored bytes per quantized weight: two 4-bit codes per byte plus one fp32 absmax per block of
-# 64 (our assumption for lora.py; QLoRA's double quantization brings the scales to 0.127 bits)
+# stored bytes per quantized weight, as quant.py stores nf4 by default: two 4-bit codes per byte
+# and an fp32 absmax per block of 64 (4.5 bits). Not modelled: --double-quant, where quant.py
+# codes each scale in 8 bits on a log scale (4.129 bits), so the estimate is 0.37 bits high.
 QUANT_BYTES = {"nf4": 0.5 + 4 / 64}
 # the activation each adapter's A reads (and so keeps for its gradient), as activation_bytes() names it
 ADAPTER_INPUT = {"q": "c_attn input", "k": "c_attn input", "v": "c_attn input",
@@ -90,7 +91,7 @@ def lora_numel(cfg, rank, targets):
 
 def frozen_buckets(cfg, dtype, quantize=None):
     """(numel, bytes per element) of each frozen flat buffer ZeRO-3 makes under LoRA: one per unit
-    and dtype. The blocks' four matmul weights (the Linears lora.py quantizes) become uint8 codes,
+    and dtype. The blocks' four matmul weights (the Linears quant.py quantizes) become uint8 codes,
     two per byte over blocks of 64, and an fp32 absmax per block; the rest stays in `dtype`."""
     E, out, units = BYTES[dtype], [], {}
     for unit, n in param_numels(cfg):
