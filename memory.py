@@ -450,7 +450,7 @@ def main(argv=None):
     # the command's model flags: the preset and what overrides it, or the whole shape
     shape_args = ([f"--config {a.config}"] if a.config and not psi else []) \
         + [f"--{k.replace('_', '-')} {v}" for k, v in {**shape, "block_size": block}.items()
-           if psi or not a.config or getattr(a, k)] + ["--bias"] * (bias and (psi or not a.config))
+           if psi or not a.config or getattr(a, k)] + ["--bias"] * bool(bias and (psi or not a.config))
     if a.advise:
         lines, cmd = advise(cfg, a.world_size, gpu, "fp16" if a.dtype == "fp16" else "bf16", psi, shape_args)
         print("\n".join(lines) + ("\n\n" + cmd if cmd else "")
