@@ -3,13 +3,13 @@ Will my model fit, and which flags do I need? Memory per GPU, from the same code
 
 References:
   - Rajbhandari et al. 2019, "ZeRO": model-state bytes per stage (zero.py implements them)
-  - Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
-    per layer s*b*h*(34 + 5*a*s/h) bytes of activations in 16 bits, 2*s*b*h with full recomputation
+  - Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models": per
+    layer s*b*h*(34 + 5*a*s/h) bytes of activations in 16 bits, 2*s*b*h with full recomputation
   - Hu et al. 2021, "LoRA"; Dettmers et al. 2023, "QLoRA" (4-bit NF4 base weights)
 
-    python memory.py                                          # the lecture's tables
-    python memory.py --config config/gpt2_124m.py --dtype bf16 --world-size 8 --zero 2 --gpu-mem 80GB
-    python memory.py --params 7e9 --world-size 8 --gpu-mem 80GB --advise   # which flags, as a command
+  python memory.py                                         # the lecture's tables
+  python memory.py --config config/gpt2_124m.py --dtype bf16 --world-size 8 --zero 2 --gpu-mem 80GB
+  python memory.py --params 7e9 --world-size 8 --gpu-mem 80GB --advise  # which flags, as a command
 
 Model state is exact: it counts what zero.py allocates, padding included, and tests/test_memory.py
 holds it equal to ZeRO.state_bytes(). Activations count what saved_activation_bytes (below)
@@ -36,7 +36,7 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "nf4": 0.5}  # bytes per va
 # and an fp32 absmax per block of 64 (4.5 bits). Not modelled: --double-quant, where quant.py
 # codes each scale in 8 bits on a log scale (4.129 bits), so the estimate is 0.37 bits high.
 QUANT_BYTES = {"nf4": 0.5 + 4 / 64}
-# the activation each adapter's A reads (and so keeps for its gradient), as activation_bytes() names it
+# the input each adapter's A reads (and so keeps for its gradient), named as in activation_bytes()
 ADAPTER_INPUT = {"q": "c_attn input", "k": "c_attn input", "v": "c_attn input",
                  "attn_out": "attention output = c_proj input", "mlp_fc": "c_fc input",
                  "mlp_proj": "gelu output = c_proj input"}
@@ -44,9 +44,15 @@ HEADROOM = 0.10  # fraction of the GPU kept free for what the estimate leaves ou
 GB = 1e9
 
 
+def round_up(n, k):
+    """n padded to a multiple of k, as ZeRO pads each flat buffer to a multiple of the ranks."""
+    return math.ceil(n / k) * k
+
+
 def param_numels(cfg):
-    """(unit, numel) of every parameter in GPT.named_parameters() order, the tied head counted once
-    (as the wte it is). unit: the block index, or "root" for embeddings and ln_f (ZeRO-3's units)."""
+    """(unit, numel) of every parameter in GPT.named_parameters() order, the tied head counted
+    once (as the wte it is). unit: the block index, or "root" for embeddings and ln_f (ZeRO-3's
+    units)."""
     h, nb = cfg.n_embd, 2 if cfg.bias else 1  # a LayerNorm has a gain, and a bias if cfg.bias
     out = [("root", cfg.padded_vocab * h), ("root", cfg.block_size * h)]  # wte (= lm_head), wpe
     for i in range(cfg.n_layer):
@@ -58,13 +64,21 @@ def param_numels(cfg):
     return out + [("root", h)] * nb  # ln_f
 
 
+def by_unit(params):
+    """{unit: [numel, ...]} from param_numels()' pairs, root first: ZeRO-3's flat buffers."""
+    units = {}
+    for unit, n in params:
+        units.setdefault(unit, []).append(n)
+    return units
+
+
 def param_count(n_layer, n_embd, n_head, vocab, block, bias=True, pad_vocab=64):
     """= GPT(...).num_params(non_embedding=False). Per block 12h^2 of matmuls (qkv 3h^2, attention
     output h^2, MLP 4h^2 + 4h^2), two LayerNorm gains, and with bias 9h of Linear biases + 2h of
     LayerNorm biases. n_head splits the width but adds nothing."""
     h = n_embd
     block_params = 12 * h * h + 2 * h + (11 * h if bias else 0)
-    vocab = math.ceil(vocab / pad_vocab) * pad_vocab  # model.py pads the embedding's rows
+    vocab = round_up(vocab, pad_vocab)  # model.py pads the embedding's rows
     return vocab * h + block * h + n_layer * block_params + (2 * h if bias else h)
 
 
@@ -73,10 +87,7 @@ def bucket_sizes(params, stage, dtype, bucket_mb=25.0):
     root unit (embeddings, ln_f), then one unit per block. Stages 0-2: plan_buckets over
     bucket_mb. params: param_numels(cfg), less any frozen ones."""
     if stage == 3:
-        units = {}
-        for unit, n in params:
-            units[unit] = units.get(unit, 0) + n
-        return list(units.values())
+        return [sum(ns) for ns in by_unit(params).values()]
     cap = max(1, int(bucket_mb * 2**20 / BYTES[dtype]))
     return [sum(params[i][1] for i in b) for b in plan_buckets([n for _, n in params], cap)]
 
@@ -93,17 +104,16 @@ def frozen_buckets(cfg, dtype, quantize=None):
     """(numel, bytes per element) of each frozen flat buffer ZeRO-3 makes under LoRA: one per unit
     and dtype. The blocks' four matmul weights (the Linears quant.py quantizes) become uint8 codes,
     two per byte over blocks of 64, and an fp32 absmax per block; the rest stays in `dtype`."""
-    E, out, units = BYTES[dtype], [], {}
-    for unit, n in param_numels(cfg):
-        units.setdefault(unit, []).append(n)
-    for unit, ns in units.items():
+    E, out = BYTES[dtype], []
+    for unit, ns in by_unit(param_numels(cfg)).items():
         mats = [n for n in ns if n >= cfg.n_embd ** 2] if quantize and unit != "root" else []
         rest = sum(ns) - sum(mats)  # LayerNorms, biases (and the whole root)
         if not mats:
             out.append((rest, E))
             continue
-        codes, absmax = sum(math.ceil(n / 64) * 32 for n in mats), sum(math.ceil(n / 64) for n in mats)
-        out += [(codes, 1)] + ([(rest + absmax, 4)] if E == 4 else [(rest, E), (absmax, 4)])
+        absmax = sum(math.ceil(n / 64) for n in mats)  # one scale per block of 64 values
+        # in fp32 the scales share the buffer of the rest: one buffer per unit and dtype
+        out += [(32 * absmax, 1)] + ([(rest + absmax, 4)] if E == 4 else [(rest, E), (absmax, 4)])
     return out
 
 
@@ -120,15 +130,21 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
     E, N, buckets = BYTES[dtype], world_size, buckets or [psi]
     G = 4 if fp32_grad_accum else E  # bytes per gradient element
     assert sum(buckets) == psi, "the buckets must hold exactly psi parameters"
-    padded = [math.ceil(n / N) * N if stage >= 1 else n for n in buckets]
+    padded = [round_up(n, N) if stage >= 1 else n for n in buckets]
     P = sum(padded)
     owned = P // N if stage >= 1 else P
-    # Adam's moments exist for real parameters only: the slice of the last rank may end in padding
-    real = sum(max(0, min(n, (rank + 1) * p // N) - rank * p // N) for n, p in zip(buckets, padded)) \
-        if stage >= 1 else psi
-    frozen = E * (frozen_psi - quantized_psi) + (QUANT_BYTES[quantize] * quantized_psi if quantize else 0)
-    if stage == 3 and frozen:
-        frozen = sum(math.ceil(n / N) * e for n, e in frozen_layout) if frozen_layout else frozen / N
+    real = psi
+    if stage >= 1:  # Adam's moments exist for real parameters only: a slice may end in padding
+        real = sum(max(0, min(n, (rank + 1) * p // N) - rank * p // N)
+                   for n, p in zip(buckets, padded))
+    frozen = E * (frozen_psi - quantized_psi)
+    if quantize:
+        frozen += QUANT_BYTES[quantize] * quantized_psi
+    if stage == 3 and frozen:  # sharded with its unit: each of its buffers padded, or simply 1/N
+        if frozen_layout:
+            frozen = sum(math.ceil(n / N) * e for n, e in frozen_layout)
+        else:
+            frozen /= N
     out = {"params": E * (owned if stage == 3 else P) + frozen,  # 16-bit (or fp32) working weights
            "grads": G * (owned if stage >= 2 else P),
            "master": 0 if E == 4 else 4 * owned,  # fp32 weights are their own master: no copy
@@ -148,35 +164,40 @@ def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_
     the first adapter."""
     E, b, s, h, a = BYTES[dtype], batch, seq, cfg.n_embd, cfg.n_head
     bsh, lora = b * s * h, lora_rank > 0
-    needed = {ADAPTER_INPUT[t] for t in lora_targets}
-    keep = lambda term: not lora or term in needed  # a Linear's input, saved for its weight gradient
+    needed = [ADAPTER_INPUT[t] for t in lora_targets]
     # dropout: a bool mask per dropout (CUDA). Not modelled: on CPU the masks are float, and with
     # dropout SDPA falls back to its math kernel there, which does keep the a*s^2 matrices
     drop = bsh if cfg.dropout > 0 else 0
-    ln = lambda name: {f"{name} input (fp32: LayerNorm upcasts)": 4 * bsh, f"{name} mean, rstd (fp32)": 8 * b * s,
-                       f"{name} gain/bias cast to fp32": 0 if E == 4 else 4 * h * (2 if cfg.bias else 1)}
+
+    def ln(name):  # model.py runs LayerNorm in fp32
+        return {f"{name} input (fp32: LayerNorm upcasts)": 4 * bsh,
+                f"{name} mean, rstd (fp32)": 8 * b * s,
+                f"{name} gain/bias cast to fp32": 0 if E == 4 else 4 * h * (2 if cfg.bias else 1)}
+
     if grad_ckpt:  # the checkpoint keeps the block's input; the rest is recomputed in backward
         layer = {"block input (kept by the checkpoint)": E * bsh}
     else:  # in forward order
-        layer = {**ln("ln_1"), "c_attn input": E * bsh * keep("c_attn input"),
-                 "q, k, v (one c_attn output)": 3 * E * bsh,
+        layer = {**ln("ln_1"), "c_attn input": E * bsh, "q, k, v (one c_attn output)": 3 * E * bsh,
                  "attention logsumexp (fp32; no a*s^2 matrix)": 4 * b * a * s,
                  "attention output = c_proj input": E * bsh,  # SDPA keeps it, with the logsumexp
-                 "residual dropout masks": 2 * drop, **ln("ln_2"), "c_fc input": E * bsh * keep("c_fc input"),
-                 "c_fc output = gelu input": 4 * E * bsh,
-                 "gelu output = c_proj input": 4 * E * bsh * keep("gelu output = c_proj input"),
+                 "residual dropout masks": 2 * drop, **ln("ln_2"), "c_fc input": E * bsh,
+                 "c_fc output = gelu input": 4 * E * bsh, "gelu output = c_proj input": 4 * E * bsh,
                  "LoRA A outputs (r wide)": E * b * s * lora_rank * len(lora_targets)}
-    outside = {"token ids, positions (int64)": 0 if lora else 8 * b * s + 8 * s, "embedding dropout mask": drop,
-               **ln("ln_f"), "lm_head input": 0 if lora else E * bsh,
+        if lora:  # a frozen weight needs no gradient: a Linear's input is kept for an adapter only
+            for term in ("c_attn input", "c_fc input", "gelu output = c_proj input"):
+                if term not in needed:
+                    layer[term] = 0
+    outside = {"token ids, positions (int64)": 0 if lora else 8 * b * s + 8 * s,
+               "embedding dropout mask": drop, **ln("ln_f"),
+               "lm_head input": 0 if lora else E * bsh,
                "log-softmax of the logits (fp32, b*s*vocab)": 4 * b * s * cfg.vocab_size,
                "targets (int64), loss weight": 8 * b * s + 4}
-    first = layer  # under LoRA the first layer saves from its first adapter's input on
-    if lora and not grad_ckpt:
+    per_layer = first = sum(layer.values())
+    if lora and not grad_ckpt:  # the first layer saves from its first adapter's input on
         start = min(list(layer).index(term) for term in needed)
-        first = {k: v * (i >= start) for i, (k, v) in enumerate(layer.items())}
-    per_layer = sum(layer.values())
+        first = sum(list(layer.values())[start:])
     return {"layer": layer, "outside": outside, "per_layer": per_layer,
-            "total": sum(first.values()) + (cfg.n_layer - 1) * per_layer + sum(outside.values())}
+            "total": first + (cfg.n_layer - 1) * per_layer + sum(outside.values())}
 
 
 @contextmanager
@@ -217,11 +238,13 @@ def model_state_report(zero, world_size):
     if world_size > 1:
         torch.distributed.all_gather_object(per_rank, held)
     paper = zero_formula(zero.psi, zero.stage, world_size, zero.dtype)
-    mib = lambda b: f"{b / 2**20:8.2f} MiB"
-    line = (f"model state per rank, Ψ = {zero.psi:,} trainable parameters (measured | ZeRO paper): "
-            f"params {mib(held['params'])} | {mib(paper['params'])}, grads {mib(held['grads'])} | "
-            f"{mib(paper['grads'])}, master+Adam {mib(held['master'] + held['optimizer'])} | "
-            f"{mib(paper['optimizer_side'])}, total {mib(held['total'])} | {mib(paper['total'])}")
+    ours = {**held, "optimizer_side": held["master"] + held["optimizer"]}
+    cols = (("params", "params"), ("grads", "grads"), ("master+Adam", "optimizer_side"),
+            ("total", "total"))
+    pairs = ", ".join(f"{name} {ours[k] / 2**20:8.2f} MiB | {paper[k] / 2**20:8.2f} MiB"
+                      for name, k in cols)
+    line = (f"model state per rank, Ψ = {zero.psi:,} trainable parameters "
+            f"(measured | ZeRO paper): {pairs}")
     return line, {"event": "model_state", "psi": zero.psi, "stage": zero.stage,
                   "world_size": world_size, "per_rank": per_rank, "formula": paper}
 
@@ -230,12 +253,13 @@ def shape_for(psi, vocab=50257, block=2048):
     """A GPT shape for a bare parameter count, for the activations: width 128 x depth and heads
     128 wide (GPT-3 175B: 96 layers of 12288). Model state uses psi itself."""
     L = max(1, round((psi / (12 * 128**2)) ** (1 / 3)))
-    return GPTConfig(block_size=block, vocab_size=vocab, n_layer=L, n_head=L, n_embd=128 * L, bias=False)
+    return GPTConfig(block_size=block, vocab_size=vocab, n_layer=L, n_head=L, n_embd=128 * L,
+                     bias=False)
 
 
-def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_ckpt=False, lora_rank=0,
-             lora_targets=("q", "v"), quantize=None, psi=None, bucket_mb=25.0, rank=0, prefetch=True,
-             fp32_grad_accum=False):
+def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_ckpt=False,
+             lora_rank=0, lora_targets=("q", "v"), quantize=None, psi=None, bucket_mb=25.0, rank=0,
+             prefetch=True, fp32_grad_accum=False):
     """Everything one GPU holds. psi overrides the parameter count of cfg (then cfg only shapes the
     activations). Peak: model state + the larger of the forward/backward working set (activations,
     and under ZeRO-3 the gathered root + 1 block, + 1 more with prefetch) and the optimizer step's
@@ -244,22 +268,26 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     total = psi or param_count(L, h, cfg.n_head, cfg.vocab_size, cfg.block_size, cfg.bias,
                                cfg.pad_vocab)
     buckets = bucket_sizes(param_numels(cfg), stage, dtype, bucket_mb) if psi is None else None
-    trainable, frozen, quantized = total, 0, 0
+    trainable, frozen, quantized, layout = total, 0, 0, None
     if lora_rank:  # the base model frozen, an A (r x in) and a B (out x r) per target per layer
-        trainable, frozen = lora_numel(cfg, lora_rank, lora_targets), total
-        quantized, buckets = (L * 12 * h * h if quantize else 0), None  # the blocks' matmul weights
-    layout = frozen_buckets(cfg, dtype, quantize) if lora_rank and stage == 3 and psi is None else None
+        trainable, frozen, buckets = lora_numel(cfg, lora_rank, lora_targets), total, None
+        quantized = L * 12 * h * h if quantize else 0  # the blocks' matmul weights
+        if stage == 3 and psi is None:
+            layout = frozen_buckets(cfg, dtype, quantize)
     fp32_grad_accum = fp32_grad_accum and E != 4
     state = model_state_bytes(trainable, stage, world_size, dtype, buckets, rank, frozen, quantized,
                               quantize, layout, fp32_grad_accum)
     acts = activation_bytes(cfg, batch, seq, dtype, grad_ckpt, lora_rank, lora_targets)
-    pad = lambda n: math.ceil(n / world_size) * world_size
-    # ZeRO-3's units: from the layout (root first), else blocks of 12h^2 + 13h and the rest in the root
-    block = max(buckets[1:]) if stage == 3 and buckets else 12 * h * h + 13 * h
-    root = buckets[0] if stage == 3 and buckets else max(0, total - L * block)
-    # (under LoRA the frozen base is gathered the same way, its matmul weights quantized with QLoRA)
-    block_bytes = E * pad(block) if not quantize else E * (block - 12 * h * h) + QUANT_BYTES[quantize] * 12 * h * h
-    gathered = E * pad(root) + (2 if prefetch else 1) * block_bytes if stage == 3 else 0
+    gathered = 0
+    if stage == 3:  # the root and a block gathered (+ the next, prefetched); a frozen base alike
+        # ZeRO-3's units: from the layout (root first), else blocks of 12h^2 + 13h, the rest root
+        block = max(buckets[1:]) if buckets else 12 * h * h + 13 * h
+        root = buckets[0] if buckets else max(0, total - L * block)
+        if quantize:  # QLoRA gathers the 4-bit codes and scales of the matmul weights
+            block_bytes = E * (block - 12 * h * h) + QUANT_BYTES[quantize] * 12 * h * h
+        else:
+            block_bytes = E * round_up(block, world_size)
+        gathered = E * round_up(root, world_size) + (2 if prefetch else 1) * block_bytes
     # the step's fp32 copy of the owned gradient slice (none when the gradients are fp32 already)
     step = 0 if fp32_grad_accum else state["master"]
     peak = state["total"] + max(acts["total"] + gathered, step)
