@@ -90,9 +90,8 @@ def lora_numel(cfg, rank, targets):
 
 
 def frozen_buckets(cfg, dtype, quantize=None):
-    """(numel, bytes per element) of each frozen flat buffer ZeRO-3 makes under LoRA: one per unit
-    and dtype. The blocks' four matmul weights (the Linears quant.py quantizes) become uint8 codes,
-    two per byte over blocks of 64, and an fp32 absmax per block; the rest stays in `dtype`."""
+    """(numel, bytes per element) of each frozen flat buffer ZeRO-3 makes under LoRA, one per unit
+    and dtype: with `quantize` the blocks' matmul weights as quant.py stores them (QUANT_BYTES)."""
     E, h, out = BYTES[dtype], cfg.n_embd, []
     for i, n in enumerate(bucket_sizes(param_numels(cfg), 3, dtype)):
         if not quantize or i == 0:  # the root (embeddings, ln_f) is never quantized
@@ -153,10 +152,12 @@ def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_
     # dropout: a bool mask per dropout (CUDA). Not modelled: on CPU the masks are float, and with
     # dropout SDPA falls back to its math kernel there, which does keep the a*s^2 matrices
     drop = bsh if cfg.dropout > 0 else 0
+
     def ln(name):  # model.py runs LayerNorm in fp32
         return {f"{name} input (fp32: LayerNorm upcasts)": 4 * bsh,
                 f"{name} mean, rstd (fp32)": 8 * b * s,
                 f"{name} gain/bias cast to fp32": 0 if E == 4 else 4 * h * (2 if cfg.bias else 1)}
+
     if grad_ckpt:  # the checkpoint keeps the block's input; the rest is recomputed in backward
         layer = {"block input (kept by the checkpoint)": E * bsh}
     else:  # in forward order
@@ -191,14 +192,17 @@ def saved_activation_bytes(model, out):
     checkpoint keeps is the block's input, which the pre-hooks count. Exact on any device: it
     counts tensors, not allocator pages."""
     seen = {p.untyped_storage().data_ptr() for p in model.parameters()}  # weights: not counted
+
     def count(t):
         ptr = t.untyped_storage().data_ptr()
         if ptr not in seen:
             seen.add(ptr)
             out[0] += t.untyped_storage().nbytes()
+
     def pack(t):
         count(t)
         return t
+
     blocks = model.transformer.h if model.grad_ckpt else []
     hooks = [b.register_forward_pre_hook(lambda m, args: count(args[0])) for b in blocks]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -300,8 +304,10 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=()):
     """The lecture's decision flow, each step checked with estimate(): (lines, command or None).
     LoRA keeps the ZeRO stage the steps before chose: on ZeRO-3 its frozen base is sharded too."""
     N = world_size
+
     def est(**run):
         return estimate(cfg, **{"world_size": N, "dtype": dtype, "psi": psi, **run})
+
     scaler = ("with the loss scaler (this GPU has no bf16)" if dtype == "fp16" else
               "(Ampere or newer; on older GPUs pass --dtype fp16: fp16 with the loss scaler)")
     lines = [f"mixed precision, always: {dtype} {scaler}"]
@@ -447,29 +453,26 @@ def parse_flags(argv):
     return a
 
 
-def model_config(a, tc, psi):
-    """The GPTConfig the flags describe: train.py's defaults < the preset < these flags; a bare
-    --params gets its shape from shape_for()."""
+def model_from_flags(a, tc, psi):
+    """The model the flags describe (train.py's defaults < the preset < these flags; a bare
+    --params gets its shape from shape_for()): a GPTConfig, and its flags for train.py (the
+    preset and what overrides it, or the whole shape)."""
     vocab = a.vocab or (65 if tc.dataset == "shakespeare_char" and not psi else 50257)
     block = a.block_size or (2048 if psi else tc.block_size)
     base = shape_for(psi, vocab, block) if psi else tc
     shape = {k: getattr(a, k) or getattr(base, k) for k in ("n_layer", "n_embd", "n_head")}
     bias = a.bias if a.bias is not None else (not psi and tc.bias)
     try:
-        return GPTConfig(block_size=block, vocab_size=vocab, bias=bias,
-                         dropout=0.0 if psi else tc.dropout, **shape)
+        cfg = GPTConfig(block_size=block, vocab_size=vocab, bias=bias,
+                        dropout=0.0 if psi else tc.dropout, **shape)
     except ValueError as e:  # e.g. a width its heads do not divide
         raise ConfigError(str(e))
-
-
-def shape_flags(a, cfg, psi):
-    """The command's model flags: the preset and the flags that override it, or the whole shape."""
     preset = a.config and not psi
     flags = [f"--config {a.config}"] if preset else []
-    for k in ("n_layer", "n_embd", "n_head", "block_size"):
+    for k, v in {**shape, "block_size": block}.items():
         if not preset or getattr(a, k):
-            flags.append(f"--{k.replace('_', '-')} {getattr(cfg, k)}")
-    return flags + (["--bias"] if cfg.bias and not preset else [])
+            flags.append(f"--{k.replace('_', '-')} {v}")
+    return cfg, flags + (["--bias"] if bias and not preset else [])
 
 
 def print_estimate(e, cfg, gpu):
@@ -500,7 +503,7 @@ def main(argv=None):
     a = parse_flags(argv)
     tc = TrainConfig(**(load_preset(a.config) if a.config else {}))
     psi = int(a.params) if a.params else None
-    cfg = model_config(a, tc, psi)
+    cfg, model_flags = model_from_flags(a, tc, psi)
     try:
         targets = parse_targets(a.lora_targets)
     except ValueError as e:
@@ -510,7 +513,7 @@ def main(argv=None):
     gpu = parse_bytes(a.gpu_mem)
     if a.advise:  # mixed precision always: bf16 unless fp16 is asked for
         dtype = "fp16" if a.dtype == "fp16" else "bf16"
-        lines, cmd = advise(cfg, a.world_size, gpu, dtype, psi, shape_flags(a, cfg, psi))
+        lines, cmd = advise(cfg, a.world_size, gpu, dtype, psi, model_flags)
         print("\n".join(lines) + ("\n\n" + cmd if cmd else ""))
         if psi:
             print("(the vocabulary comes from --dataset; a bare --params gets this shape: "
