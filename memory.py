@@ -98,10 +98,10 @@ def frozen_buckets(cfg, dtype, quantize=None):
             out.append((n, E))
             continue
         mats = (3 * h * h, h * h, 4 * h * h, 4 * h * h)  # c_attn, c_proj, c_fc, c_proj
-        absmax = sum(math.ceil(m / 64) for m in mats)  # one scale per block of 64 values
+        blocks = sum(math.ceil(m / 64) for m in mats)  # each: 32 bytes of codes, an fp32 absmax
         rest = n - sum(mats)  # LayerNorms and biases
         # in fp32 the scales share the buffer of the rest: one buffer per unit and dtype
-        out += [(32 * absmax, 1)] + ([(rest + absmax, 4)] if E == 4 else [(rest, E), (absmax, 4)])
+        out += [(32 * blocks, 1)] + ([(rest + blocks, 4)] if E == 4 else [(rest, E), (blocks, 4)])
     return out
 
 
