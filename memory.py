@@ -3,22 +3,23 @@ Will my model fit, and which flags do I need? Memory per GPU, from the same code
 
 References:
   - Rajbhandari et al. 2019, "ZeRO": model-state bytes per stage (zero.py implements them)
-  - Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
-    per layer s*b*h*(34 + 5*a*s/h) bytes of activations in 16 bits, 2*s*b*h with full recomputation
+  - Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models": per
+    layer s*b*h*(34 + 5*a*s/h) bytes of activations in 16 bits, 2*s*b*h with full recomputation
   - Hu et al. 2021, "LoRA"; Dettmers et al. 2023, "QLoRA" (4-bit NF4 base weights)
 
-    python memory.py                                          # the lecture's tables
-    python memory.py --config config/gpt2_124m.py --dtype bf16 --world-size 8 --zero 2 --gpu-mem 80GB
-    python memory.py --params 7e9 --world-size 8 --gpu-mem 80GB --advise   # which flags, as a command
+  python memory.py                                         # the lecture's tables
+  python memory.py --config config/gpt2_124m.py --dtype bf16 --world-size 8 --zero 2 --gpu-mem 80GB
+  python memory.py --params 7e9 --world-size 8 --gpu-mem 80GB --advise  # which flags, as a command
 
 Model state is exact: it counts what zero.py allocates, padding included, and tests/test_memory.py
-holds it equal to ZeRO.state_bytes(). Activations count what train.py's saved_activation_bytes
+holds it equal to ZeRO.state_bytes(). Activations count what saved_activation_bytes (below)
 measures (tensors saved for backward, weights left out), term by term; on CPU they match to the
 byte. Not estimated: the CUDA context, allocator fragmentation, transient buffers (the logits'
 gradient, communication buckets): --advise keeps HEADROOM of the GPU free for them.
 Sizes are decimal, as the lecture counts them: 1 GB = 1e9 bytes.
 """
 import argparse
+import bisect
 import math
 import sys
 from contextlib import contextmanager
@@ -32,10 +33,11 @@ from model import GPT, GPTConfig
 from zero import plan_buckets, zero_formula
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "nf4": 0.5}  # bytes per value
-# stored bytes per quantized weight: two 4-bit codes per byte plus one fp32 absmax per block of
-# 64 (our assumption for lora.py; QLoRA's double quantization brings the scales to 0.127 bits)
+# stored bytes per quantized weight, as quant.py stores nf4 by default: two 4-bit codes per byte
+# and an fp32 absmax per block of 64 (4.5 bits). Not modelled: --double-quant, where quant.py
+# codes each scale in 8 bits on a log scale (4.129 bits), so the estimate is 0.37 bits high.
 QUANT_BYTES = {"nf4": 0.5 + 4 / 64}
-# the activation each adapter's A reads (and so keeps for its gradient), as activation_bytes() names it
+# the input each adapter's A reads (and so keeps for its gradient), named as in activation_bytes()
 ADAPTER_INPUT = {"q": "c_attn input", "k": "c_attn input", "v": "c_attn input",
                  "attn_out": "attention output = c_proj input", "mlp_fc": "c_fc input",
                  "mlp_proj": "gelu output = c_proj input"}
@@ -44,8 +46,8 @@ GB = 1e9
 
 
 def param_numels(cfg):
-    """(unit, numel) of every parameter in GPT.named_parameters() order, the tied head counted once
-    (as the wte it is). unit: the block index, or "root" for embeddings and ln_f (ZeRO-3's units)."""
+    """(unit, numel) of every parameter in GPT.named_parameters() order, the tied head counted
+    once (as wte). unit: the block index, or "root" for embeddings and ln_f (ZeRO-3's units)."""
     h, nb = cfg.n_embd, 2 if cfg.bias else 1  # a LayerNorm has a gain, and a bias if cfg.bias
     out = [("root", cfg.padded_vocab * h), ("root", cfg.block_size * h)]  # wte (= lm_head), wpe
     for i in range(cfg.n_layer):
@@ -68,9 +70,8 @@ def param_count(n_layer, n_embd, n_head, vocab, block, bias=True, pad_vocab=64):
 
 
 def bucket_sizes(params, stage, dtype, bucket_mb=25.0):
-    """Real (unpadded) numel of each ZeRO flat buffer, by zero.py's own planner. Stage 3: the
-    root unit (embeddings, ln_f), then one unit per block. Stages 0-2: plan_buckets over
-    bucket_mb. params: param_numels(cfg), less any frozen ones."""
+    """Real (unpadded) numel of each ZeRO flat buffer, by zero.py's own planner: stage 3 one per
+    unit (root first), stages 0-2 buckets of bucket_mb. params: param_numels(), less frozen ones."""
     if stage == 3:
         units = {}
         for unit, n in params:
@@ -89,20 +90,18 @@ def lora_numel(cfg, rank, targets):
 
 
 def frozen_buckets(cfg, dtype, quantize=None):
-    """(numel, bytes per element) of each frozen flat buffer ZeRO-3 makes under LoRA: one per unit
-    and dtype. The blocks' four matmul weights (the Linears lora.py quantizes) become uint8 codes,
-    two per byte over blocks of 64, and an fp32 absmax per block; the rest stays in `dtype`."""
-    E, out, units = BYTES[dtype], [], {}
-    for unit, n in param_numels(cfg):
-        units.setdefault(unit, []).append(n)
-    for unit, ns in units.items():
-        mats = [n for n in ns if n >= cfg.n_embd ** 2] if quantize and unit != "root" else []
-        rest = sum(ns) - sum(mats)  # LayerNorms, biases (and the whole root)
-        if not mats:
-            out.append((rest, E))
+    """(numel, bytes per element) of each frozen flat buffer ZeRO-3 makes under LoRA, one per unit
+    and dtype: with `quantize` the blocks' matmul weights as quant.py stores them (QUANT_BYTES)."""
+    E, h, out = BYTES[dtype], cfg.n_embd, []
+    for i, n in enumerate(bucket_sizes(param_numels(cfg), 3, dtype)):
+        if not quantize or i == 0:  # the root (embeddings, ln_f) is never quantized
+            out.append((n, E))
             continue
-        codes, absmax = sum(math.ceil(n / 64) * 32 for n in mats), sum(math.ceil(n / 64) for n in mats)
-        out += [(codes, 1)] + ([(rest + absmax, 4)] if E == 4 else [(rest, E), (absmax, 4)])
+        mats = (3 * h * h, h * h, 4 * h * h, 4 * h * h)  # c_attn, c_proj, c_fc, c_proj
+        blocks = sum(math.ceil(m / 64) for m in mats)  # each: 32 bytes of codes, an fp32 absmax
+        rest = n - sum(mats)  # LayerNorms and biases
+        # in fp32 the scales share the buffer of the rest: one buffer per unit and dtype
+        out += [(32 * blocks, 1)] + ([(rest + blocks, 4)] if E == 4 else [(rest, E), (blocks, 4)])
     return out
 
 
@@ -122,12 +121,14 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
     padded = [math.ceil(n / N) * N if stage >= 1 else n for n in buckets]
     P = sum(padded)
     owned = P // N if stage >= 1 else P
-    # Adam's moments exist for real parameters only: the slice of the last rank may end in padding
-    real = sum(max(0, min(n, (rank + 1) * p // N) - rank * p // N) for n, p in zip(buckets, padded)) \
-        if stage >= 1 else psi
-    frozen = E * (frozen_psi - quantized_psi) + (QUANT_BYTES[quantize] * quantized_psi if quantize else 0)
-    if stage == 3 and frozen:
-        frozen = sum(math.ceil(n / N) * e for n, e in frozen_layout) if frozen_layout else frozen / N
+    real = psi
+    if stage >= 1:  # Adam's moments exist for real parameters only: a slice may end in padding
+        real = sum(max(0, min(n, (rank + 1) * p // N) - rank * p // N)
+                   for n, p in zip(buckets, padded))
+    frozen = E * (frozen_psi - quantized_psi) + QUANT_BYTES.get(quantize, 0) * quantized_psi
+    if stage == 3 and frozen:  # sharded with its unit: each buffer padded, or simply 1/N
+        frozen = (sum(math.ceil(n / N) * e for n, e in frozen_layout) if frozen_layout
+                  else frozen / N)
     out = {"params": E * (owned if stage == 3 else P) + frozen,  # 16-bit (or fp32) working weights
            "grads": G * (owned if stage >= 2 else P),
            "master": 0 if E == 4 else 4 * owned,  # fp32 weights are their own master: no copy
@@ -147,35 +148,40 @@ def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_
     the first adapter."""
     E, b, s, h, a = BYTES[dtype], batch, seq, cfg.n_embd, cfg.n_head
     bsh, lora = b * s * h, lora_rank > 0
-    needed = {ADAPTER_INPUT[t] for t in lora_targets}
-    keep = lambda term: not lora or term in needed  # a Linear's input, saved for its weight gradient
+    needed = [ADAPTER_INPUT[t] for t in lora_targets]
     # dropout: a bool mask per dropout (CUDA). Not modelled: on CPU the masks are float, and with
     # dropout SDPA falls back to its math kernel there, which does keep the a*s^2 matrices
     drop = bsh if cfg.dropout > 0 else 0
-    ln = lambda name: {f"{name} input (fp32: LayerNorm upcasts)": 4 * bsh, f"{name} mean, rstd (fp32)": 8 * b * s,
-                       f"{name} gain/bias cast to fp32": 0 if E == 4 else 4 * h * (2 if cfg.bias else 1)}
+
+    def ln(name):  # model.py runs LayerNorm in fp32
+        return {f"{name} input (fp32: LayerNorm upcasts)": 4 * bsh,
+                f"{name} mean, rstd (fp32)": 8 * b * s,
+                f"{name} gain/bias cast to fp32": 0 if E == 4 else 4 * h * (2 if cfg.bias else 1)}
+
     if grad_ckpt:  # the checkpoint keeps the block's input; the rest is recomputed in backward
         layer = {"block input (kept by the checkpoint)": E * bsh}
     else:  # in forward order
-        layer = {**ln("ln_1"), "c_attn input": E * bsh * keep("c_attn input"),
-                 "q, k, v (one c_attn output)": 3 * E * bsh,
+        layer = {**ln("ln_1"), "c_attn input": E * bsh, "q, k, v (one c_attn output)": 3 * E * bsh,
                  "attention logsumexp (fp32; no a*s^2 matrix)": 4 * b * a * s,
                  "attention output = c_proj input": E * bsh,  # SDPA keeps it, with the logsumexp
-                 "residual dropout masks": 2 * drop, **ln("ln_2"), "c_fc input": E * bsh * keep("c_fc input"),
-                 "c_fc output = gelu input": 4 * E * bsh,
-                 "gelu output = c_proj input": 4 * E * bsh * keep("gelu output = c_proj input"),
+                 "residual dropout masks": 2 * drop, **ln("ln_2"), "c_fc input": E * bsh,
+                 "c_fc output = gelu input": 4 * E * bsh, "gelu output = c_proj input": 4 * E * bsh,
                  "LoRA A outputs (r wide)": E * b * s * lora_rank * len(lora_targets)}
-    outside = {"token ids, positions (int64)": 0 if lora else 8 * b * s + 8 * s, "embedding dropout mask": drop,
-               **ln("ln_f"), "lm_head input": 0 if lora else E * bsh,
+        if lora:  # a frozen weight needs no gradient: a Linear's input is kept for an adapter only
+            for term in ("c_attn input", "c_fc input", "gelu output = c_proj input"):
+                if term not in needed:
+                    layer[term] = 0
+    outside = {"token ids, positions (int64)": 0 if lora else 8 * b * s + 8 * s,
+               "embedding dropout mask": drop, **ln("ln_f"),
+               "lm_head input": 0 if lora else E * bsh,
                "log-softmax of the logits (fp32, b*s*vocab)": 4 * b * s * cfg.vocab_size,
                "targets (int64), loss weight": 8 * b * s + 4}
-    first = layer  # under LoRA the first layer saves from its first adapter's input on
-    if lora and not grad_ckpt:
+    per_layer = first = sum(layer.values())
+    if lora and not grad_ckpt:  # the first layer saves from its first adapter's input on
         start = min(list(layer).index(term) for term in needed)
-        first = {k: v * (i >= start) for i, (k, v) in enumerate(layer.items())}
-    per_layer = sum(layer.values())
+        first = sum(list(layer.values())[start:])
     return {"layer": layer, "outside": outside, "per_layer": per_layer,
-            "total": sum(first.values()) + (cfg.n_layer - 1) * per_layer + sum(outside.values())}
+            "total": first + (cfg.n_layer - 1) * per_layer + sum(outside.values())}
 
 
 @contextmanager
@@ -199,10 +205,8 @@ def saved_activation_bytes(model, out):
         count(t)
         return t
 
-    hooks = []
-    if model.grad_ckpt:
-        for block in model.transformer.h:
-            hooks.append(block.register_forward_pre_hook(lambda m, args: count(args[0])))
+    blocks = model.transformer.h if model.grad_ckpt else []
+    hooks = [b.register_forward_pre_hook(lambda m, args: count(args[0])) for b in blocks]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield
     for h in hooks:
@@ -217,11 +221,12 @@ def model_state_report(zero, world_size):
     if world_size > 1:
         torch.distributed.all_gather_object(per_rank, held)
     paper = zero_formula(zero.psi, zero.stage, world_size, zero.dtype)
-    mib = lambda b: f"{b / 2**20:8.2f} MiB"
-    line = (f"model state per rank, Ψ = {zero.psi:,} trainable parameters (measured | ZeRO paper): "
-            f"params {mib(held['params'])} | {mib(paper['params'])}, grads {mib(held['grads'])} | "
-            f"{mib(paper['grads'])}, master+Adam {mib(held['master'] + held['optimizer'])} | "
-            f"{mib(paper['optimizer_side'])}, total {mib(held['total'])} | {mib(paper['total'])}")
+    pairs = [("params", held["params"], paper["params"]), ("grads", held["grads"], paper["grads"]),
+             ("master+Adam", held["master"] + held["optimizer"], paper["optimizer_side"]),
+             ("total", held["total"], paper["total"])]
+    cols = ", ".join(f"{k} {ours / 2**20:8.2f} MiB | {p / 2**20:8.2f} MiB" for k, ours, p in pairs)
+    line = (f"model state per rank, Ψ = {zero.psi:,} trainable parameters "
+            f"(measured | ZeRO paper): {cols}")
     return line, {"event": "model_state", "psi": zero.psi, "stage": zero.stage,
                   "world_size": world_size, "per_rank": per_rank, "formula": paper}
 
@@ -230,36 +235,41 @@ def shape_for(psi, vocab=50257, block=2048):
     """A GPT shape for a bare parameter count, for the activations: width 128 x depth and heads
     128 wide (GPT-3 175B: 96 layers of 12288). Model state uses psi itself."""
     L = max(1, round((psi / (12 * 128**2)) ** (1 / 3)))
-    return GPTConfig(block_size=block, vocab_size=vocab, n_layer=L, n_head=L, n_embd=128 * L, bias=False)
+    return GPTConfig(block_size=block, vocab_size=vocab, n_layer=L, n_head=L, n_embd=128 * L,
+                     bias=False)
 
 
-def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_ckpt=False, lora_rank=0,
-             lora_targets=("q", "v"), quantize=None, psi=None, bucket_mb=25.0, rank=0, prefetch=True,
-             fp32_grad_accum=False):
+def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_ckpt=False,
+             lora_rank=0, lora_targets=("q", "v"), quantize=None, psi=None, bucket_mb=25.0, rank=0,
+             prefetch=True, fp32_grad_accum=False):
     """Everything one GPU holds. psi overrides the parameter count of cfg (then cfg only shapes the
     activations). Peak: model state + the larger of the forward/backward working set (activations,
     and under ZeRO-3 the gathered root + 1 block, + 1 more with prefetch) and the optimizer step's
     fp32 copy of this rank's gradient slice (16-bit only)."""
-    seq, L, h, E = seq or cfg.block_size, cfg.n_layer, cfg.n_embd, BYTES[dtype]
+    seq, L, h, E, N = seq or cfg.block_size, cfg.n_layer, cfg.n_embd, BYTES[dtype], world_size
     total = psi or param_count(L, h, cfg.n_head, cfg.vocab_size, cfg.block_size, cfg.bias,
                                cfg.pad_vocab)
     buckets = bucket_sizes(param_numels(cfg), stage, dtype, bucket_mb) if psi is None else None
-    trainable, frozen, quantized = total, 0, 0
+    trainable, frozen, quantized, layout = total, 0, 0, None
     if lora_rank:  # the base model frozen, an A (r x in) and a B (out x r) per target per layer
-        trainable, frozen = lora_numel(cfg, lora_rank, lora_targets), total
-        quantized, buckets = (L * 12 * h * h if quantize else 0), None  # the blocks' matmul weights
-    layout = frozen_buckets(cfg, dtype, quantize) if lora_rank and stage == 3 and psi is None else None
+        trainable, frozen, buckets = lora_numel(cfg, lora_rank, lora_targets), total, None
+        quantized = L * 12 * h * h if quantize else 0  # the blocks' matmul weights
+        if stage == 3 and psi is None:
+            layout = frozen_buckets(cfg, dtype, quantize)
     fp32_grad_accum = fp32_grad_accum and E != 4
-    state = model_state_bytes(trainable, stage, world_size, dtype, buckets, rank, frozen, quantized,
+    state = model_state_bytes(trainable, stage, N, dtype, buckets, rank, frozen, quantized,
                               quantize, layout, fp32_grad_accum)
     acts = activation_bytes(cfg, batch, seq, dtype, grad_ckpt, lora_rank, lora_targets)
-    pad = lambda n: math.ceil(n / world_size) * world_size
-    # ZeRO-3's units: from the layout (root first), else blocks of 12h^2 + 13h and the rest in the root
-    block = max(buckets[1:]) if stage == 3 and buckets else 12 * h * h + 13 * h
-    root = buckets[0] if stage == 3 and buckets else max(0, total - L * block)
-    # (under LoRA the frozen base is gathered the same way, its matmul weights quantized with QLoRA)
-    block_bytes = E * pad(block) if not quantize else E * (block - 12 * h * h) + QUANT_BYTES[quantize] * 12 * h * h
-    gathered = E * pad(root) + (2 if prefetch else 1) * block_bytes if stage == 3 else 0
+    gathered = 0
+    if stage == 3:  # the root and a block gathered (+ the next, prefetched); a frozen base alike
+        # the units as bucket_sizes() plans them (root first), else blocks of 12h^2 + 13h
+        block = max(buckets[1:]) if buckets else 12 * h * h + 13 * h
+        root = buckets[0] if buckets else max(0, total - L * block)
+        if quantize:  # QLoRA gathers the 4-bit codes and scales of the matmul weights
+            block_bytes = E * (block - 12 * h * h) + QUANT_BYTES[quantize] * 12 * h * h
+        else:
+            block_bytes = E * math.ceil(block / N) * N
+        gathered = E * math.ceil(root / N) * N + (2 if prefetch else 1) * block_bytes
     # the step's fp32 copy of the owned gradient slice (none when the gradients are fp32 already)
     step = 0 if fp32_grad_accum else state["master"]
     peak = state["total"] + max(acts["total"] + gathered, step)
@@ -272,51 +282,55 @@ def fits(est, gpu_bytes):
 
 
 def max_batch(fits_at, limit=4096):
-    """Largest micro-batch b <= limit with fits_at(b) (memory grows with b), 0 if none."""
-    if not fits_at(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits_at(hi):
-        lo, hi = hi, 2 * hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
-    return min(lo, limit)
+    """Largest micro-batch b <= limit with fits_at(b), 0 if none. Memory grows with b, so the
+    b that fit come first: a binary search for the first that does not is their count."""
+    return bisect.bisect_left(range(1, limit + 1), True, key=lambda b: not fits_at(b))
 
 
-def command(world_size, shape_args, stage, dtype, batch, grad_ckpt=False, lora=False, quantize=None, per_node=8):
+def command(world_size, shape_args, stage, dtype, batch, grad_ckpt=False, lora=False,
+            quantize=None, per_node=8):
     """The train.py launch line; beyond one node, run it on each node with its own --node_rank."""
     N = world_size
-    launch = "python" if N == 1 else f"torchrun --nproc_per_node={N}" if N <= per_node else \
-        f"torchrun --nnodes={math.ceil(N / per_node)} --nproc_per_node={per_node} --node_rank=0 " \
-        "--master_addr=HOST --master_port=29500"
-    flags = list(shape_args) + [f"--zero {stage}"] * (stage > 0) + [f"--{dtype}"] * (dtype != "fp32") \
-        + [f"--batch-size {batch}"] + ["--grad-ckpt"] * grad_ckpt \
-        + ["--lora --lora-rank 8 --lora-targets q,v"] * lora + [f"--quantize {quantize}"] * bool(quantize)
-    return " ".join([launch, "train.py"] + flags)
+    launch = "python" if N == 1 else f"torchrun --nproc_per_node={N}"
+    if N > per_node:
+        launch = (f"torchrun --nnodes={math.ceil(N / per_node)} --nproc_per_node={per_node} "
+                  "--node_rank=0 --master_addr=HOST --master_port=29500")
+    flags = [f"--zero {stage}" if stage > 0 else "", f"--{dtype}" if dtype != "fp32" else "",
+             f"--batch-size {batch}", "--grad-ckpt" if grad_ckpt else "",
+             "--lora --lora-rank 8 --lora-targets q,v" if lora else "",
+             f"--quantize {quantize}" if quantize else ""]
+    return " ".join([launch, "train.py", *shape_args] + [f for f in flags if f])
 
 
 def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=()):
-    """The lecture's decision flow, each step checked with estimate(). Returns (lines, command or None).
+    """The lecture's decision flow, each step checked with estimate(): (lines, command or None).
     LoRA keeps the ZeRO stage the steps before chose: on ZeRO-3 its frozen base is sharded too."""
-    N, z = world_size, 2 if world_size > 1 else 0
-    est = lambda **k: estimate(cfg, **{"world_size": N, "dtype": dtype, "psi": psi, **k})
-    lines = [f"mixed precision, always: {dtype}" + (" with the loss scaler (this GPU has no bf16)" if dtype == "fp16"
-             else " (Ampere or newer; on older GPUs pass --dtype fp16: fp16 with the loss scaler)")]
+    N = world_size
+
+    def est(**run):
+        return estimate(cfg, **{"world_size": N, "dtype": dtype, "psi": psi, **run})
+
+    scaler = ("with the loss scaler (this GPU has no bf16)" if dtype == "fp16" else
+              "(Ampere or newer; on older GPUs pass --dtype fp16: fp16 with the loss scaler)")
+    lines = [f"mixed precision, always: {dtype} {scaler}"]
     one = est(world_size=1)
-    ok = fits(one, gpu_bytes)
     lines.append(f"batch 1 on one GPU, no ZeRO: peak {one['peak'] / GB:.2f} GB of "
-                 f"{(1 - HEADROOM) * gpu_bytes / GB:.1f} GB usable ({gpu_bytes / GB:.0f} GB less {HEADROOM:.0%}): "
-                 + ("fits" if ok else "does not fit"))
-    if ok:  # (stage, grad_ckpt, LoRA rank, quantize, why)
-        plans = [(z, False, 0, None, f"yes: ZeRO-2 on {N} GPUs (the traffic of data parallelism, less memory) "
-                  "and a larger micro-batch" if N > 1 else "yes: one GPU has nothing to shard; a larger micro-batch")]
+                 f"{(1 - HEADROOM) * gpu_bytes / GB:.1f} GB usable ({gpu_bytes / GB:.0f} GB less "
+                 f"{HEADROOM:.0%}): " + ("fits" if fits(one, gpu_bytes) else "does not fit"))
+    # (ZeRO stage, grad_ckpt, LoRA rank, quantize, why), tried in order until a micro-batch fits
+    if fits(one, gpu_bytes) and N > 1:
+        plans = [(2, False, 0, None, f"yes: ZeRO-2 on {N} GPUs (the traffic of data parallelism, "
+                  "less memory) and a larger micro-batch")]
+    elif fits(one, gpu_bytes):
+        plans = [(0, False, 0, None, "yes: one GPU has nothing to shard; a larger micro-batch")]
     else:
-        plans = [(3, False, 0, None, f"no: ZeRO-3 on {N} GPUs shards the weights too (1.5x the traffic)")] * (N > 1) \
-            + [(3 if N > 1 else 0, True, 0, None, "+ activation checkpointing: each block keeps only its input"),
-               (3 if N > 1 else 0, True, 8, None, "+ LoRA on q,v, r=8: only the adapters train, no gradients or "
-                "Adam moments for the base" + (" (ZeRO-3 still shards it)" if N > 1 else "")),
-               (3 if N > 1 else 0, True, 8, "nf4", "+ QLoRA: the frozen base weights in 4-bit NF4")]
+        z, sharded = (3, " (ZeRO-3 still shards it)") if N > 1 else (0, "")
+        plans = [(3, False, 0, None, f"no: ZeRO-3 on {N} GPUs shards the weights too (1.5x the "
+                  "traffic)")] if N > 1 else []
+        plans += [(z, True, 0, None, "+ activation checkpointing: each block keeps only its input"),
+                  (z, True, 8, None, "+ LoRA on q,v, r=8: only the adapters train, no gradients "
+                   f"or Adam moments for the base{sharded}"),
+                  (z, True, 8, "nf4", "+ QLoRA: the frozen base weights in 4-bit NF4")]
     for stage, ckpt, r, quant, why in plans:
         run = dict(stage=stage, grad_ckpt=ckpt, lora_rank=r, quantize=quant)
         b = max_batch(lambda b: fits(est(batch=b, **run), gpu_bytes))
@@ -326,10 +340,12 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=()):
         if b:
             break
     else:
-        more = next((n for n in (2**k for k in range(13))
-                     if fits(est(world_size=n, stage=3, grad_ckpt=True), gpu_bytes)), 0)
-        lines.append("does not fit: shorten the sequence or take bigger GPUs"
-                     + (f"; a full fine-tune with ZeRO-3 + checkpointing fits on {more} of these GPUs" if more else ""))
+        # would a full fine-tune fit on more of these GPUs?
+        more = [n for n in (2**k for k in range(13))
+                if fits(est(world_size=n, stage=3, grad_ckpt=True), gpu_bytes)]
+        lines.append("does not fit: shorten the sequence or take bigger GPUs" + (
+            f"; a full fine-tune with ZeRO-3 + checkpointing fits on {more[0]} of these GPUs"
+            if more else ""))
     lines = [f"{i + 1}. {line}" for i, line in enumerate(lines)]
     return lines, command(N, shape_args, stage, dtype, b, ckpt, r > 0, quant) if b else None
 
@@ -342,16 +358,29 @@ def table(rows, header):
     """Plain text: the first column and notes (header "") left-aligned, numbers right-aligned."""
     w = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     for r in [header] + rows:
-        print("  " + "  ".join(str(c).ljust(w[i]) if i == 0 or header[i] == "" else str(c).rjust(w[i])
-                               for i, c in enumerate(r)).rstrip())
+        cells = [str(c).ljust(w[i]) if i == 0 or header[i] == "" else str(c).rjust(w[i])
+                 for i, c in enumerate(r)]
+        print("  " + "  ".join(cells).rstrip())
     print()
+
+
+# the lecture's techniques, each on top of the ones above it:
+# (name, dtype, ZeRO stage, activation checkpointing, LoRA rank, quantize)
+TECHNIQUES = [("fp32, Adam", "fp32", 0, False, 0, None),
+              ("bf16 mixed precision", "bf16", 0, False, 0, None),
+              ("+ ZeRO-1", "bf16", 1, False, 0, None), ("+ ZeRO-2", "bf16", 2, False, 0, None),
+              ("+ ZeRO-3", "bf16", 3, False, 0, None),
+              ("+ activation checkpointing", "bf16", 3, True, 0, None),
+              ("LoRA q,v r=8 (ZeRO-3, ckpt)", "bf16", 3, True, 8, None),
+              ("QLoRA nf4 (ZeRO-3, ckpt)", "bf16", 3, True, 8, "nf4")]
 
 
 def lecture():
     print("Bytes per value:")
-    notes = ["", "fp32's 8 exponent bits, 7 of mantissa", "5 exponent bits: needs the loss scaler", "",
-             f"+ an fp32 absmax per 64 values: {QUANT_BYTES['nf4']:g} as we store it"]
-    table([[d, f"{v:g}", note] for (d, v), note in zip(BYTES.items(), notes)], ["dtype", "bytes", ""])
+    notes = {"bf16": "fp32's 8 exponent bits, 7 of mantissa",
+             "fp16": "5 exponent bits: needs the loss scaler",
+             "nf4": f"+ an fp32 absmax per 64 values: {QUANT_BYTES['nf4']:g} as we store it"}
+    table([[d, f"{v:g}", notes.get(d, "")] for d, v in BYTES.items()], ["dtype", "bytes", ""])
     print("Training bytes per parameter with Adam, model_state_bytes(1, ...):")
     f32, b16 = model_state_bytes(1, 0, 1, "fp32"), model_state_bytes(1, 0, 1, "bf16")
     names = {"params": "weights", "grads": "gradients", "master": "fp32 master weights",
@@ -362,12 +391,13 @@ def lecture():
     cfg = shape_for(psi, block=s)
     full = {d: max_batch(lambda b: estimate(cfg, dtype=d, batch=b, psi=psi)["peak"] <= 80 * GB)
             for d in ("fp32", "bf16")}  # the largest micro-batch an 80 GB GPU holds, no headroom
-    print("The 1B example. The lecture notes: 4 bytes to hold a weight + 20 to train it, then 'about 80 GB'.\n"
-          f"The arithmetic: 24 bytes x 1e9 parameters = {24 * psi / GB:.0f} GB, not 80. Weights, gradients and "
-          f"Adam\ntake 16 bytes x 1e9 = {16 * psi / GB:.0f} GB (fp32 and mixed alike); what fills a GPU is "
-          "activations, which\ngrow with batch x sequence, not with parameters. A 1B GPT "
-          f"(L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, vocab {cfg.vocab_size}), {s} tokens,\n"
-          f"one GPU: 80 GB is full at micro-batch {full['fp32']} in fp32, {full['bf16']} in bf16.")
+    print("The 1B example. The lecture notes: 4 bytes to hold a weight + 20 to train it, then "
+          f"'about 80 GB'.\nThe arithmetic: 24 bytes x 1e9 parameters = {24 * psi / GB:.0f} GB, "
+          f"not 80. Weights, gradients and Adam\ntake 16 bytes x 1e9 = {16 * psi / GB:.0f} GB "
+          "(fp32 and mixed alike); what fills a GPU is activations, which\ngrow with batch x "
+          f"sequence, not with parameters. A 1B GPT (L={cfg.n_layer}, h={cfg.n_embd}, "
+          f"a={cfg.n_head}, vocab {cfg.vocab_size}), {s} tokens,\none GPU: 80 GB is full at "
+          f"micro-batch {full['fp32']} in fp32, {full['bf16']} in bf16.")
     rows = []
     for b in (1, 4, 8, 16):
         e32, e16 = estimate(cfg, batch=b, psi=psi), estimate(cfg, dtype="bf16", batch=b, psi=psi)
@@ -376,19 +406,15 @@ def lecture():
     table(rows, ["micro-batch", "activations fp32", "peak fp32", "activations bf16", "peak bf16"])
     print(f"What each technique saves, per GPU (the 1B GPT, micro-batch 8 x {s} tokens):")
     rows = []
-    for name, dt, st, ck, r, q in [
-            ("fp32, Adam", "fp32", 0, 0, 0, None), ("bf16 mixed precision", "bf16", 0, 0, 0, None),
-            ("+ ZeRO-1", "bf16", 1, 0, 0, None), ("+ ZeRO-2", "bf16", 2, 0, 0, None),
-            ("+ ZeRO-3", "bf16", 3, 0, 0, None), ("+ activation checkpointing", "bf16", 3, 1, 0, None),
-            ("LoRA q,v r=8 (ZeRO-3, ckpt)", "bf16", 3, 1, 8, None),
-            ("QLoRA nf4 (ZeRO-3, ckpt)", "bf16", 3, 1, 8, "nf4")]:
-        e1, e8 = (estimate(cfg, n, st, dt, 8, None, ck, r, quantize=q, psi=psi) for n in (1, 8))
-        rows.append([name] + [fmt(x) for x in (e1["state"]["total"], e1["activations"]["total"], e1["peak"],
-                                                e8["state"]["total"], e8["peak"])])
+    for name, dt, st, ck, r, q in TECHNIQUES:
+        e1, e8 = [estimate(cfg, n, st, dt, 8, None, ck, r, quantize=q, psi=psi) for n in (1, 8)]
+        rows.append([name] + [fmt(x) for x in (e1["state"]["total"], e1["activations"]["total"],
+                                                e1["peak"], e8["state"]["total"], e8["peak"])])
     table(rows, ["", "state, 1 GPU", "activations", "peak, 1 GPU", "state, 8 GPUs", "peak, 8 GPUs"])
-    print("Model state on N GPUs: 16 bytes per parameter -> 4 + 12/N (ZeRO-1), 2 + 14/N (ZeRO-2), 16/N (ZeRO-3).\n"
-          "Mixed precision shrinks activations and traffic, not model state. LoRA trains almost nothing; its\n"
-          "frozen base costs 2 bytes per parameter (0.56 in NF4), whole on every GPU up to ZeRO-2, sharded by ZeRO-3.")
+    print("Model state on N GPUs: 16 bytes per parameter -> 4 + 12/N (ZeRO-1), 2 + 14/N (ZeRO-2), "
+          "16/N (ZeRO-3).\nMixed precision shrinks activations and traffic, not model state. LoRA "
+          "trains almost nothing; its\nfrozen base costs 2 bytes per parameter (0.56 in NF4), "
+          "whole on every GPU up to ZeRO-2, sharded by ZeRO-3.")
 
 
 def parse_bytes(text):
@@ -402,44 +428,84 @@ def parse_bytes(text):
         raise ConfigError(f"--gpu-mem {text}: use a size such as 80GB or 24GiB")
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        return lecture()
-    p = OneLineParser(description="Memory per GPU of a nanoZeRO run; no flags: the lecture's tables.",
-                                allow_abbrev=False)
-    p.add_argument("--config", help="a preset from config/: its model, batch size, dtype and --zero")
-    p.add_argument("--params", type=float, help="a bare parameter count, e.g. 1e9 (a GPT shape is assumed)")
+def parse_flags(argv):
+    p = OneLineParser(description="Memory per GPU of a nanoZeRO run; no flags: the lecture's "
+                      "tables.", allow_abbrev=False)
+    add = p.add_argument
+    add("--config", help="a preset from config/: its model, batch size, dtype and --zero")
+    add("--params", type=float, help="a bare parameter count, e.g. 1e9 (a GPT shape is assumed)")
     for name in ("n_layer", "n_embd", "n_head", "vocab", "batch_size", "lora_rank"):
-        p.add_argument("--" + name.replace("_", "-"), type=int)
-    p.add_argument("--block-size", "--seq", dest="block_size", type=int,
-                   help="sequence length: train.py trains on sequences of exactly --block-size tokens")
-    p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--world-size", type=int, default=1, help="GPUs (ranks)")
-    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--grad-ckpt", action="store_true")
-    p.add_argument("--lora", action="store_true", help="LoRA adapters (rank 8 unless --lora-rank)")
-    p.add_argument("--lora-targets", default="q,v", help=f"'all' or some of {','.join(TARGETS)}")
-    p.add_argument("--quantize", choices=tuple(QUANT_BYTES), help="LoRA's frozen base in 4 bits (QLoRA)")
-    p.add_argument("--gpu-mem", default="80GB", help="memory of one GPU, e.g. 80GB, 24GiB")
-    p.add_argument("--advise", action="store_true", help="the lecture's decision flow, ending in a command")
+        add("--" + name.replace("_", "-"), type=int)
+    add("--block-size", "--seq", dest="block_size", type=int,
+        help="sequence length: train.py trains on sequences of exactly --block-size tokens")
+    add("--bias", action=argparse.BooleanOptionalAction, default=None)
+    add("--world-size", type=int, default=1, help="GPUs (ranks)")
+    add("--zero", type=int, choices=(0, 1, 2, 3))
+    add("--dtype", choices=("fp32", "bf16", "fp16"))
+    add("--grad-ckpt", action="store_true")
+    add("--lora", action="store_true", help="LoRA adapters (rank 8 unless --lora-rank)")
+    add("--lora-targets", default="q,v", help=f"'all' or some of {','.join(TARGETS)}")
+    add("--quantize", choices=tuple(QUANT_BYTES), help="LoRA's frozen base in 4 bits (QLoRA)")
+    add("--gpu-mem", default="80GB", help="memory of one GPU, e.g. 80GB, 24GiB")
+    add("--advise", action="store_true", help="the lecture's decision flow, ending in a command")
     a = p.parse_args(argv)
     for name in ("world_size", "batch_size", "lora_rank", "params"):
         if (getattr(a, name) or 1) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-    # train.py's defaults < the preset < these flags; a bare --params gets its shape from shape_for()
-    tc = TrainConfig(**(load_preset(a.config) if a.config else {}))
-    psi = int(a.params) if a.params else None
+    return a
+
+
+def model_from_flags(a, tc, psi):
+    """The model the flags describe (train.py's defaults < the preset < these flags; a bare
+    --params gets its shape from shape_for()): a GPTConfig, and its flags for train.py (the
+    preset and what overrides it, or the whole shape)."""
     vocab = a.vocab or (65 if tc.dataset == "shakespeare_char" and not psi else 50257)
     block = a.block_size or (2048 if psi else tc.block_size)
     base = shape_for(psi, vocab, block) if psi else tc
     shape = {k: getattr(a, k) or getattr(base, k) for k in ("n_layer", "n_embd", "n_head")}
     bias = a.bias if a.bias is not None else (not psi and tc.bias)
     try:
-        cfg = GPTConfig(block_size=block, vocab_size=vocab, bias=bias, dropout=0.0 if psi else tc.dropout, **shape)
-    except ValueError as e:
+        cfg = GPTConfig(block_size=block, vocab_size=vocab, bias=bias,
+                        dropout=0.0 if psi else tc.dropout, **shape)
+    except ValueError as e:  # e.g. a width its heads do not divide
         raise ConfigError(str(e))
+    preset = a.config and not psi
+    flags = [f"--config {a.config}"] if preset else []
+    for k, v in {**shape, "block_size": block}.items():
+        if not preset or getattr(a, k):
+            flags.append(f"--{k.replace('_', '-')} {v}")
+    return cfg, flags + (["--bias"] if bias and not preset else [])
+
+
+def print_estimate(e, cfg, gpu):
+    """estimate()'s answer per GPU, whether it fits, and the activations term by term."""
+    st, act = e["state"], e["activations"]
+    rows = [("weights", st["params"], "working weights (+ the frozen base)"),
+            ("gradients", st["grads"], ""), ("fp32 master weights", st["master"], "16-bit only"),
+            ("Adam moments", st["optimizer"], "fp32 exp_avg, exp_avg_sq"),
+            ("model state", st["total"], "= ZeRO.state_bytes() at start-up"),
+            ("activations", act["total"],
+             f"{cfg.n_layer} layers x {fmt(act['per_layer'])} + the rest, below"),
+            ("ZeRO-3 gathered units", e["gathered"], "root + a block (+ the prefetched one)"),
+            ("step: fp32 grad slice", e["step"], "in the optimizer step, activations freed"),
+            ("peak", e["peak"], "state + max(activations + gathered, step)")]
+    table([[name, fmt(n), note] for name, n, note in rows], ["per GPU", "bytes", ""])
+    print(f"GPU {fmt(gpu)}, {(1 - HEADROOM) * gpu / GB:.2f} GB usable ({HEADROOM:.0%} kept for the "
+          "CUDA context, fragmentation, transient buffers): "
+          + ("fits\n" if fits(e, gpu) else "does NOT fit: try --advise\n"))
+    print("Activations saved for backward, per layer and outside the blocks:")
+    terms = {**act["layer"], **act["outside"]}
+    table([[k, fmt(v)] for k, v in terms.items() if v], ["term", "bytes"])
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        return lecture()
+    a = parse_flags(argv)
+    tc = TrainConfig(**(load_preset(a.config) if a.config else {}))
+    psi = int(a.params) if a.params else None
+    cfg, model_flags = model_from_flags(a, tc, psi)
     try:
         targets = parse_targets(a.lora_targets)
     except ValueError as e:
@@ -447,36 +513,25 @@ def main(argv=None):
     if a.quantize and not a.lora:
         raise ConfigError("--quantize stores LoRA's frozen base in 4 bits: add --lora")
     gpu = parse_bytes(a.gpu_mem)
-    # the command's model flags: the preset and what overrides it, or the whole shape
-    shape_args = ([f"--config {a.config}"] if a.config and not psi else []) \
-        + [f"--{k.replace('_', '-')} {v}" for k, v in {**shape, "block_size": block}.items()
-           if psi or not a.config or getattr(a, k)] + ["--bias"] * (bias and (psi or not a.config))
-    if a.advise:
-        lines, cmd = advise(cfg, a.world_size, gpu, "fp16" if a.dtype == "fp16" else "bf16", psi, shape_args)
-        print("\n".join(lines) + ("\n\n" + cmd if cmd else "")
-              + ("\n(the vocabulary comes from --dataset; a bare --params gets this shape: pass yours)" if psi else ""))
+    if a.advise:  # mixed precision always: bf16 unless fp16 is asked for
+        dtype = "fp16" if a.dtype == "fp16" else "bf16"
+        lines, cmd = advise(cfg, a.world_size, gpu, dtype, psi, model_flags)
+        print("\n".join(lines) + ("\n\n" + cmd if cmd else ""))
+        if psi:
+            print("(the vocabulary comes from --dataset; a bare --params gets this shape: "
+                  "pass yours)")
         return cmd
     dtype, stage = a.dtype or tc.dtype, tc.zero if a.zero is None else a.zero
     batch, r = a.batch_size or (1 if psi else tc.batch_size), (a.lora_rank or 8) if a.lora else 0
-    e = estimate(cfg, a.world_size, stage, dtype, batch, block, a.grad_ckpt, r, targets, a.quantize, psi,
-                 tc.bucket_mb)
-    st, act = e["state"], e["activations"]
-    print(f"GPT: {e['psi']:,} parameters (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, vocab {vocab}, "
-          f"block {block}{', bias' if bias else ''}), {e['trainable']:,} trainable; {dtype}, ZeRO-{stage}, "
-          f"{a.world_size} GPU(s), micro-batch {batch} x {block} tokens" + ", --grad-ckpt" * a.grad_ckpt
-          + (f", LoRA r={r} on {a.lora_targets}" if r else "") + (f", {a.quantize} base" if a.quantize else ""))
-    table([["weights", fmt(st["params"]), "working weights (+ the frozen base)"],
-           ["gradients", fmt(st["grads"]), ""], ["fp32 master weights", fmt(st["master"]), "16-bit only"],
-           ["Adam moments", fmt(st["optimizer"]), "fp32 exp_avg, exp_avg_sq"],
-           ["model state", fmt(st["total"]), "= ZeRO.state_bytes() at start-up"],
-           ["activations", fmt(act["total"]), f"{cfg.n_layer} layers x {fmt(act['per_layer'])} + the rest, below"],
-           ["ZeRO-3 gathered units", fmt(e["gathered"]), "root + a block (+ the prefetched one)"],
-           ["step: fp32 grad slice", fmt(e["step"]), "in the optimizer step, activations freed"],
-           ["peak", fmt(e["peak"]), "state + max(activations + gathered, step)"]], ["per GPU", "bytes", ""])
-    print(f"GPU {fmt(gpu)}, {(1 - HEADROOM) * gpu / GB:.2f} GB usable ({HEADROOM:.0%} kept for the CUDA context, "
-          f"fragmentation, transient buffers): {'fits' if fits(e, gpu) else 'does NOT fit: try --advise'}\n")
-    print("Activations saved for backward, per layer and outside the blocks:")
-    table([[k, fmt(v)] for k, v in {**act["layer"], **act["outside"]}.items() if v], ["term", "bytes"])
+    e = estimate(cfg, a.world_size, stage, dtype, batch, cfg.block_size, a.grad_ckpt, r, targets,
+                 a.quantize, psi, tc.bucket_mb)
+    extras = ((", --grad-ckpt" if a.grad_ckpt else "") + (f", LoRA r={r} on {a.lora_targets}"
+              if r else "") + (f", {a.quantize} base" if a.quantize else ""))
+    print(f"GPT: {e['psi']:,} parameters (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, "
+          f"vocab {cfg.vocab_size}, block {cfg.block_size}{', bias' if cfg.bias else ''}), "
+          f"{e['trainable']:,} trainable; {dtype}, ZeRO-{stage}, {a.world_size} GPU(s), "
+          f"micro-batch {batch} x {cfg.block_size} tokens{extras}")
+    print_estimate(e, cfg, gpu)
     return e
 
 
