@@ -145,8 +145,9 @@ class OneLineParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def parse_args(argv=None):
-    p = OneLineParser(description="Train a GPT with nanoZeRO.", allow_abbrev=False)
+def make_parser(description="Train a GPT with nanoZeRO."):
+    """Every TrainConfig field as a flag (memory.py adds its own flags to the same parser)."""
+    p = OneLineParser(description=description, allow_abbrev=False)
     p.add_argument("--config", help="a preset from config/, e.g. config/shakespeare_char.py")
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -158,7 +159,15 @@ def parse_args(argv=None):
                            help=f.metadata["help"])
     p.add_argument("--bf16", action="store_true", help="shortcut for --dtype bf16")
     p.add_argument("--fp16", action="store_true", help="shortcut for --dtype fp16")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return config_from(make_parser().parse_args(argv))
+
+
+def config_from(args):
+    """The TrainConfig of parsed flags: defaults < the preset < the flags, then checked."""
     values = load_preset(args.config) if args.config else {}
     values.update({k: v for k, v in vars(args).items()
                    if v is not None and k in TrainConfig.__dataclass_fields__})

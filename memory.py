@@ -7,27 +7,25 @@ References:
     layer s*b*h*(34 + 5*a*s/h) bytes of activations in 16 bits, 2*s*b*h with full recomputation
   - Hu et al. 2021, "LoRA"; Dettmers et al. 2023, "QLoRA" (4-bit NF4 base weights)
 
-  python memory.py                                         # the lecture's tables
+  python -m bench.lecture                                  # the lecture's tables, from these
   python memory.py --config config/gpt2_124m.py --dtype bf16 --world-size 8 --zero 2 --gpu-mem 80GB
   python memory.py --params 7e9 --world-size 8 --gpu-mem 80GB --advise  # which flags, as a command
 
 Model state is exact: it counts what zero.py allocates, padding included, and tests/test_memory.py
-holds it equal to ZeRO.state_bytes(). Activations count what saved_activation_bytes (below)
+holds it equal to ZeRO.state_bytes(). Activations count what model.saved_activation_bytes
 measures (tensors saved for backward, weights left out), term by term; on CPU they match to the
 byte. Not estimated: the CUDA context, allocator fragmentation, transient buffers (the logits'
 gradient, communication buckets): --advise keeps HEADROOM of the GPU free for them.
 Sizes are decimal, as the lecture counts them: 1 GB = 1e9 bytes.
 """
-import argparse
 import bisect
 import math
 import sys
-from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
 
-from configurator import ConfigError, TrainConfig, OneLineParser, load_preset
+from configurator import ConfigError, config_from, make_parser
 from lora import TARGETS, apply_lora, parse_targets
 from model import GPT, GPTConfig
 from zero import plan_buckets, zero_formula
@@ -46,17 +44,13 @@ GB = 1e9
 
 
 def param_numels(cfg):
-    """(unit, numel) of every parameter in GPT.named_parameters() order, the tied head counted
-    once (as wte). unit: the block index, or "root" for embeddings and ln_f (ZeRO-3's units)."""
-    h, nb = cfg.n_embd, 2 if cfg.bias else 1  # a LayerNorm has a gain, and a bias if cfg.bias
-    out = [("root", cfg.padded_vocab * h), ("root", cfg.block_size * h)]  # wte (= lm_head), wpe
-    for i in range(cfg.n_layer):
-        for fan_in, fan_out in ((0, 0), (h, 3 * h), (h, h), (0, 0), (h, 4 * h), (4 * h, h)):
-            if fan_in == 0:  # ln_1 / ln_2
-                out += [(i, h)] * nb
-            else:  # c_attn, attn.c_proj, c_fc, mlp.c_proj: weight, then bias
-                out += [(i, fan_in * fan_out)] + ([(i, fan_out)] if cfg.bias else [])
-    return out + [("root", h)] * nb  # ln_f
+    """(unit, numel) of every parameter of model.py's GPT in named_parameters() order (the tied
+    head once, as wte), read off a shapes-only copy. unit: the block index, or "root" for the
+    embeddings and ln_f: ZeRO-3's units."""
+    with torch.device("meta"):  # nothing allocated
+        model = GPT(cfg)
+    return [(int(name.split(".")[2]) if name.startswith("transformer.h.") else "root", p.numel())
+            for name, p in model.named_parameters()]
 
 
 def param_count(n_layer, n_embd, n_head, vocab, block, bias=True, pad_vocab=64):
@@ -182,35 +176,6 @@ def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_
         first = sum(list(layer.values())[start:])
     return {"layer": layer, "outside": outside, "per_layer": per_layer,
             "total": first + (cfg.n_layer - 1) * per_layer + sum(outside.values())}
-
-
-@contextmanager
-def saved_activation_bytes(model, out):
-    """The measurement activation_bytes() predicts: adds to out[0] the bytes autograd keeps for
-    backward during the enclosed forward, every saved tensor's storage once, weights left out.
-    Under activation checkpointing autograd saves almost nothing inside a block; what the
-    checkpoint keeps is the block's input, which the pre-hooks count. Exact on any device: it
-    counts tensors, not allocator pages."""
-    seen = set()
-
-    def count(t):
-        # the weights' addresses now: ZeRO-3 gathers them into fresh memory in each forward
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen and ptr not in weights:
-            seen.add(ptr)
-            out[0] += t.untyped_storage().nbytes()
-
-    def pack(t):
-        count(t)
-        return t
-
-    blocks = model.transformer.h if model.grad_ckpt else []
-    hooks = [b.register_forward_pre_hook(lambda m, args: count(args[0])) for b in blocks]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield
-    for h in hooks:
-        h.remove()
 
 
 def model_state_report(zero, world_size):
@@ -364,59 +329,6 @@ def table(rows, header):
     print()
 
 
-# the lecture's techniques, each on top of the ones above it:
-# (name, dtype, ZeRO stage, activation checkpointing, LoRA rank, quantize)
-TECHNIQUES = [("fp32, Adam", "fp32", 0, False, 0, None),
-              ("bf16 mixed precision", "bf16", 0, False, 0, None),
-              ("+ ZeRO-1", "bf16", 1, False, 0, None), ("+ ZeRO-2", "bf16", 2, False, 0, None),
-              ("+ ZeRO-3", "bf16", 3, False, 0, None),
-              ("+ activation checkpointing", "bf16", 3, True, 0, None),
-              ("LoRA q,v r=8 (ZeRO-3, ckpt)", "bf16", 3, True, 8, None),
-              ("QLoRA nf4 (ZeRO-3, ckpt)", "bf16", 3, True, 8, "nf4")]
-
-
-def lecture():
-    print("Bytes per value:")
-    notes = {"bf16": "fp32's 8 exponent bits, 7 of mantissa",
-             "fp16": "5 exponent bits: needs the loss scaler",
-             "nf4": f"+ an fp32 absmax per 64 values: {QUANT_BYTES['nf4']:g} as we store it"}
-    table([[d, f"{v:g}", notes.get(d, "")] for d, v in BYTES.items()], ["dtype", "bytes", ""])
-    print("Training bytes per parameter with Adam, model_state_bytes(1, ...):")
-    f32, b16 = model_state_bytes(1, 0, 1, "fp32"), model_state_bytes(1, 0, 1, "bf16")
-    names = {"params": "weights", "grads": "gradients", "master": "fp32 master weights",
-             "optimizer": "Adam m and v", "total": "model state"}
-    table([[v, f32[k], b16[k]] for k, v in names.items()] + [["activations", "b*s*h*L", "(below)"]],
-          ["", "fp32", "bf16/fp16 mixed"])
-    psi, s = 10**9, 2048
-    cfg = shape_for(psi, block=s)
-    full = {d: max_batch(lambda b: estimate(cfg, dtype=d, batch=b, psi=psi)["peak"] <= 80 * GB)
-            for d in ("fp32", "bf16")}  # the largest micro-batch an 80 GB GPU holds, no headroom
-    print("The 1B example. The lecture notes: 4 bytes to hold a weight + 20 to train it, then "
-          f"'about 80 GB'.\nThe arithmetic: 24 bytes x 1e9 parameters = {24 * psi / GB:.0f} GB, "
-          f"not 80. Weights, gradients and Adam\ntake 16 bytes x 1e9 = {16 * psi / GB:.0f} GB "
-          "(fp32 and mixed alike); what fills a GPU is activations, which\ngrow with batch x "
-          f"sequence, not with parameters. A 1B GPT (L={cfg.n_layer}, h={cfg.n_embd}, "
-          f"a={cfg.n_head}, vocab {cfg.vocab_size}), {s} tokens,\none GPU: 80 GB is full at "
-          f"micro-batch {full['fp32']} in fp32, {full['bf16']} in bf16.")
-    rows = []
-    for b in (1, 4, 8, 16):
-        e32, e16 = estimate(cfg, batch=b, psi=psi), estimate(cfg, dtype="bf16", batch=b, psi=psi)
-        rows.append([b] + [fmt(x) for x in (e32["activations"]["total"], e32["peak"],
-                                             e16["activations"]["total"], e16["peak"])])
-    table(rows, ["micro-batch", "activations fp32", "peak fp32", "activations bf16", "peak bf16"])
-    print(f"What each technique saves, per GPU (the 1B GPT, micro-batch 8 x {s} tokens):")
-    rows = []
-    for name, dt, st, ck, r, q in TECHNIQUES:
-        e1, e8 = [estimate(cfg, n, st, dt, 8, None, ck, r, quantize=q, psi=psi) for n in (1, 8)]
-        rows.append([name] + [fmt(x) for x in (e1["state"]["total"], e1["activations"]["total"],
-                                                e1["peak"], e8["state"]["total"], e8["peak"])])
-    table(rows, ["", "state, 1 GPU", "activations", "peak, 1 GPU", "state, 8 GPUs", "peak, 8 GPUs"])
-    print("Model state on N GPUs: 16 bytes per parameter -> 4 + 12/N (ZeRO-1), 2 + 14/N (ZeRO-2), "
-          "16/N (ZeRO-3).\nMixed precision shrinks activations and traffic, not model state. LoRA "
-          "trains almost nothing; its\nfrozen base costs 2 bytes per parameter (0.56 in NF4), "
-          "whole on every GPU up to ZeRO-2, sharded by ZeRO-3.")
-
-
 def parse_bytes(text):
     """'80GB' -> 80e9, '24GiB' -> 24 * 2**30 (an '80GB' H100 holds 80 GiB = 85.9 GB)."""
     units = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "TB": 1e12, "GB": 1e9, "MB": 1e6, "B": 1}
@@ -429,41 +341,36 @@ def parse_bytes(text):
 
 
 def parse_flags(argv):
-    p = OneLineParser(description="Memory per GPU of a nanoZeRO run; no flags: the lecture's "
-                      "tables.", allow_abbrev=False)
-    add = p.add_argument
-    add("--config", help="a preset from config/: its model, batch size, dtype and --zero")
-    add("--params", type=float, help="a bare parameter count, e.g. 1e9 (a GPT shape is assumed)")
-    for name in ("n_layer", "n_embd", "n_head", "vocab", "batch_size", "lora_rank"):
-        add("--" + name.replace("_", "-"), type=int)
-    add("--block-size", "--seq", dest="block_size", type=int,
-        help="sequence length: train.py trains on sequences of exactly --block-size tokens")
-    add("--bias", action=argparse.BooleanOptionalAction, default=None)
-    add("--world-size", type=int, default=1, help="GPUs (ranks)")
-    add("--zero", type=int, choices=(0, 1, 2, 3))
-    add("--dtype", choices=("fp32", "bf16", "fp16"))
-    add("--grad-ckpt", action="store_true")
-    add("--lora", action="store_true", help="LoRA adapters (rank 8 unless --lora-rank)")
-    add("--lora-targets", default="q,v", help=f"'all' or some of {','.join(TARGETS)}")
-    add("--quantize", choices=tuple(QUANT_BYTES), help="LoRA's frozen base in 4 bits (QLoRA)")
-    add("--gpu-mem", default="80GB", help="memory of one GPU, e.g. 80GB, 24GiB")
-    add("--advise", action="store_true", help="the lecture's decision flow, ending in a command")
+    """train.py's own flags (a preset, the model, --zero, --dtype, --batch-size, --grad-ckpt,
+    LoRA) and memory.py's: (the parsed flags, their TrainConfig)."""
+    p = make_parser("Memory per GPU of a train.py run with these flags (the lecture's tables: "
+                    "python -m bench.lecture).")
+    p.add_argument("--params", type=float, help="a bare parameter count, e.g. 1e9 (a GPT shape "
+                   "is assumed)")
+    p.add_argument("--vocab", type=int, help="the vocabulary (default: --dataset's, or GPT-2's)")
+    p.add_argument("--world-size", type=int, default=1, help="GPUs (ranks)")
+    p.add_argument("--gpu-mem", default="80GB", help="memory of one GPU, e.g. 80GB, 24GiB")
+    p.add_argument("--advise", action="store_true", help="the lecture's decision flow, ending in "
+                   "a command")
     a = p.parse_args(argv)
-    for name in ("world_size", "batch_size", "lora_rank", "params"):
+    for name in ("world_size", "params", "vocab"):
         if (getattr(a, name) or 1) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-    return a
+    tc = config_from(a)
+    if tc.quantize == "int8":
+        raise ConfigError("memory.py models the nf4 base (QLoRA's): use --quantize nf4")
+    return a, tc
 
 
 def model_from_flags(a, tc, psi):
-    """The model the flags describe (train.py's defaults < the preset < these flags; a bare
-    --params gets its shape from shape_for()): a GPTConfig, and its flags for train.py (the
-    preset and what overrides it, or the whole shape)."""
+    """The model the flags describe (a bare --params gets its shape from shape_for() and 2048
+    tokens): a GPTConfig, and its flags for train.py (the preset and what overrides it, or the
+    whole shape)."""
     vocab = a.vocab or (65 if tc.dataset == "shakespeare_char" and not psi else 50257)
-    block = a.block_size or (2048 if psi else tc.block_size)
+    block = 2048 if psi and a.block_size is None else tc.block_size
     base = shape_for(psi, vocab, block) if psi else tc
     shape = {k: getattr(a, k) or getattr(base, k) for k in ("n_layer", "n_embd", "n_head")}
-    bias = a.bias if a.bias is not None else (not psi and tc.bias)
+    bias = bool(a.bias) if psi else tc.bias
     try:
         cfg = GPTConfig(block_size=block, vocab_size=vocab, bias=bias,
                         dropout=0.0 if psi else tc.dropout, **shape)
@@ -499,37 +406,28 @@ def print_estimate(e, cfg, gpu):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        return lecture()
-    a = parse_flags(argv)
-    tc = TrainConfig(**(load_preset(a.config) if a.config else {}))
+    a, tc = parse_flags(sys.argv[1:] if argv is None else argv)
     psi = int(a.params) if a.params else None
     cfg, model_flags = model_from_flags(a, tc, psi)
-    try:
-        targets = parse_targets(a.lora_targets)
-    except ValueError as e:
-        raise ConfigError(str(e))
-    if a.quantize and not a.lora:
-        raise ConfigError("--quantize stores LoRA's frozen base in 4 bits: add --lora")
     gpu = parse_bytes(a.gpu_mem)
     if a.advise:  # mixed precision always: bf16 unless fp16 is asked for
-        dtype = "fp16" if a.dtype == "fp16" else "bf16"
+        dtype = "fp16" if tc.dtype == "fp16" else "bf16"
         lines, cmd = advise(cfg, a.world_size, gpu, dtype, psi, model_flags)
         print("\n".join(lines) + ("\n\n" + cmd if cmd else ""))
         if psi:
             print("(the vocabulary comes from --dataset; a bare --params gets this shape: "
                   "pass yours)")
         return cmd
-    dtype, stage = a.dtype or tc.dtype, tc.zero if a.zero is None else a.zero
-    batch, r = a.batch_size or (1 if psi else tc.batch_size), (a.lora_rank or 8) if a.lora else 0
-    e = estimate(cfg, a.world_size, stage, dtype, batch, cfg.block_size, a.grad_ckpt, r, targets,
-                 a.quantize, psi, tc.bucket_mb)
-    extras = ((", --grad-ckpt" if a.grad_ckpt else "") + (f", LoRA r={r} on {a.lora_targets}"
-              if r else "") + (f", {a.quantize} base" if a.quantize else ""))
+    batch = tc.batch_size if "batch_size" in tc.explicit or not psi else 1
+    r, targets = (tc.lora_rank if tc.lora else 0), parse_targets(tc.lora_targets)
+    e = estimate(cfg, a.world_size, tc.zero, tc.dtype, batch, cfg.block_size, tc.grad_ckpt, r,
+                 targets, tc.quantize or None, psi, tc.bucket_mb,
+                 fp32_grad_accum=tc.fp32_grad_accum and tc.grad_accum > 1)
+    extras = ((", --grad-ckpt" if tc.grad_ckpt else "") + (f", LoRA r={r} on {tc.lora_targets}"
+              if r else "") + (f", {tc.quantize} base" if tc.quantize else ""))
     print(f"GPT: {e['psi']:,} parameters (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, "
           f"vocab {cfg.vocab_size}, block {cfg.block_size}{', bias' if cfg.bias else ''}), "
-          f"{e['trainable']:,} trainable; {dtype}, ZeRO-{stage}, {a.world_size} GPU(s), "
+          f"{e['trainable']:,} trainable; {tc.dtype}, ZeRO-{tc.zero}, {a.world_size} GPU(s), "
           f"micro-batch {batch} x {cfg.block_size} tokens{extras}")
     print_estimate(e, cfg, gpu)
     return e

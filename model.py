@@ -12,6 +12,7 @@ carries is activation checkpointing in the block loop, because only the block lo
 knows where a block starts and ends.
 """
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -249,6 +250,35 @@ class GPT(nn.Module):
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
 
+
+
+@contextmanager
+def saved_activation_bytes(model, out):
+    """What memory.activation_bytes() predicts, measured: adds to out[0] the bytes autograd keeps for
+    backward during the enclosed forward, every saved tensor's storage once, weights left out.
+    Under activation checkpointing autograd saves almost nothing inside a block; what the
+    checkpoint keeps is the block's input, which the pre-hooks count. Exact on any device: it
+    counts tensors, not allocator pages."""
+    seen = set()
+
+    def count(t):
+        # the weights' addresses now: ZeRO-3 gathers them into fresh memory in each forward
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen and ptr not in weights:
+            seen.add(ptr)
+            out[0] += t.untyped_storage().nbytes()
+
+    def pack(t):
+        count(t)
+        return t
+
+    blocks = model.transformer.h if model.grad_ckpt else []
+    hooks = [b.register_forward_pre_hook(lambda m, args: count(args[0])) for b in blocks]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+    for h in hooks:
+        h.remove()
 
 # Dense peak TFLOP/s per GPU from the vendors' data sheets, for MFU: (name as
 # torch.cuda.get_device_name gives it, 16-bit (bf16 / fp16), TF32 (fp32 matmuls with TF32 on, as

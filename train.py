@@ -37,8 +37,8 @@ from checkpoint import CheckpointError
 from configurator import ConfigError, grad_accum_for, parse_args
 from data.loader import Batches, get_batch, load_data
 from lora import adapter_state, apply_lora, base_fingerprint, parse_targets, save_adapter
-from memory import model_state_report, saved_activation_bytes
-from model import GPT, GPTConfig, peak_flops
+from memory import model_state_report
+from model import GPT, GPTConfig, peak_flops, saved_activation_bytes
 from precision import GradScaler, grad_zero_frac, resolve_dtype
 from quant import quantize_base
 from zero import Traffic, ZeRO, all_reduce_sum, replica_digest, traffic_formula

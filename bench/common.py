@@ -20,9 +20,10 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from memory import saved_activation_bytes
+from model import saved_activation_bytes
 from precision import DTYPES
-from train import build, get_batch, get_lr
+from data.loader import get_batch
+from train import build, get_lr
 from zero import Traffic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -28,7 +28,8 @@ from bench.common import (ROOT, Stopwatch, adamw, comma_list, command, parser, p
                           table)
 from configurator import TrainConfig, load_preset
 from model import GPT
-from train import get_batch, get_lr, model_config
+from data.loader import get_batch
+from train import get_lr, model_config
 
 PRESET = "config/shakespeare_char_cpu.py"
 EVAL_ITERS = 200  # validation batches each final model is scored on

@@ -13,8 +13,8 @@ from conftest import run_distributed
 from configurator import parse_args
 from conftest import make_zero
 from memory import (activation_bytes, advise, bucket_sizes, estimate, main, model_state_bytes,
-                    param_count, param_numels, saved_activation_bytes)
-from model import GPT, GPTConfig
+                    param_count, param_numels)
+from model import GPT, GPTConfig, saved_activation_bytes
 from zero import zero_formula
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -171,7 +171,8 @@ def test_checkpointing_is_korthikanti_2sbh():
 
 
 def test_lecture_tables(capsys):
-    main([])
+    from bench.lecture import lecture
+    lecture()
     out = capsys.readouterr().out
     for text in ("Bytes per value", "nf4      0.5", "24 bytes x 1e9 parameters = 24 GB, not 80",
                  "16 bytes x 1e9 = 16 GB", "+ ZeRO-3", "+ activation checkpointing", "QLoRA"):
@@ -179,13 +180,17 @@ def test_lecture_tables(capsys):
 
 
 def test_cli_estimate(capsys):
-    e = main(["--config", "gpt2_124m", "--dtype", "bf16", "--world-size", "8", "--zero", "2",
-              "--gpu-mem", "80GB"])
+    """memory.py takes train.py's own flags: the preset's --grad-accum 5 in bf16 accumulates in
+    fp32 (train.py's default), 2 more bytes per gradient element than the paper's 16-bit ones."""
+    flags = ["--config", "gpt2_124m", "--dtype", "bf16", "--world-size", "8", "--zero", "2",
+             "--gpu-mem", "80GB"]
+    e = main(flags + ["--no-fp32-grad-accum"])
     out = capsys.readouterr().out
     assert "124,475,904 parameters" in out and "fits" in out and "log-softmax" in out
     psi = 124_475_904  # GPT-2 124M with its vocabulary padded to 50,304
     assert e["state"]["total"] == pytest.approx(zero_formula(psi, 2, 8, torch.bfloat16)["total"],
                                                 rel=1e-6)
+    assert main(flags)["state"]["grads"] == e["state"]["grads"] * 2  # fp32: 4 bytes, not 2
     with pytest.raises(memory.ConfigError):
         main(["--params", "1e9", "--gpu-mem", "80XB"])
     with pytest.raises(memory.ConfigError):
@@ -210,3 +215,20 @@ def test_advise_prints_a_command_train_py_accepts(capsys):
     assert cmd.endswith("--grad-ckpt --lora --lora-rank 8 --lora-targets q,v --quantize nf4")
     lines, cmd = advise(memory.shape_for(70e9), 1, 24e9, psi=int(70e9))
     assert cmd is None and "does not fit" in lines[-1]
+
+
+def test_zero3_activations_count_no_weights():
+    """Under ZeRO-3 each forward gathers a block's weights into fresh memory: the counter must
+    still know them for weights, so that every stage measures the same activations."""
+    measured = []
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**SMALL))
+        zero = make_zero(model, stage)
+        x = torch.randint(0, SMALL["vocab_size"], (2, SMALL["block_size"]))
+        out = [0]
+        with saved_activation_bytes(model, out):
+            loss = model(x, x)[1]
+        zero.backward(loss)
+        measured.append(out[0])
+    assert measured[0] == measured[1] > 0

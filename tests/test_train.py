@@ -157,7 +157,7 @@ def test_two_rank_bf16_zero2_matches_zero0_and_one_process(data_root, tmp_path):
 def test_grad_ckpt_saves_at_least_two_thirds_of_activation_memory():
     """Saved-tensor bytes on the CPU preset: with --grad-ckpt at most a third of those without."""
     from configurator import TrainConfig
-    from memory import saved_activation_bytes
+    from model import saved_activation_bytes
     from model import GPT, GPTConfig
     cfg = TrainConfig()
     torch.manual_seed(0)
