@@ -28,15 +28,20 @@ TARGETS = ("q", "k", "v", "attn_out", "mlp_fc", "mlp_proj")
 
 
 class AdapterError(Exception):
-    """An adapter file that does not fit this model (another base, other shapes) or is unreadable."""
+    """An adapter file that is unreadable or does not fit this model (other base, other shapes)."""
 
 
 def parse_targets(spec):
     """'q,v' | 'all' | ('q', 'v') -> a tuple of names from TARGETS, in TARGETS' order."""
-    names = TARGETS if spec == "all" else [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec)]
+    if spec == "all":
+        names = TARGETS
+    else:
+        parts = spec.split(",") if isinstance(spec, str) else spec
+        names = [s.strip() for s in parts]
     bad = [n for n in names if n not in TARGETS]
     if bad or not names:
-        raise ValueError(f"unknown LoRA target(s) {bad or spec!r}: use 'all' or a comma list of {', '.join(TARGETS)}")
+        raise ValueError(f"unknown LoRA target(s) {bad or spec!r}: "
+                         f"use 'all' or a comma list of {', '.join(TARGETS)}")
     return tuple(t for t in TARGETS if t in names)
 
 
@@ -62,9 +67,11 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         k, s = sum(slices), out_f // len(slices)  # adapted slices, rows per slice
         dev = weight.codes.device if isinstance(weight, QuantizedWeight) else weight.device
-        A = nn.init.kaiming_uniform_(torch.empty(k * r, in_f, device=dev), a=math.sqrt(5))  # as nn.Linear
-        self.lora_A = nn.Parameter(A.to(weight.dtype))  # (k*r, in), drawn in fp32 for any dtype
-        self.lora_B = nn.Parameter(torch.zeros(k * s, r, device=dev, dtype=weight.dtype))  # (k*s, r)
+        A = torch.empty(k * r, in_f, device=dev)  # drawn in fp32 for any dtype
+        nn.init.kaiming_uniform_(A, a=math.sqrt(5))  # as nn.Linear
+        self.lora_A = nn.Parameter(A.to(weight.dtype))  # (k*r, in)
+        B = torch.zeros(k * s, r, device=dev, dtype=weight.dtype)
+        self.lora_B = nn.Parameter(B)  # (k*s, r)
         self.merged = False
 
     def _place(self, parts, zero, dim):
@@ -87,7 +94,7 @@ class LoRALinear(nn.Module):
         """(alpha/r) B @ A in its slices, in fp32: (out, in), zero rows where no adapter is."""
         if self.lora_A.untyped_storage().nbytes() == 0:
             raise RuntimeError("the LoRA weights are a freed ZeRO-3 shard: merge a gathered copy "
-                               "(a model loaded from zero.full_state_dict(model))")
+                               "(a model loaded from checkpoint.state_dict(zero, model))")
         A, B = self.lora_A.float(), self.lora_B.float()
         k, r, s = sum(self.slices), self.r, B.shape[0] // sum(self.slices)
         return self._place([B[i * s:(i + 1) * s] @ A[i * r:(i + 1) * r] for i in range(k)],
@@ -98,9 +105,11 @@ class LoRALinear(nn.Module):
         """W += (alpha/r) B @ A in place, in fp32 and cast back to W's dtype; forward then skips
         the LoRA path (inference at the base's cost). unmerge() subtracts it again."""
         if isinstance(self.weight, QuantizedWeight):
-            raise RuntimeError("cannot merge into a quantized base: requantizing would lose the delta")
+            raise RuntimeError("cannot merge into a quantized base: "
+                               "requantizing would lose the delta")
         if self.merged != (sign > 0):
-            self.weight.copy_((self.weight.float() + sign * self.delta_weight()).to(self.weight.dtype))
+            w = self.weight.float() + sign * self.delta_weight()  # in fp32
+            self.weight.copy_(w.to(self.weight.dtype))
             self.merged = sign > 0
 
     def unmerge(self):
@@ -126,7 +135,8 @@ def apply_lora(model, rank=8, alpha=1.0, dropout=0.0, targets=("q", "v")):
     for p in model.parameters():
         p.requires_grad_(False)
     qkv = tuple(t in targets for t in ("q", "k", "v"))  # which slices of the fused c_attn
-    slices = dict(zip(LINEARS, [qkv] + [(t in targets,) for t in ("attn_out", "mlp_fc", "mlp_proj")]))
+    slices = {"attn.c_attn": qkv, "attn.c_proj": ("attn_out" in targets,),
+              "mlp.c_fc": ("mlp_fc" in targets,), "mlp.c_proj": ("mlp_proj" in targets,)}
     names = []
     for i, block in enumerate(model.transformer.h):
         for name in (n for n in LINEARS if any(slices[n])):
@@ -165,13 +175,15 @@ def remove_adapter(model):
 # Adapter files
 
 def adapter_state(state_dict):
-    """The LoRA tensors of a full state dict. Under ZeRO-3 pass zero.full_state_dict(model): the
-    model's own LoRA parameters are freed shards there (PITFALLS 10, the shape-[0] adapter)."""
+    """The LoRA tensors of a full state dict. Under ZeRO-3 pass checkpoint.state_dict(zero,
+    model): the model's own LoRA parameters are freed shards there, and an adapter saved from
+    them would hold shape-[0] tensors instead of the trained weights."""
     out = {}
     for k, t in state_dict.items():
         if "lora_" in k:
             if t.untyped_storage().nbytes() == 0:
-                raise AdapterError(f"{k} has no storage (a ZeRO-3 shard): use zero.full_state_dict(model)")
+                raise AdapterError(f"{k} has no storage (a ZeRO-3 shard): "
+                                   "use checkpoint.state_dict(zero, model)")
             out[k] = t.detach().cpu().clone()
     return out
 
@@ -179,7 +191,7 @@ def adapter_state(state_dict):
 def base_fingerprint(model_or_state_dict):
     """Short sha256 of the base: every non-LoRA tensor's name, shape and fp32 bytes. Quantized
     buffers belong to the base (an adapter trained on an NF4 base matches only that NF4 base);
-    integer codes survive fp32 exactly, so zero.full_state_dict's fp32 copies hash the same."""
+    integer codes survive fp32 exactly, so an fp32 copy of the base hashes the same."""
     sd = model_or_state_dict
     sd = sd.state_dict() if isinstance(sd, nn.Module) else sd
     return fingerprint_tensors((k, sd[k]) for k in sorted(k for k in sd if "lora_" not in k))
@@ -219,9 +231,11 @@ def load_adapter(model, path):
             lora = {k: f.get_tensor(k) for k in f.keys()}
         settings, fp = json.loads(meta["settings"]), meta["base_fingerprint"]
     except Exception as e:
-        raise AdapterError(f"{path}: not a readable adapter file ({type(e).__name__}: {e})".splitlines()[0])
-    if fp != base_fingerprint(model):
-        raise AdapterError(f"{path} was trained on base {fp}, this model is base {base_fingerprint(model)}")
+        message = f"{path}: not a readable adapter file ({type(e).__name__}: {e})"
+        raise AdapterError(message.splitlines()[0])
+    base = base_fingerprint(model)
+    if fp != base:
+        raise AdapterError(f"{path} was trained on base {fp}, this model is base {base}")
     have = getattr(model, "lora_settings", None)
     if have is None:
         apply_lora(model, **settings)

@@ -21,9 +21,10 @@ LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # per block;
 
 
 def nf4_code():
-    """The 16 NF4 values (QLoRA appendix E; bitsandbytes' create_normal_map): N(0, 1) quantiles at
-    evenly spaced probabilities, 8 positive and 7 negative so that 0 is exact (4 bits cannot be
-    symmetric and hold 0), the outermost at p = 0.9677 since p = 1 is infinite; scaled to [-1, 1]."""
+    """The 16 NF4 values (QLoRA appendix E; bitsandbytes' create_normal_map): N(0, 1) quantiles
+    at evenly spaced probabilities, 8 positive and 7 negative so that 0 is exact (4 bits
+    cannot be symmetric and hold 0), the outermost at p = 0.9677 since p = 1 is infinite;
+    scaled to [-1, 1]."""
     p = lambda n: torch.linspace(0.9677083, 0.5, n, dtype=torch.float64)[:-1]
     v = torch.cat([torch.special.ndtri(p(9)), -torch.special.ndtri(p(8)),
                    torch.zeros(1, dtype=torch.float64)])

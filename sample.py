@@ -10,10 +10,11 @@ Generate text from a checkpoint that train.py wrote, or from a Hugging Face GPT-
 
 The checkpoint (a folder in either of checkpoint.py's formats, or one file holding model,
 model_args and meta) carries everything needed: the weights (fp32, model.py's names), the
-GPTConfig arguments and the data's meta.json (hence the tokenizer). It is read with weights_only=True:
-tensors and plain data only, so a checkpoint from elsewhere can never run code when loaded
-(nanoGPT's pickled ckpt.pt and meta.pkl could). A Hugging Face GPT-2 (config.json beside
-safetensors) carries its shape in config.json and speaks GPT-2 BPE (tiktoken).
+GPTConfig arguments and the data's meta.json (hence the tokenizer). It is read with
+weights_only=True: tensors and plain data only, so a checkpoint from elsewhere can never run
+code when loaded (nanoGPT's pickled ckpt.pt and meta.pkl could). A Hugging Face GPT-2
+(config.json beside safetensors) carries its shape in config.json and speaks GPT-2 BPE
+(tiktoken).
 """
 import argparse
 import os
@@ -34,25 +35,41 @@ class SampleError(Exception):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="sample.py", description="Generate text from a checkpoint of train.py.",
+    p = argparse.ArgumentParser(prog="sample.py",
+                                description="Generate text from a checkpoint of train.py.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out-dir", default="out", help="use the newest checkpoint in train.py's --out-dir")
+    # where the model comes from: a run's newest checkpoint, a given one, or Hugging Face
+    p.add_argument("--out-dir", default="out",
+                   help="use the newest checkpoint in train.py's --out-dir")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--ckpt", default=None, metavar="PATH", help="a checkpoint folder or file, "
-                     "or a Hugging Face folder (overrides --out-dir)")
-    src.add_argument("--init-from", default=None, metavar="MODEL", help="a Hugging Face GPT-2: "
-                     "gpt2 | gpt2-medium | gpt2-large | gpt2-xl, or a folder")
-    p.add_argument("--adapter", default=None, metavar="PATH", help="a LoRA adapter (train.py "
-                   "--lora writes OUT_DIR/adapter.safetensors) to load onto the base and merge")
-    p.add_argument("--start", default="\n", help='the prompt; "FILE:prompt.txt" reads it from a file '
-                                                  "(default: %(default)r)")
-    p.add_argument("--num-samples", type=int, default=3, metavar="N", help="samples to draw")
-    p.add_argument("--max-new-tokens", type=int, default=500, metavar="N", help="tokens after the prompt")
-    p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="<1 safer, >1 wilder, 0 greedy")
-    p.add_argument("--top-k", type=int, default=200, metavar="K", help="draw from the K likeliest; 0 = all")
-    p.add_argument("--seed", type=int, default=1337, help="same seed, checkpoint and flags: same text")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if visible")
-    p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16: the weights while sampling")
+    src.add_argument("--ckpt", default=None, metavar="PATH",
+                     help="a checkpoint folder or file, or a Hugging Face folder "
+                          "(overrides --out-dir)")
+    src.add_argument("--init-from", default=None, metavar="MODEL",
+                     help="a Hugging Face GPT-2: gpt2 | gpt2-medium | gpt2-large | gpt2-xl, "
+                          "or a folder")
+    p.add_argument("--adapter", default=None, metavar="PATH",
+                   help="a LoRA adapter (train.py --lora writes OUT_DIR/adapter.safetensors) "
+                        "to load onto the base and merge")
+    # what to generate
+    p.add_argument("--start", default="\n",
+                   help='the prompt; "FILE:prompt.txt" reads it from a file '
+                        "(default: %(default)r)")
+    p.add_argument("--num-samples", type=int, default=3, metavar="N",
+                   help="samples to draw")
+    p.add_argument("--max-new-tokens", type=int, default=500, metavar="N",
+                   help="tokens after the prompt")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                   help="<1 safer, >1 wilder, 0 greedy")
+    p.add_argument("--top-k", type=int, default=200, metavar="K",
+                   help="draw from the K likeliest; 0 = all")
+    p.add_argument("--seed", type=int, default=1337,
+                   help="same seed, checkpoint and flags: same text")
+    # where and in what precision
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda if visible")
+    p.add_argument("--dtype", default="fp32",
+                   help="fp32 | bf16 | fp16: the weights while sampling")
     args = p.parse_args(argv)
     if args.num_samples < 1:
         p.error("--num-samples must be at least 1")
@@ -71,7 +88,8 @@ def load_checkpoint(path):
     if os.path.isdir(path):
         try:
             reader = Reader(path)
-            return {"model": reader.weights(), "model_args": reader.header["model_args"], "meta": reader.header["meta"]}
+            return {"model": reader.weights(), "model_args": reader.header["model_args"],
+                    "meta": reader.header["meta"]}
         except CheckpointError as e:
             raise SampleError(str(e))
     if not os.path.isfile(path):
@@ -79,14 +97,18 @@ def load_checkpoint(path):
                           f"`python train.py --out-dir {os.path.dirname(path) or '.'}`")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch's messages run over many lines: keep the one that names the cause
-        # weights_only refuses any global outside its allow-list ("Trying to load unsupported GLOBAL ...")
+    except Exception as e:
+        # torch's messages run over many lines: keep the one that names the cause. weights_only
+        # refuses any global outside its allow-list ("Trying to load unsupported GLOBAL ...")
         why = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), None)
         if why:
-            raise SampleError(f"refused {path}: it holds Python objects, which could run code ({why})")
-        raise SampleError(f"cannot read {path}: truncated, corrupt or not a checkpoint ({type(e).__name__})")
+            raise SampleError(f"refused {path}: it holds Python objects, "
+                              f"which could run code ({why})")
+        raise SampleError(f"cannot read {path}: truncated, corrupt or not a checkpoint "
+                          f"({type(e).__name__})")
     if not isinstance(ckpt, dict) or not {"model", "model_args", "meta"} <= ckpt.keys():
-        raise SampleError(f"{path} is not a checkpoint of train.py (it needs model, model_args and meta)")
+        raise SampleError(f"{path} is not a checkpoint of train.py "
+                          "(it needs model, model_args and meta)")
     return ckpt
 
 
@@ -120,7 +142,8 @@ def sample(args):
         model.load_weights(ckpt["model"])  # strict: every name and shape must match model.py
     except (TypeError, ValueError, RuntimeError) as e:
         raise SampleError("checkpoint does not fit model.py: " + " ".join(str(e).split()))
-    if args.adapter:  # base + adapter, merged: W0 + B·A·alpha/r, so sampling costs what the base costs
+    # base + adapter, merged: W0 + B·A·alpha/r, so sampling costs what the base costs
+    if args.adapter:
         load_adapter(model, args.adapter)  # checks the base fingerprint and every shape
         merge_lora(model)
     model.eval().to(device=device, dtype=dtype)  # eval: no dropout

@@ -1,7 +1,8 @@
 # GPT-2 small (124M parameters) on GPT-2 BPE tokens. On 8 GPUs, ~0.5M tokens per step:
 #   torchrun --nproc_per_node=8 train.py --config config/gpt2_124m.py --bf16 --zero 2
 # With the shakespeare data set it overfits quickly; bring a larger corpus with
-#   python data/prepare.py --input corpus.txt --tokenizer gpt2 --name mycorpus  (then --dataset mycorpus)
+#   python data/prepare.py --input corpus.txt --tokenizer gpt2 --name mycorpus
+# and train on it with --dataset mycorpus.
 out_dir = "out-gpt2-124m"
 dataset = "shakespeare"
 n_layer = 12

