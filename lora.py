@@ -1,7 +1,7 @@
 """
 LoRA adapters, put into a built GPT from outside.
 
-  - Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models": freeze W and learn
+  - Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", Sec. 4.1: freeze W, learn
     W + (alpha/r) B @ A, A (r, in) random and B (out, r) zero, so training starts at exactly W.
   - microsoft/loralib's MergedLinear: adapters on some slices of the fused q|k|v projection only.
   - QLoRA's quantized frozen base is quant.py; a LoRALinear computes with either kind of weight.

@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from configurator import ConfigError, config_from, make_parser
+from configurator import ConfigError, config_from, grad_accum_for, make_parser
 from lora import TARGETS, apply_lora, parse_targets
 from model import GPT, GPTConfig
 from zero import plan_buckets, zero_formula
@@ -267,7 +267,7 @@ def command(world_size, shape_args, stage, dtype, batch, grad_ckpt=False, lora=F
     return " ".join([launch, "train.py", *shape_args] + [f for f in flags if f])
 
 
-def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=()):
+def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), batch_tokens=0):
     """The lecture's decision flow, each step checked with estimate(): (lines, command or None).
     LoRA keeps the ZeRO stage the steps before chose: on ZeRO-3 its frozen base is sharded too."""
     N = world_size
@@ -299,6 +299,9 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=()):
     for stage, ckpt, r, quant, why in plans:
         run = dict(stage=stage, grad_ckpt=ckpt, lora_rank=r, quantize=quant)
         b = max_batch(lambda b: fits(est(batch=b, **run), gpu_bytes))
+        if batch_tokens:  # --batch-tokens: a micro-batch whose global micro-step divides it
+            per_b = cfg.block_size * N
+            b = max([d for d in range(1, b + 1) if batch_tokens % (d * per_b) == 0], default=0)
         peak = est(batch=max(b, 1), **run)["peak"] / GB
         lines.append(f"{why}: " + (f"micro-batch up to {b} fits (peak {peak:.2f} GB)" if b
                                    else f"batch 1 needs {peak:.2f} GB"))
@@ -412,7 +415,7 @@ def main(argv=None):
     gpu = parse_bytes(a.gpu_mem)
     if a.advise:  # mixed precision always: bf16 unless fp16 is asked for
         dtype = "fp16" if tc.dtype == "fp16" else "bf16"
-        lines, cmd = advise(cfg, a.world_size, gpu, dtype, psi, model_flags)
+        lines, cmd = advise(cfg, a.world_size, gpu, dtype, psi, model_flags, tc.batch_tokens)
         print("\n".join(lines) + ("\n\n" + cmd if cmd else ""))
         if psi:
             print("(the vocabulary comes from --dataset; a bare --params gets this shape: "
@@ -422,7 +425,7 @@ def main(argv=None):
     r, targets = (tc.lora_rank if tc.lora else 0), parse_targets(tc.lora_targets)
     e = estimate(cfg, a.world_size, tc.zero, tc.dtype, batch, cfg.block_size, tc.grad_ckpt, r,
                  targets, tc.quantize or None, psi, tc.bucket_mb,
-                 fp32_grad_accum=tc.fp32_grad_accum and tc.grad_accum > 1)
+                 fp32_grad_accum=tc.fp32_grad_accum and grad_accum_for(tc, a.world_size) > 1)
     extras = ((", --grad-ckpt" if tc.grad_ckpt else "") + (f", LoRA r={r} on {tc.lora_targets}"
               if r else "") + (f", {tc.quantize} base" if tc.quantize else ""))
     print(f"GPT: {e['psi']:,} parameters (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, "

@@ -1,7 +1,8 @@
 """Mixed precision: the 16-bit dtypes and a dynamic loss scaler.
 
-Micikevicius et al. 2018, "Mixed Precision Training" (ICLR): (1) the optimizer updates an fp32
-master copy of the weights (an update below ~2^-11 of a weight rounds away in fp16, ~2^-8 in bf16);
+Micikevicius et al. 2018, "Mixed Precision Training" (ICLR), Sec. 3: (1) the optimizer updates an
+fp32 master copy of the weights (an update below ~2^-11 of a weight rounds away in fp16, ~2^-8 in
+bf16);
 (2) loss scaling: fp16 has 5 exponent bits, so gradients below 2^-24 flush to zero; multiplying the
 loss by S shifts every gradient up by S (chain rule), dividing by S in fp32 before the update undoes
 it; (3) sums (layer norm, softmax, loss, gradient reductions) accumulate in fp32. The masters live

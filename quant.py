@@ -2,10 +2,10 @@
 Quantized storage of a frozen weight: int8 absmax rows, NF4 blocks, double quantization.
 
   - Dettmers et al. 2022, "LLM.int8()": symmetric absmax quantization, one scale per row.
-  - Dettmers et al. 2023, "QLoRA": the frozen base as 4-bit NormalFloat (NF4) in blocks of 64
-    with one absmax scale each; the scales themselves quantized to 8 bits ("double
-    quantization"); dequantized on the fly in forward and backward, so that a 4-bit base
-    computes in 16 bits and gets no gradient.
+  - Dettmers et al. 2023, "QLoRA", Sec. 3: the frozen base as 4-bit NormalFloat (NF4) in
+    blocks of 64 with one absmax scale each; the scales themselves quantized to 8 bits
+    ("double quantization"); dequantized on the fly in forward and backward, so that a 4-bit
+    base computes in 16 bits and gets no gradient.
 
 A QuantizedWeight holds only buffers (no parameters: no gradient, no optimizer state, not in
 ZeRO's gradient buckets; ZeRO-3 shards them with their block like any frozen tensor).

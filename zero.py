@@ -2,7 +2,8 @@
 Data parallelism and ZeRO stages 0, 1 and 2, written on raw torch.distributed collectives.
 Stage 3, which shards the parameters themselves, extends this engine in zero3.py.
 
-Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models".
+Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+Sec. 5 (ZeRO-DP: P_os, P_os+g, P_os+g+p) and Sec. 7 (their communication volume).
 With mixed-precision Adam every parameter costs 2 (16-bit weight) + 2 (16-bit gradient) + 12
 (fp32 master weight, Adam's two moments) = 16 bytes, and plain data parallelism keeps all 16
 on every one of N ranks. ZeRO partitions the redundant parts:

@@ -9,6 +9,7 @@ also says how each one measures. Run them from the repository root, one at a tim
     python -m bench.gpu         GPT-2 124M on one GPU: ms/iter, MFU, peak memory (--tiny on a CPU)
     python -m bench.nanogpt     our step time beside nanoGPT's own train.py (--nanogpt PATH)
     python -m bench.plots       redraw figures/ from a saved costs run
+    python -m bench.accum       bf16 gradient accumulation in bf16 and in fp32, beside fp32
     python -m bench.lecture     the lecture's memory tables, computed by memory.py (not timed)
 
 `python bench/NAME.py` works too. bench/common.py holds what they share.

@@ -1,4 +1,4 @@
-# GPT-2 small (124M parameters) on GPT-2 BPE tokens. On 8 GPUs, ~0.5M tokens per step:
+# GPT-2 small (124M parameters) on GPT-2 BPE tokens, ~0.5M tokens per step on any number of GPUs:
 #   torchrun --nproc_per_node=8 train.py --config config/gpt2_124m.py --bf16 --zero 2
 # With the shakespeare data set it overfits quickly; bring a larger corpus with
 #   python data/prepare.py --input corpus.txt --tokenizer gpt2 --name mycorpus
@@ -10,7 +10,7 @@ n_head = 12
 n_embd = 768
 block_size = 1024
 batch_size = 12
-grad_accum = 5
+batch_tokens = 491520  # ~0.5M tokens a step, as GPT-2: 5 micro-steps on 8 GPUs, 40 on 1
 dropout = 0.0
 bias = True
 learning_rate = 6e-4

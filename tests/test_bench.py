@@ -148,7 +148,7 @@ def test_our_step_is_train_py_step(data_root, tmp_path, dtype):
             "--batch-size", "4", "--eval-iters", "1", "--eval-interval", "100", "--max-iters", "4",
             "--log-interval", "1", "--warmup-iters", "2", "--learning-rate", "3e-3",
             "--data-root", data_root, "--dataset", "tiny", "--dtype", dtype,
-            "--out-dir", str(tmp_path)]
+            "--out-dir", str(tmp_path), "--device", "cpu"]
     main(argv)
     with open(tmp_path / "metrics.jsonl") as f:
         logged = [r["loss"] for r in map(json.loads, f) if "loss" in r]

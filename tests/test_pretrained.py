@@ -34,7 +34,7 @@ transformers = pytest.importorskip("transformers", reason="pip install -r requir
 peft = pytest.importorskip("peft", reason="pip install -r requirements-test.txt")
 
 IDX = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
-RUN = ["--dataset", "bpe", "--batch-size", "2", "--eval-iters", "2", "--eval-interval", "100",
+RUN = ["--device", "cpu", "--dataset", "bpe", "--batch-size", "2", "--eval-iters", "2", "--eval-interval", "100",
        "--log-interval", "1", "--max-iters", "3", "--warmup-iters", "0"]
 
 
