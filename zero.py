@@ -279,9 +279,8 @@ class ZeRO:
             self.next_bucket += 1
 
     def _reduce(self, b):
-        """Launch bucket b's gradient collective. Every gradient is divided by N first: the
-        sum over ranks is then the mean, and in 16 bits a sum of N gradients cannot overflow
-        half way through the reduction."""
+        """Launch bucket b's gradient collective, each gradient divided by N first: the sum over
+        ranks is then the mean, and a 16-bit sum of N gradients cannot overflow on the way."""
         N = self.world_size
         if self.stage == 0:  # plain data parallelism: every rank gets the whole sum
             b.flat_grad.div_(N)
@@ -293,14 +292,17 @@ class ZeRO:
             work = reduce_scatter_grads(reduced, b.flat_grad, self.traffic, N, self.group)
             self.in_flight.append((work, reduced, b.flat_grad[b.lo:b.hi]))
         else:
-            # ZeRO-2: the gradients go into a temporary flat buffer and are freed; only this
-            # rank's reduced slice survives. It reduces every micro-step and accumulates in the
-            # slice: full gradients kept to the last micro-step are what stage 2 shards away
-            flat = torch.zeros_like(b.flat)
+            # ZeRO-2: the gradients go into a temporary flat buffer, freed after the reduce-
+            # scatter: only this rank's slice survives, summed over micro-steps (never 2Ψ held)
+            flat = torch.empty_like(b.flat)
             for p, offset in zip(b.params, b.offsets):
-                if p.grad is not None:  # None: the parameter was unused in this forward
-                    flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+                piece = flat[offset:offset + p.numel()]
+                if p.grad is None:  # the parameter was unused in this forward
+                    piece.zero_()
+                else:
+                    piece.copy_(p.grad.reshape(-1))
                     p.grad = None
+            flat[b.offsets[-1] + b.params[-1].numel():].zero_()  # the padding
             flat.div_(N)
             reduced = torch.empty(b.hi - b.lo, dtype=self.dtype, device=self.device)
             work = reduce_scatter_grads(reduced, flat, self.traffic, N, self.group)
@@ -309,8 +311,7 @@ class ZeRO:
     def backward(self, loss, sync=True):
         """loss.backward(), the gradient collectives overlapped. sync=False on all but the last
         micro-step of gradient accumulation (stages 0-1 then communicate nothing)."""
-        self.sync = sync or self.stage >= 2
-        self.next_bucket = 0
+        self.sync, self.next_bucket = sync or self.stage >= 2, 0
         for b in self.buckets:
             b.ready = 0
         loss.backward()
@@ -347,10 +348,9 @@ class ZeRO:
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm):
-        """Global L2 norm of the (unscaled) gradient, as a device tensor: each rank sums the
-        squares of the elements it owns (padding is in no segment), one all-reduce SUM, a
-        square root, and every rank scales by the same coefficient; clipping by a rank's own
-        norm would clip by ~1/sqrt(N) of the truth. Stage 0 ranks own everything."""
+        """Global L2 norm of the (unscaled) gradient, a device tensor: each rank sums the squares
+        it owns (padding is in no segment), one all-reduce SUM, a square root, one coefficient
+        for all (a rank's own norm would be ~1/sqrt(N) of the truth). Stage 0 owns everything."""
         grads = [s.master.grad for s in self.segments]
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         if grads:  # a rank may own nothing but padding
