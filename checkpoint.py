@@ -157,7 +157,7 @@ def full_tensors(zero, shapes, keys=("master",) + MOMENTS):
                     for p, offset in zip(b.params, b.offsets):
                         name = zero.names[id(p)]
                         out.setdefault(name, {})[key] = host(name, full[offset:offset + p.numel()])
-    frozen = [b for u in getattr(zero, "all_units", []) for b in u.buckets if b.frozen]
+    frozen = [b for u in zero.all_units for b in u.buckets if b.frozen] if zero.stage == 3 else []
     for b in frozen:  # ZeRO-3's frozen buckets: their shards gathered the same way
         with _gathered(zero, b, b.shard) as full:
             if zero.rank == 0:

@@ -15,6 +15,8 @@ import ast
 import os
 from dataclasses import dataclass, field, fields
 
+from lora import parse_targets
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -188,7 +190,6 @@ def config_from(args):
 
 def check_config(cfg):
     """Cross-field checks that need no data, model or process group."""
-    from lora import parse_targets
     choices = {"dtype": ("fp32", "bf16", "fp16"), "device": ("auto", "cpu", "cuda"),
                "zero": (0, 1, 2, 3), "ckpt_format": ("consolidated", "sharded"),
                "quantize": ("", "int8", "nf4")}
