@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from configurator import ConfigError, config_from, grad_accum_for, make_parser
+from configurator import ConfigError, config_from, make_parser
 from lora import TARGETS, apply_lora, parse_targets
 from model import GPT, GPTConfig
 from zero import plan_buckets, zero_formula
@@ -408,6 +408,12 @@ def print_estimate(e, cfg, gpu):
     table([[k, fmt(v)] for k, v in terms.items() if v], ["term", "bytes"])
 
 
+def accumulates(tc, batch, world_size):  # several micro-steps a step (--grad-accum, --batch-tokens)?
+    if not tc.batch_tokens:
+        return tc.grad_accum > 1
+    return tc.batch_tokens > batch * tc.block_size * world_size
+
+
 def main(argv=None):
     a, tc = parse_flags(sys.argv[1:] if argv is None else argv)
     psi = int(a.params) if a.params else None
@@ -425,7 +431,7 @@ def main(argv=None):
     r, targets = (tc.lora_rank if tc.lora else 0), parse_targets(tc.lora_targets)
     e = estimate(cfg, a.world_size, tc.zero, tc.dtype, batch, cfg.block_size, tc.grad_ckpt, r,
                  targets, tc.quantize or None, psi, tc.bucket_mb,
-                 fp32_grad_accum=tc.fp32_grad_accum and grad_accum_for(tc, a.world_size) > 1)
+                 fp32_grad_accum=tc.fp32_grad_accum and accumulates(tc, batch, a.world_size))
     extras = ((", --grad-ckpt" if tc.grad_ckpt else "") + (f", LoRA r={r} on {tc.lora_targets}"
               if r else "") + (f", {tc.quantize} base" if tc.quantize else ""))
     print(f"GPT: {e['psi']:,} parameters (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, "
