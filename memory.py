@@ -408,7 +408,7 @@ def print_estimate(e, cfg, gpu):
     table([[k, fmt(v)] for k, v in terms.items() if v], ["term", "bytes"])
 
 
-def accumulates(tc, batch, world_size):  # a step of several micro-steps? (or --batch-tokens')
+def accumulates(tc, batch, world_size):  # does a step take several micro-steps?
     if not tc.batch_tokens:
         return tc.grad_accum > 1
     return tc.batch_tokens > batch * tc.block_size * world_size
