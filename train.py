@@ -35,7 +35,7 @@ import checkpoint
 import pretrained
 from checkpoint import CheckpointError
 from configurator import ConfigError, grad_accum_for, parse_args
-from data.loader import Batches, get_batch, load_data
+from data.loader import Batches, estimate_loss, load_data
 from lora import adapter_state, apply_lora, base_fingerprint, parse_targets, save_adapter
 from memory import model_state_report
 from model import GPT, GPTConfig, peak_flops, saved_activation_bytes
@@ -73,27 +73,6 @@ def get_lr(it, cfg):
         return cfg.min_lr
     ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
-
-
-@torch.no_grad()
-def estimate_loss(model, train, val, cfg, rank, world_size, device):
-    """Mean loss over eval_iters fixed batches per split; rank r takes batches r, r+N, ...
-    so the estimate is the same on any world size. Every rank runs the same number of forwards
-    (a spare one is not counted): under ZeRO-3 each forward is a series of collectives."""
-    model.eval()
-    out = {}
-    for si, (split, data) in enumerate((("train", train), ("val", val))):
-        total = torch.zeros(2, dtype=torch.float64, device=device)  # nccl: device tensors only
-        for k in range(rank, math.ceil(cfg.eval_iters / world_size) * world_size, world_size):
-            x, y = get_batch(data, cfg.seed + 7919 * (si + 1), k, 0, 0, 1, cfg.batch_size,
-                             cfg.block_size, 1)
-            _, loss = model(x.to(device), y.to(device))
-            if k < cfg.eval_iters:
-                total += torch.stack([loss.double(), torch.ones_like(total[0])])
-        total = all_reduce_sum(total, world_size)
-        out[split] = (total[0] / total[1]).item()
-    model.train()
-    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def run_plain(cfg, train, val, vocab):
         ms.append((time.perf_counter() - t0) * 1000)
     model.eval()
     losses = []
-    with torch.no_grad():  # train.py's estimate_loss: the val split's fixed batches
+    with torch.no_grad():  # data.loader.estimate_loss: the val split's fixed batches
         for k in range(EVAL_ITERS):
             x, y = get_batch(val, cfg.seed + 7919 * 2, k, 0, 0, 1, cfg.batch_size,
                              cfg.block_size, 1)

@@ -5,9 +5,12 @@ The global batch of step t is a function of (seed, t) alone, and rank r of N tak
 it (micro-step-major, then rank): N ranks see exactly the batches one rank sees with an N-times
 larger micro-batch, a resumed run sees the batches the uninterrupted one would have, and no
 sampler state needs saving. Batches keeps one batch ahead: it is cut, pinned and on its way to
-the GPU (non_blocking) while the GPU still works on the one before.
+the GPU (non_blocking) while the GPU still works on the one before. estimate_loss scores a model
+on fixed batches of each split, the same on any world size.
 """
 import os
+
+import math
 
 import numpy as np
 import torch
@@ -79,3 +82,25 @@ def load_data(cfg, rank, world_size, base_meta=None):
     if min(len(train), len(val)) <= cfg.block_size + 1:
         raise ConfigError(f"{data_dir} has too few tokens for --block-size {cfg.block_size}")
     return train, val, meta
+
+
+@torch.no_grad()
+def estimate_loss(model, train, val, cfg, rank, world_size, device):
+    """Mean loss over eval_iters fixed batches per split; rank r takes batches r, r+N, ...
+    so the estimate is the same on any world size. Every rank runs the same number of forwards
+    (a spare one is not counted): under ZeRO-3 each forward is a series of collectives."""
+    model.eval()
+    out = {}
+    for si, (split, data) in enumerate((("train", train), ("val", val))):
+        total = torch.zeros(2, dtype=torch.float64, device=device)  # nccl: device tensors only
+        for k in range(rank, math.ceil(cfg.eval_iters / world_size) * world_size, world_size):
+            x, y = get_batch(data, cfg.seed + 7919 * (si + 1), k, 0, 0, 1, cfg.batch_size,
+                             cfg.block_size, 1)
+            _, loss = model(x.to(device), y.to(device))
+            if k < cfg.eval_iters:
+                total += torch.stack([loss.double(), torch.ones_like(total[0])])
+        if world_size > 1:
+            dist.all_reduce(total)
+        out[split] = (total[0] / total[1]).item()
+    model.train()
+    return out

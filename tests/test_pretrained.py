@@ -90,7 +90,7 @@ def test_zero3_run_exports_to_transformers(gpt2, tmp_path, capsys):
     val = np.memmap(os.path.join(gpt2[1], "bpe", "val.bin"), dtype=np.uint16, mode="r")
     cfg = header["config"]
     losses = []
-    for k in range(cfg["eval_iters"]):  # train.estimate_loss's batches of the val split
+    for k in range(cfg["eval_iters"]):  # data.loader.estimate_loss's batches of the val split
         x, y = get_batch(val, cfg["seed"] + 7919 * 2, k, 0, 0, 1, cfg["batch_size"], 32, 1)
         losses.append(F.cross_entropy(theirs(base, x).flatten(0, 1), y.flatten()).item())
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
