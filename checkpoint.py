@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lora import parse_targets
 from tensorfile import torch_save
 from zero import Traffic, all_gather_params
 
@@ -366,7 +367,6 @@ def _as_flag(flag, value):  # ("--lora-rank", 8): "--lora-rank 8"; ("--lora", Fa
 def check_compatible(header, model_args, vocab_meta, path, config=None, shapes=None):
     """A checkpoint of another model, vocabulary, LoRA or quantization setting cannot continue
     this run: one line naming the difference and what to change."""
-    from lora import parse_targets
     theirs = header.get("model_args", {})
     diff = [f"{k} {theirs.get(k)} vs {v}" for k, v in model_args.items()
             if k != "dropout" and theirs.get(k) != v]

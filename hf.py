@@ -429,4 +429,4 @@ def save_peft_adapter(lora_state, settings, out_dir, base_model_name_or_path="gp
     }
     header = {name: (torch.float32, tuple(t.shape)) for name, t in tensors.items()}
     _write_folder(out_dir, "adapter_model.safetensors", header, iter(tensors.items()),
-                      "adapter_config.json", config)
+                  "adapter_config.json", config)

@@ -25,8 +25,8 @@ from dataclasses import replace
 
 import torch
 
-from configurator import ConfigError, config_from, make_parser
-from lora import TARGETS, apply_lora, parse_targets
+from configurator import ConfigError, config_from, grad_accum_for, make_parser
+from lora import apply_lora, parse_targets
 from model import GPT, GPTConfig
 from zero import plan_buckets, zero_formula
 
@@ -408,12 +408,6 @@ def print_estimate(e, cfg, gpu):
     table([[k, fmt(v)] for k, v in terms.items() if v], ["term", "bytes"])
 
 
-def accumulates(tc, batch, world_size):  # does a step take several micro-steps?
-    if not tc.batch_tokens:
-        return tc.grad_accum > 1
-    return tc.batch_tokens > batch * tc.block_size * world_size
-
-
 def main(argv=None):
     a, tc = parse_flags(sys.argv[1:] if argv is None else argv)
     psi = int(a.params) if a.params else None
@@ -429,9 +423,11 @@ def main(argv=None):
         return cmd
     batch = tc.batch_size if "batch_size" in tc.explicit or not psi else 1
     r, targets = (tc.lora_rank if tc.lora else 0), parse_targets(tc.lora_targets)
+    # micro-steps per step, as train.py derives them (--batch-tokens: from this micro-batch)
+    accum = grad_accum_for(replace(tc, batch_size=batch, block_size=cfg.block_size), a.world_size)
     e = estimate(cfg, a.world_size, tc.zero, tc.dtype, batch, cfg.block_size, tc.grad_ckpt, r,
                  targets, tc.quantize or None, psi, tc.bucket_mb,
-                 fp32_grad_accum=tc.fp32_grad_accum and accumulates(tc, batch, a.world_size))
+                 fp32_grad_accum=tc.fp32_grad_accum and accum > 1)
     extras = ((", --grad-ckpt" if tc.grad_ckpt else "") + (f", LoRA r={r} on {tc.lora_targets}"
               if r else "") + (f", {tc.quantize} base" if tc.quantize else ""))
     print(f"GPT: {e['psi']:,} parameters (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, "

@@ -251,7 +251,6 @@ class GPT(nn.Module):
         return idx
 
 
-
 @contextmanager
 def saved_activation_bytes(model, out):
     """What memory.activation_bytes() predicts, measured: adds to out[0] the bytes autograd
@@ -279,6 +278,7 @@ def saved_activation_bytes(model, out):
         yield
     for h in hooks:
         h.remove()
+
 
 # Dense peak TFLOP/s per GPU from the vendors' data sheets, for MFU: (name as
 # torch.cuda.get_device_name gives it, 16-bit (bf16 / fp16), TF32 (fp32 matmuls with TF32 on, as

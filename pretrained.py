@@ -27,12 +27,12 @@ from configurator import ConfigError
 from hf import HFError
 from lora import adapter_state, apply_lora, merge_lora, parse_targets
 from model import GPT, GPTConfig
+from precision import DTYPES
 from quant import dequantize_base, quantize_base
 from tensorfile import write_safetensors
 
 # the model flags a Hugging Face config.json sets (block_size too, which may be smaller)
 SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "bias", "block_size")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # ----------------------------------------------------------------------------------------------

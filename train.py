@@ -237,11 +237,11 @@ def main(argv=None):
         # -- forward and backward, micro-step by micro-step -----------------------------------
         for micro in range(grad_accum):
             x, y = batches.next()
-            act = [0]  # activation bytes saved for backward: measured on the first micro-step
-            with saved_activation_bytes(model, act) if it == start_it and micro == 0 \
-                    else nullcontext():
+            first = it == start_it and micro == 0  # measure the activations saved for backward
+            act = [0]
+            with saved_activation_bytes(model, act) if first else nullcontext():
                 _, loss = model(x, y)
-            if it == start_it and micro == 0:
+            if first:
                 print0(f"activations saved for backward: {act[0] / 2**20:.2f} MiB per micro-step")
                 metrics.log({"event": "activations", "saved_bytes": act[0],
                              "grad_ckpt": cfg.grad_ckpt})

@@ -217,7 +217,7 @@ class ZeRO:
 
         # the fp32 master slice. In fp32 the parameters are the master (no copy): the slice is a
         # view of the flat buffer. In 16 bits it is a separate fp32 tensor (Micikevicius et al.
-        # 2018): an update below ~2^-9 of a weight rounds away in bf16 and would be lost.
+        # 2018): an update below ~2^-8 of a weight rounds away in bf16 and would be lost.
         self.master = [self._owned_weights(b).float() for b in self.buckets]
         for b, master in zip(self.buckets, self.master):
             b.make_segments(self.names, master)

@@ -14,10 +14,8 @@ fp32). On a CPU without bf16 matrix units (lscpu: no avx512_bf16 / amx_bf16) thi
     python -m bench.accum                  # micro-steps 8, 32, 128; then 100 steps each
     python -m bench.accum --steps 20 --micro 8,16 --no-write
 """
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -26,8 +24,8 @@ if __package__ in (None, ""):  # run as a script: import from the repository roo
 
 import torch
 
-from bench.common import (ROOT, Stopwatch, batch, comma_list, command, load_data, parser,
-                          report, table)
+from bench.common import (Stopwatch, batch, comma_list, command, load_data, parser, report,
+                          run_train, table)
 from configurator import TrainConfig, load_preset
 from precision import DTYPES
 from train import build
@@ -63,15 +61,11 @@ def gradient_errors(micro_steps):
 
 def train(flags, steps, out_dir):
     """train.py on the CPU demo preset with --grad-accum 8: {step: loss}, the final val loss."""
-    cmd = [sys.executable, "train.py", "--config", "config/shakespeare_char_cpu.py",
-           "--grad-accum", "8", "--max-iters", str(steps), "--lr-decay-iters", str(steps),
-           "--warmup-iters", str(max(1, steps // 10)), "--log-interval", "1",
-           "--eval-interval", str(steps), "--eval-iters", "50", "--device", "cpu",
-           "--out-dir", out_dir, *flags]
-    env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count()))
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+    rows = run_train(["--config", "config/shakespeare_char_cpu.py", "--grad-accum", "8",
+                      "--max-iters", str(steps), "--lr-decay-iters", str(steps),
+                      "--warmup-iters", str(max(1, steps // 10)), "--log-interval", "1",
+                      "--eval-interval", str(steps), "--eval-iters", "50", "--device", "cpu",
+                      *flags], out_dir, threads=os.cpu_count())
     losses = {r["iter"]: r["loss"] for r in rows if r.get("loss") is not None}
     val = [r["val_loss"] for r in rows if r.get("val_loss") is not None][-1]
     return losses, val

@@ -9,20 +9,24 @@ command, the machine, how busy it was, the table and the numbers that change fro
 A run replaces only its own part, so sections run separately coexist.
 """
 import argparse
+import json
 import os
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 
-import numpy as np
 import torch
 
+from configurator import TrainConfig
+from data import loader
+from data.loader import get_batch
 from model import saved_activation_bytes
 from precision import DTYPES
-from data.loader import get_batch
 from train import build, get_lr
 from zero import Traffic
 
@@ -142,13 +146,26 @@ def spread(values):
 # data and the two steps
 
 def load_data(dataset="shakespeare_char"):
-    """train.bin of a data set (prepared on first use) and its vocabulary size."""
-    from data.prepare import load_meta, prepare
-    folder = os.path.join(ROOT, "data", dataset)
-    if not os.path.isfile(os.path.join(folder, "train.bin")):
-        prepare(dataset=dataset)
-    data = np.memmap(os.path.join(folder, "train.bin"), dtype=np.uint16, mode="r")
-    return data, load_meta(folder)["vocab_size"]
+    """train.bin of a data set (prepared on first use, by train.py's own loader) and its
+    vocabulary size."""
+    train, _, meta = loader.load_data(replace(TrainConfig(), dataset=dataset), 0, 1)
+    return train, meta["vocab_size"]
+
+
+def read_metrics(folder):
+    """The rows of a run's metrics.jsonl."""
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def run_train(flags, out_dir, launcher=(), threads=None):
+    """train.py as a user runs it, in a subprocess (launcher: torchrun's arguments), with these
+    flags: its metrics.jsonl rows. threads: the OpenMP threads it may use."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)) \
+        if threads else None
+    subprocess.run([sys.executable, *launcher, "train.py", *flags, "--out-dir", out_dir],
+                   cwd=ROOT, env=env, check=True, capture_output=True)
+    return read_metrics(out_dir)
 
 
 def batch(data, cfg, it, device, rank=0, world_size=1):

@@ -24,7 +24,7 @@ from bench.common import (OurRun, Stopwatch, comma_list, command, cpu_info, cpu_
                           paired_ratio, parser, report, spread, table, time_block)
 from configurator import TrainConfig
 
-DTYPES = ("fp32", "bf16")
+PAIR = ("fp32", "bf16")  # the two dtypes compared
 EVEN = 0.03  # ratios within 3% of 1 are "even": closer than rounds on a shared machine agree
 
 
@@ -40,12 +40,12 @@ def measure_width(width, args, data, vocab):
     """(Ψ, {dtype: [ms per step, one per round]}) at this width, the dtypes alternating."""
     cfg = replace(TrainConfig(), n_embd=width, dropout=0.0)
     device = torch.device("cpu")
-    runs = {dname: OurRun(replace(cfg, dtype=dname), data, vocab, device) for dname in DTYPES}
+    runs = {dname: OurRun(replace(cfg, dtype=dname), data, vocab, device) for dname in PAIR}
     for run in runs.values():
         time_block(run.step, 0, 2, device)  # warm-up
-    ms = {dname: [] for dname in DTYPES}
+    ms = {dname: [] for dname in PAIR}
     for r in range(args.rounds):  # fp32 bf16, bf16 fp32, ...: neither always first
-        order = DTYPES if r % 2 == 0 else DTYPES[::-1]
+        order = PAIR if r % 2 == 0 else PAIR[::-1]
         for dname in order:
             ms[dname].append(time_block(runs[dname].step, 2 + r * args.steps, args.steps, device))
     return runs["fp32"].zero.psi, ms

@@ -28,6 +28,7 @@ from bench.common import (OurRun, PlainRun, Stopwatch, adamw, comma_list, comman
                           parser, report, spread, table, time_block)
 from configurator import TrainConfig, load_preset
 from model import GPT, peak_flops
+from precision import resolve_dtype
 from train import model_config
 
 VOCAB = 50257  # GPT-2's BPE
@@ -103,8 +104,10 @@ def main(argv=None):
     device = default_device()
     if device.type == "cpu" and not args.tiny:
         p.error("no GPU here: --tiny runs the same code on a tiny model on the CPU")
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        p.error("this GPU has no native bf16 (needs Ampere or newer)")
+    try:
+        resolve_dtype("bf16", device)  # pre-Ampere GPUs: refused as train.py refuses them
+    except ValueError as e:
+        p.error(str(e))
     cfg = gpu_config(args.tiny)
     data = tokens(cfg)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None

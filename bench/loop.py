@@ -12,10 +12,8 @@ precision: our step in fp32, bf16 and fp16 (GradScaler dynamic for fp16).
 
 BENCHMARKS.md's "loop" and "precision" sections say how they measure.
 """
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import replace
@@ -25,12 +23,12 @@ if __package__ in (None, ""):  # run as a script: import from the repository roo
 
 import torch
 
-from bench.common import (OurRun, PlainRun, ROOT, Stopwatch, adamw, command, cpu_units,
-                          default_device, load_data, paired_ratio, parser, report, spread, table,
+from bench.common import (OurRun, PlainRun, Stopwatch, adamw, command, cpu_units, default_device,
+                          load_data, paired_ratio, parser, report, run_train, spread, table,
                           time_block)
 from configurator import TrainConfig, load_preset
 from model import GPT
-from precision import DTYPES
+from precision import DTYPES, resolve_dtype
 from train import model_config
 
 TARGET = 1.05  # our step may take at most 5% longer than the plain one
@@ -89,13 +87,8 @@ def train_py_ms():
     """(c): train.py as a user runs it, logging every step (so it also pays loss.item(), the
     gradient zero-fraction count, a JSON line); its metrics.jsonl `ms` after the first 10."""
     with tempfile.TemporaryDirectory() as tmp:
-        threads = str(torch.get_num_threads())
-        env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
-        cmd = [sys.executable, "train.py", "--max-iters", "60", "--eval-interval", "1000",
-               "--log-interval", "1", "--out-dir", tmp]
-        subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
-        with open(os.path.join(tmp, "metrics.jsonl")) as f:
-            rows = [json.loads(line) for line in f]
+        rows = run_train(["--max-iters", "60", "--eval-interval", "1000", "--log-interval", "1"],
+                         tmp, threads=torch.get_num_threads())
     return [r["ms"] for r in rows if "ms" in r and r["iter"] >= 10]
 
 
@@ -110,9 +103,10 @@ def precision(args, device):
         if emulated:
             n = min(5, n)
             few.append(dname)
-        if (device.type == "cuda" and dname == "bf16"
-                and not torch.cuda.is_bf16_supported(including_emulation=False)):
-            continue  # pre-Ampere: train.py refuses bf16 there too
+        try:
+            resolve_dtype(dname, device)
+        except ValueError:
+            continue  # bf16 on a pre-Ampere GPU: train.py refuses it there too
         cfg = replace(demo_config(device), dtype=dname)
         run = OurRun(cfg, data, vocab, device, count_skips=True)
         time_block(run.step, 0, 2, device)  # warm-up

@@ -15,7 +15,6 @@ from our copy (data/tinyshakespeare.txt) first, so it runs offline, and check th
 files equal ours. BENCHMARKS.md's "nanogpt" section says how it measures.
 """
 import hashlib
-import json
 import os
 import re
 import statistics
@@ -28,7 +27,8 @@ if __package__ in (None, ""):  # run as a script: import from the repository roo
 
 import numpy as np
 
-from bench.common import ROOT, Stopwatch, command, load_data, paired_ratio, parser, report, table
+from bench.common import (Stopwatch, command, load_data, paired_ratio, parser, report, run_train,
+                          table)
 from data.prepare import TINY_PATH, TINY_SHA256
 
 HOW = "git clone https://github.com/karpathy/nanoGPT"
@@ -73,12 +73,8 @@ def run_nanogpt(path, steps, out_dir):
 def run_ours(steps, out_dir):
     """Our train.py on the same recipe (config/shakespeare_char_cpu.py is it), logging every
     step as nanoGPT does here: {iter: (loss, ms)}."""
-    cmd = [sys.executable, "train.py", "--config", "config/shakespeare_char_cpu.py",
-           "--device", "cpu", "--log-interval", "1", "--max-iters", str(steps),
-           "--out-dir", out_dir]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+    rows = run_train(["--config", "config/shakespeare_char_cpu.py", "--device", "cpu",
+                      "--log-interval", "1", "--max-iters", str(steps)], out_dir)
     return {r["iter"]: (r["loss"], r["ms"]) for r in rows if "ms" in r}
 
 

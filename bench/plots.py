@@ -14,7 +14,6 @@ ranks (the same seed and batches: ZeRO changes nothing, so the curves lie on one
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -24,7 +23,7 @@ if __package__ in (None, ""):  # run as a script: import from the repository roo
 import numpy as np
 import torch
 
-from bench.common import ROOT, parser
+from bench.common import ROOT, parser, read_metrics, run_train
 from zero import traffic_formula
 
 PARTS = (("params", "weights"), ("grads", "gradients"), ("master", "fp32 master"),
@@ -68,22 +67,18 @@ def loss_curves(runs, stages, world_size, dtype, iters):
     curves = {}
     if runs:
         for folder in runs:
-            with open(os.path.join(folder, "metrics.jsonl")) as f:
-                curves[os.path.basename(os.path.normpath(folder))] = [json.loads(r) for r in f]
+            curves[os.path.basename(os.path.normpath(folder))] = read_metrics(folder)
         return curves
     preset = ["--config", "config/shakespeare_char.py"] if torch.cuda.is_available() else []
     with tempfile.TemporaryDirectory() as tmp:
         for stage in stages:
-            out = os.path.join(tmp, f"zero{stage}")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={world_size}", "train.py", *preset, "--zero", str(stage),
-                   "--dtype", dtype, "--max-iters", str(iters), "--log-interval", "5",
-                   "--eval-interval", str(max(1, iters // 4)), "--eval-iters", "20",
-                   "--out-dir", out]
-            print(" ".join(cmd[1:]), flush=True)
-            subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
-            with open(os.path.join(out, "metrics.jsonl")) as f:
-                rows = [json.loads(line) for line in f]
+            launcher = ["-m", "torch.distributed.run", "--standalone",
+                        f"--nproc_per_node={world_size}"]
+            flags = [*preset, "--zero", str(stage), "--dtype", dtype, "--max-iters", str(iters),
+                     "--log-interval", "5", "--eval-interval", str(max(1, iters // 4)),
+                     "--eval-iters", "20"]
+            print(" ".join(launcher + ["train.py"] + flags), flush=True)
+            rows = run_train(flags, os.path.join(tmp, f"zero{stage}"), launcher)
             curves[f"ZeRO-{stage}, {dtype}, N={world_size}"] = rows
     return curves
 

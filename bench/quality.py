@@ -8,11 +8,9 @@ validation batches. About 3 minutes a seed and path on 2 cores.
 
 BENCHMARKS.md's "quality" section says how it measures.
 """
-import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,41 +22,25 @@ if __package__ in (None, ""):  # run as a script: import from the repository roo
 import numpy as np
 import torch
 
-from bench.common import (ROOT, Stopwatch, adamw, comma_list, command, parser, plain_step, report,
-                          table)
-from configurator import TrainConfig, load_preset
+from bench.common import (Stopwatch, adamw, comma_list, command, parser, plain_step, report,
+                          run_train, table)
+from configurator import ConfigError, TrainConfig, load_preset
 from model import GPT
-from data.loader import get_batch
+from data.loader import get_batch, load_data
 from train import get_lr, model_config
 
 PRESET = "config/shakespeare_char_cpu.py"
 EVAL_ITERS = 200  # validation batches each final model is scored on
 
 
-def load_split(dataset, split):
-    """data/<dataset>/<split>.bin (a data set prepare.py knows is prepared on first use)."""
-    from data.prepare import DATASETS, prepare
-    path = os.path.join(ROOT, "data", dataset, f"{split}.bin")
-    if not os.path.isfile(path) and dataset in DATASETS:
-        prepare(dataset=dataset)
-    if not os.path.isfile(path):
-        sys.exit(f"python -m bench.quality: error: no prepared data in data/{dataset}: run "
-                 "python data/prepare.py first")
-    return np.memmap(path, dtype=np.uint16, mode="r")
-
-
 def run_train_py(cfg, dataset):
     """(a) train.py itself on the CPU: (its final val loss over EVAL_ITERS batches, ms per step
     after the first 10)."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "train.py", "--config", PRESET, "--device", "cpu", "--dataset",
-               dataset, "--seed", str(cfg.seed), "--max-iters", str(cfg.max_iters),
-               "--eval-iters", str(EVAL_ITERS), "--eval-interval", str(cfg.max_iters),
-               "--out-dir", tmp]
-        env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
-        subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
-        with open(os.path.join(tmp, "metrics.jsonl")) as f:
-            log = [json.loads(line) for line in f]
+        log = run_train(["--config", PRESET, "--device", "cpu", "--dataset", dataset,
+                         "--seed", str(cfg.seed), "--max-iters", str(cfg.max_iters),
+                         "--eval-iters", str(EVAL_ITERS), "--eval-interval", str(cfg.max_iters)],
+                        tmp, threads=torch.get_num_threads())
     val = [r["val_loss"] for r in log if r.get("val_loss") is not None][-1]
     return val, [r["ms"] for r in log if "ms" in r and r["iter"] >= 10]
 
@@ -106,9 +88,11 @@ def main(argv=None):
     if args.max_iters and args.max_iters < 20:  # step times leave out the first 10
         p.error(f"--max-iters {args.max_iters}: 20 or more (0: the preset's)")
     torch.set_num_threads(min(2, os.cpu_count()))  # nanoGPT's CPU recipe on 2 cores
-    train, val = load_split(args.dataset, "train"), load_split(args.dataset, "val")
-    from data.prepare import load_meta
-    vocab = load_meta(os.path.join(ROOT, "data", args.dataset))["vocab_size"]
+    try:  # train.py's loader: prepared on first use, or a one-line error that says how
+        train, val, meta = load_data(replace(TrainConfig(), dataset=args.dataset), 0, 1)
+    except ConfigError as e:
+        p.error(str(e))
+    vocab = meta["vocab_size"]
     watch, rows, finals = Stopwatch(), [], {"train.py": [], "plain": []}
     for seed in seeds:
         cfg = replace(TrainConfig(**load_preset(PRESET)), seed=seed)

@@ -8,9 +8,8 @@ sampler state needs saving. Batches keeps one batch ahead: it is cut, pinned and
 the GPU (non_blocking) while the GPU still works on the one before. estimate_loss scores a model
 on fixed batches of each split, the same on any world size.
 """
-import os
-
 import math
+import os
 
 import numpy as np
 import torch

@@ -100,11 +100,6 @@ def zero_step(zero, scaler, lr, clip):
     return norm.item(), bool(found_inf.item())
 
 
-@pytest.fixture
-def port():
-    return free_port()
-
-
 @pytest.fixture(autouse=True)
 def one_thread():
     """Tiny tensors gain nothing from intra-op threads, and on a busy machine a thread waiting for

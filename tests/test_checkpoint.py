@@ -20,8 +20,6 @@ TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", 
         "--learning-rate", "3e-3", "--lr-decay-iters", "12", "--dataset", "tiny"]
 
 
-
-
 def cmd(nproc, extra=()):
     if nproc == 1:
         return [sys.executable, "train.py"]
@@ -277,7 +275,6 @@ def test_zero3_restores_a_frozen_base_into_its_shards(tmp_path, fmt):
     for k in want:
         assert torch.equal(want[k], got[k]), k
     assert torch.equal(a(x, x)[1], b(x, x)[1])  # and the restored model computes the same
-
 
 
 def _with_error_file(main, argv):

@@ -38,7 +38,6 @@ def graphs():
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_compiled_blocks_train_like_eager(stage):
-    torch.set_num_threads(1)
     xs = batches(4)
     for grad_ckpt, lora in ((False, False), (True, False), (True, True)):
         cfg = TrainConfig(**SHAPE, zero=stage, grad_ckpt=grad_ckpt, lora=lora)

@@ -17,8 +17,6 @@ from precision import GradScaler
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("stage", [0, 3])
 def test_train_and_sample_on_cuda(data_root, tmp_path, dtype, stage):

@@ -14,7 +14,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import checkpoint
 import hf
 import lora
 import quant

@@ -26,8 +26,6 @@ DATA = np.random.default_rng(0).integers(0, 17, 4000).astype(np.uint16)
 C = CFG["n_embd"]
 
 
-
-
 def make_model(seed=0, **lora_kw):
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**CFG))

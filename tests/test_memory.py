@@ -8,10 +8,10 @@ import shlex
 import pytest
 import torch
 
+import lora
 import memory
-from conftest import run_distributed
 from configurator import parse_args
-from conftest import make_zero
+from conftest import make_zero, run_distributed
 from memory import (activation_bytes, advise, bucket_sizes, estimate, main, model_state_bytes,
                     param_count, param_numels)
 from model import GPT, GPTConfig, saved_activation_bytes
@@ -116,22 +116,21 @@ LORA_CFG = dict(block_size=24, vocab_size=40, n_layer=2, n_head=2, n_embd=32, dr
 
 
 def lora_model(dtype, targets, quantize=None):
-    import lora
     import quant
     torch.manual_seed(0)
     model = GPT(GPTConfig(**LORA_CFG)).to(DTYPES[dtype])
     lora.apply_lora(model, rank=4, targets=targets)
     if quantize:
         quant.quantize_base(model, quantize)
-    return model, lora
+    return model
 
 
-@pytest.mark.parametrize("targets", [("q", "v"), ("attn_out",), memory.TARGETS])
+@pytest.mark.parametrize("targets", [("q", "v"), ("attn_out",), lora.TARGETS])
 @pytest.mark.parametrize("grad_ckpt", [False, True])
 def test_lora_activations(targets, grad_ckpt):
     """Under LoRA the base is frozen: autograd skips the inputs only a weight's gradient needs, and
     in the first layer everything before the first adapter."""
-    model, _ = lora_model("fp32", targets)
+    model = lora_model("fp32", targets)
     model.grad_ckpt = grad_ckpt
     x, y = torch.randint(0, 40, (3, 24)), torch.randint(0, 40, (3, 24))
     out = [0]
@@ -149,7 +148,7 @@ def check_lora_state(rank, world_size):
     for quantize in (None, "nf4"):
         for stage in range(4):
             for dtype in DTYPES:
-                model, lora = lora_model(dtype, ("q", "v"), quantize)
+                model = lora_model(dtype, ("q", "v"), quantize)
                 held = make_zero(model, stage, rank=rank, world_size=world_size).state_bytes()
                 est = estimate(GPTConfig(**LORA_CFG), world_size, stage, dtype, lora_rank=4, quantize=quantize,
                                rank=rank)

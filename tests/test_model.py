@@ -9,7 +9,6 @@ import torch
 from model import GPT, GPTConfig, peak_flops
 
 
-
 TINY = dict(block_size=16, vocab_size=11, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
 
 

@@ -15,12 +15,10 @@ import sample
 from data.prepare import load_meta, prepare
 from model import GPT, GPTConfig
 from configurator import TrainConfig
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "abc cab bac\nbad dab cad\n" * 10  # vocabulary: "\n", " ", a, b, c, d
 SEP = "\n" + "-" * 40 + "\n"  # what sample.py prints between samples
-
-
 
 
 @pytest.fixture(scope="module")

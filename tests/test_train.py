@@ -19,8 +19,6 @@ TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", 
         "--eval-iters", "2", "--log-interval", "1", "--warmup-iters", "2", "--learning-rate", "3e-3"]
 
 
-
-
 def test_rank_slices_make_the_global_batch():
     """N ranks see exactly the batches of one rank with an N-times larger micro-batch."""
     data = np.arange(5000, dtype=np.uint16)

@@ -217,7 +217,6 @@ def test_mixed_precision_and_overflow_world_2():
 
 def test_gradient_accumulation_stage2_frees_full_gradients():
     """Stage 2 keeps no parameter .grad after backward; stages 0-1 keep the bucket views."""
-    torch.set_num_threads(1)
     for stage in (0, 1, 2):
         model = make_model()
         zero = ZeRO(model, stage, bucket_mb=0.002)
@@ -237,7 +236,6 @@ def test_16_bit_training_follows_the_fp32_loss_curve():
     The weights and activations are rounded to 8 (bf16) or 11 (fp16) significant bits, but the
     update is computed on fp32 masters, so the curves do not drift apart: measured at most 0.05%
     (bf16) and 0.004% (fp16) apart per step; we allow 10x that: 0.5% and 0.05%."""
-    torch.set_num_threads(1)
     curves = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         model = make_model(dtype)
@@ -263,7 +261,6 @@ def test_fp32_gradient_accumulation_lands_closer_to_fp32(stage):
     loses the small contributions; kept in fp32 (fp32_grad_accum, train.py's default for 16-bit
     runs with --grad-accum > 1) it stays near what an fp32 model accumulates. One rank; the
     gradient each stage hands the optimizer, compared with an fp32 model's."""
-    torch.set_num_threads(1)
     steps = 32
 
     def accumulated(dtype, fp32_accum):
