@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from lora import parse_targets
 from tensorfile import torch_save
-from zero import Traffic, all_gather_params
+from collectives import Traffic, all_gather_params
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

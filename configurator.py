@@ -94,11 +94,13 @@ class TrainConfig:
                                      "stops the run (the loss is non-finite at any scale)")
     fp32_grad_accum: bool = opt(True, "16-bit runs with --grad-accum > 1: accumulate "
                                       "gradients in fp32")
+    reduce_dtype: str = opt("auto", "auto | fp32 | bf16 | fp16: the dtype gradients are reduced "
+                                    "in, at every stage (auto = --dtype's)")
     zero: int = opt(0, "ZeRO stage: 0 data parallel, 1 shard optimizer, 2 +gradients, "
                        "3 +parameters")
     prefetch: bool = opt(True, "ZeRO-3: gather the next unit while this one computes")
     grad_ckpt: bool = opt(False, "activation checkpointing: recompute each block in backward")
-    compile: bool = opt(False, "torch.compile each block's attention and MLP")
+    compile: bool = opt(False, "torch.compile each block's forward and the loss head")
     bucket_mb: float = opt(25.0, "gradient bucket size in MiB for overlapped communication")
     peak_tflops: float = opt(0.0, "peak TFLOP/s per device for MFU; 0 = look the GPU up")
     seed: int = opt(1337, "the batch at step t depends only on (seed, t)")
@@ -192,7 +194,8 @@ def check_config(cfg):
     """Cross-field checks that need no data, model or process group."""
     choices = {"dtype": ("fp32", "bf16", "fp16"), "device": ("auto", "cpu", "cuda"),
                "zero": (0, 1, 2, 3), "ckpt_format": ("consolidated", "sharded"),
-               "quantize": ("", "int8", "nf4")}
+               "quantize": ("", "int8", "nf4"),
+               "reduce_dtype": ("auto", "fp32", "bf16", "fp16")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: use "

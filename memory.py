@@ -25,20 +25,17 @@ from dataclasses import replace
 
 import torch
 
+from activations import BYTES, activation_bytes, head_working_bytes
 from configurator import ConfigError, config_from, grad_accum_for, make_parser
 from lora import apply_lora, parse_targets
 from model import GPT, GPTConfig
-from zero import plan_buckets, zero_formula
+from buckets import plan_buckets
+from zero import MAX_IN_FLIGHT, zero_formula
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "nf4": 0.5}  # bytes per value
 # stored bytes per quantized weight, as quant.py stores nf4 by default: two 4-bit codes per byte
 # and an fp32 absmax per block of 64 (4.5 bits). Not modelled: --double-quant, where quant.py
 # codes each scale in 8 bits on a log scale (4.129 bits), so the estimate is 0.37 bits high.
 QUANT_BYTES = {"nf4": 0.5 + 4 / 64}
-# the input each adapter's A reads (and so keeps for its gradient), named as in activation_bytes()
-ADAPTER_INPUT = {"q": "c_attn input", "k": "c_attn input", "v": "c_attn input",
-                 "attn_out": "attention output = c_proj input", "mlp_fc": "c_fc input",
-                 "mlp_proj": "gelu output = c_proj input"}
 HEADROOM = 0.10  # fraction of the GPU kept free for what the estimate leaves out
 GB = 1e9
 
@@ -131,53 +128,6 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
     return out
 
 
-def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_targets=()):
-    """Bytes autograd saves for backward in one micro-step, as {term: bytes} per layer and outside
-    the blocks. Korthikanti et al. count 34*s*b*h per layer in 16 bits: 4 (two LayerNorm inputs) +
-    11 (attention) + 19 (MLP), 2 of them dropout masks, plus 5*a*s^2*b for the attention matrix,
-    its softmax and dropout. Ours differs: LayerNorm keeps its input in fp32 (model.py upcasts),
-    SDPA's fused kernels keep a logsumexp per row instead of the a*s^2 matrix, there is no mask
-    with dropout 0, and in fp32 every 16-bit term doubles. Under LoRA the base weights are frozen,
-    so autograd skips the inputs that only a weight's gradient needs, and everything in front of
-    the first adapter."""
-    E, b, s, h, a = BYTES[dtype], batch, seq, cfg.n_embd, cfg.n_head
-    bsh, lora = b * s * h, lora_rank > 0
-    needed = [ADAPTER_INPUT[t] for t in lora_targets]
-    # dropout: a bool mask per dropout (CUDA). Not modelled: on CPU the masks are float, and with
-    # dropout SDPA falls back to its math kernel there, which does keep the a*s^2 matrices
-    drop = bsh if cfg.dropout > 0 else 0
-
-    def ln(name):  # model.py runs LayerNorm in fp32
-        return {f"{name} input (fp32: LayerNorm upcasts)": 4 * bsh,
-                f"{name} mean, rstd (fp32)": 8 * b * s,
-                f"{name} gain/bias cast to fp32": 0 if E == 4 else 4 * h * (2 if cfg.bias else 1)}
-
-    if grad_ckpt:  # the checkpoint keeps the block's input; the rest is recomputed in backward
-        layer = {"block input (kept by the checkpoint)": E * bsh}
-    else:  # in forward order
-        layer = {**ln("ln_1"), "c_attn input": E * bsh, "q, k, v (one c_attn output)": 3 * E * bsh,
-                 "attention logsumexp (fp32; no a*s^2 matrix)": 4 * b * a * s,
-                 "attention output = c_proj input": E * bsh,  # SDPA keeps it, with the logsumexp
-                 "residual dropout masks": 2 * drop, **ln("ln_2"), "c_fc input": E * bsh,
-                 "c_fc output = gelu input": 4 * E * bsh, "gelu output = c_proj input": 4 * E * bsh,
-                 "LoRA A outputs (r wide)": E * b * s * lora_rank * len(lora_targets)}
-        if lora:  # a frozen weight needs no gradient: a Linear's input is kept for an adapter only
-            for term in ("c_attn input", "c_fc input", "gelu output = c_proj input"):
-                if term not in needed:
-                    layer[term] = 0
-    outside = {"token ids, positions (int64)": 0 if lora else 8 * b * s + 8 * s,
-               "embedding dropout mask": drop, **ln("ln_f"),
-               "lm_head input": 0 if lora else E * bsh,
-               "log-softmax of the logits (fp32, b*s*vocab)": 4 * b * s * cfg.vocab_size,
-               "targets (int64), loss weight": 8 * b * s + 4}
-    per_layer = first = sum(layer.values())
-    if lora and not grad_ckpt:  # the first layer saves from its first adapter's input on
-        start = min(list(layer).index(term) for term in needed)
-        first = sum(list(layer.values())[start:])
-    return {"layer": layer, "outside": outside, "per_layer": per_layer,
-            "total": first + (cfg.n_layer - 1) * per_layer + sum(outside.values())}
-
-
 def model_state_report(zero, world_size):
     """What each rank holds (ZeRO.state_bytes(), gathered from every rank: a collective) beside
     the ZeRO paper's formula: (one printable line, a row for metrics.jsonl)."""
@@ -206,11 +156,12 @@ def shape_for(psi, vocab=50257, block=2048):
 
 def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_ckpt=False,
              lora_rank=0, lora_targets=("q", "v"), quantize=None, psi=None, bucket_mb=25.0, rank=0,
-             prefetch=True, fp32_grad_accum=False):
+             prefetch=True, fp32_grad_accum=False, device="cuda"):
     """Everything one GPU holds. psi overrides the parameter count of cfg (then cfg only shapes the
-    activations). Peak: model state + the larger of the forward/backward working set (activations,
-    and under ZeRO-3 the gathered root + 1 block, + 1 more with prefetch) and the optimizer step's
-    fp32 copy of this rank's gradient slice (16-bit only)."""
+    activations). Peak: model state + the larger of the forward/backward working set and the
+    optimizer step's fp32 copy of this rank's gradient slice (16-bit only). The working set: the
+    activations, under ZeRO-3 the gathered root + 1 block (+ 1 more with prefetch), and the
+    larger transient of backward: the loss head's, or the gradient reductions in flight."""
     seq, L, h, E, N = seq or cfg.block_size, cfg.n_layer, cfg.n_embd, BYTES[dtype], world_size
     total = psi or param_count(L, h, cfg.n_head, cfg.vocab_size, cfg.block_size, cfg.bias,
                                cfg.pad_vocab)
@@ -224,7 +175,7 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     fp32_grad_accum = fp32_grad_accum and E != 4
     state = model_state_bytes(trainable, stage, N, dtype, buckets, rank, frozen, quantized,
                               quantize, layout, fp32_grad_accum)
-    acts = activation_bytes(cfg, batch, seq, dtype, grad_ckpt, lora_rank, lora_targets)
+    acts = activation_bytes(cfg, batch, seq, dtype, grad_ckpt, lora_rank, lora_targets, device)
     gathered = 0
     if stage == 3:  # the root and a block gathered (+ the next, prefetched); a frozen base alike
         # the units as bucket_sizes() plans them (root first), else blocks of 12h^2 + 13h
@@ -235,11 +186,26 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
         else:
             block_bytes = E * math.ceil(block / N) * N
         gathered = E * math.ceil(root / N) * N + (2 if prefetch else 1) * block_bytes
+    # stages 2-3 reduce from full-size temporaries; without the real buckets, buckets of the cap
+    cap = int(bucket_mb * 2**20 / E) if stage == 2 else 12 * h * h + 13 * h
+    sizes = buckets or [min(trainable, cap)] * 2
+    in_flight = reduce_in_flight_bytes(sizes, stage, N, dtype)
+    head = head_working_bytes(cfg, batch, seq, dtype)
     # the step's fp32 copy of the owned gradient slice (none when the gradients are fp32 already)
     step = 0 if fp32_grad_accum else state["master"]
-    peak = state["total"] + max(acts["total"] + gathered, step)
+    peak = state["total"] + max(acts["total"] + gathered + max(head, in_flight), step)
     return {"psi": total, "trainable": trainable, "state": state, "activations": acts,
-            "gathered": gathered, "step": step, "peak": peak}
+            "gathered": gathered, "head": head, "in_flight": in_flight, "step": step,
+            "peak": peak}
+
+
+def reduce_in_flight_bytes(buckets, stage, world_size, dtype):
+    """Stages 2-3: the full-size gradient temporaries of the reductions in flight, which zero.py
+    bounds to MAX_IN_FLIGHT: the largest buckets (numels), padded to a multiple of N."""
+    if stage < 2:
+        return 0  # stages 0-1 reduce their persistent gradient buffers in place
+    padded = sorted((math.ceil(n / world_size) * world_size for n in buckets), reverse=True)
+    return BYTES[dtype] * sum(padded[:MAX_IN_FLIGHT])
 
 
 def fits(est, gpu_bytes):
@@ -397,8 +363,10 @@ def print_estimate(e, cfg, gpu):
             ("activations", act["total"],
              f"{cfg.n_layer} layers x {fmt(act['per_layer'])} + the rest, below"),
             ("ZeRO-3 gathered units", e["gathered"], "root + a block (+ the prefetched one)"),
+            ("loss head, transient", e["head"], "the logits' gradient + a chunk (loss.py)"),
+            ("reductions in flight", e["in_flight"], "stages 2-3: two buckets' temporaries"),
             ("step: fp32 grad slice", e["step"], "in the optimizer step, activations freed"),
-            ("peak", e["peak"], "state + max(activations + gathered, step)")]
+            ("peak", e["peak"], "state + max(acts + gathered + max(head, in flight), step)")]
     table([[name, fmt(n), note] for name, n, note in rows], ["per GPU", "bytes", ""])
     print(f"GPU {fmt(gpu)}, {(1 - HEADROOM) * gpu / GB:.2f} GB usable ({HEADROOM:.0%} kept for the "
           "CUDA context, fragmentation, transient buffers): "

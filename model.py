@@ -20,6 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from loss import cross_entropy
+
 
 @dataclass
 class GPTConfig:
@@ -52,8 +54,9 @@ class GPTConfig:
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with an optional bias. Statistics are taken in fp32 whatever the
-    parameter dtype: a bf16/fp16 mean and variance over 768 values loses digits."""
+    """LayerNorm with an optional bias. In bf16 / fp16 PyTorch's kernel takes the mean and
+    variance in fp32 itself (a 16-bit sum over 768 values would lose digits), so the input is
+    not cast: a cast would cost kernels and keep an fp32 copy of it for backward."""
 
     def __init__(self, ndim, bias):
         super().__init__()
@@ -61,8 +64,7 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
 
     def forward(self, x):
-        b = None if self.bias is None else self.bias.float()
-        return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), b, 1e-5).type_as(x)
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
 
 
 class CausalSelfAttention(nn.Module):
@@ -176,15 +178,19 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
+        return self.head(x, targets)
+
+    def head(self, x, targets=None):
+        """The final LayerNorm, the LM head and the loss: (logits, loss). The padded columns'
+        logits are no tokens: cut off (a view), and outside the loss's softmax."""
         x = self.transformer.ln_f(x)
-        V = self.config.vocab_size  # the padded rows' logits are no tokens: cut them off
+        V = self.config.vocab_size
         if targets is None:
             return self.lm_head(x[:, [-1], :])[..., :V], None  # inference: the last position
-        logits = self.lm_head(x)[..., :V]  # (B, T, vocab)
-        # log-softmax in fp32: 16-bit logits over a 50k vocabulary lose the small probabilities
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=-1)
-        return logits, loss
+        logits = self.lm_head(x)  # (B, T, padded vocab), in the working dtype
+        # the softmax in fp32 (16-bit logits over a 50k vocabulary lose the small
+        # probabilities), a chunk of rows at a time: loss.py
+        return logits[..., :V], cross_entropy(logits, targets, V)
 
     def stored_shapes(self):
         """{name: shape} of every tensor as files hold it (checkpoints, exports): parameters and
@@ -283,11 +289,15 @@ def saved_activation_bytes(model, out):
 # Dense peak TFLOP/s per GPU from the vendors' data sheets, for MFU: (name as
 # torch.cuda.get_device_name gives it, 16-bit (bf16 / fp16), TF32 (fp32 matmuls with TF32 on, as
 # train.py sets; V100 and T4 have no TF32: their plain fp32)). First match wins: the specific
-# variants (NVL, PCIe) come before the plain name, which is the SXM part.
+# variants (NVL, PCIe, GB200 before B200, A10G before A10) come first; the plain name is the SXM
+# part. A10G has no public data sheet: None, so MFU asks for --peak-tflops instead of guessing.
 PEAK_TFLOPS = [
+    ("GB200", 2500, 1250), ("B200", 2250, 1100),
     ("H200 NVL", 835, 418), ("H200", 989, 495), ("H100 NVL", 835, 418), ("H100 PCIe", 756, 378),
-    ("H100", 989, 495), ("A100", 312, 156), ("L40S", 362, 183), ("A10", 125, 62.5),
-    ("RTX 4090", 165, 82.6), ("RTX 3090", 71, 35.6), ("V100", 125, 15.7), ("T4", 65, 8.1),
+    ("H100", 989, 495), ("H800 PCIe", 756, 378), ("H800", 989, 495), ("H20", 148, 74),
+    ("A100", 312, 156), ("L40S", 362, 183), ("L40", 181, 90.5), ("L4", 121, 60),
+    ("A10G", None, None), ("A10", 125, 62.5), ("RTX 4090", 165, 82.6), ("RTX 3090", 71, 35.6),
+    ("V100", 125, 15.7), ("T4", 65, 8.1),
 ]
 
 
@@ -296,5 +306,6 @@ def peak_flops(device_name, dtype):
     dtype; None when unknown or no GPU (then MFU is not shown; --peak-tflops sets it)."""
     for key, half, tf32 in PEAK_TFLOPS:
         if key.lower() in (device_name or "").lower():
-            return (tf32 if dtype == torch.float32 else half) * 1e12
+            peak = tf32 if dtype == torch.float32 else half
+            return None if peak is None else peak * 1e12
     return None

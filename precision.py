@@ -44,6 +44,20 @@ def resolve_dtype(name, device):
     return DTYPES[name]
 
 
+def set_tf32(enabled):
+    """fp32 matmuls and convolutions on TF32 tensor cores (Ampere and newer: 10 mantissa bits,
+    fp32's range), or in full fp32. Returns the previous setting, to restore it. torch 2.9 has a
+    new API and refuses to read a state set through both: only the new one where it exists."""
+    matmul, conv = torch.backends.cuda.matmul, getattr(torch.backends.cudnn, "conv", None)
+    if hasattr(matmul, "fp32_precision") and conv is not None:
+        before = matmul.fp32_precision == "tf32"
+        matmul.fp32_precision = conv.fp32_precision = "tf32" if enabled else "ieee"
+    else:  # torch before 2.9
+        before = matmul.allow_tf32
+        matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    return before
+
+
 def grad_zero_frac(grads, group=None):
     """Fraction of gradient entries that are exactly zero, over every rank's gradients (a device
     tensor). Under fp16 a rising value means that gradients underflow: the scale is too low."""

@@ -39,9 +39,10 @@ from data.loader import Batches, estimate_loss, load_data
 from lora import adapter_state, apply_lora, base_fingerprint, parse_targets, save_adapter
 from memory import model_state_report
 from model import GPT, GPTConfig, peak_flops, saved_activation_bytes
-from precision import GradScaler, grad_zero_frac, resolve_dtype
+from precision import DTYPES, GradScaler, grad_zero_frac, resolve_dtype, set_tf32
 from quant import quantize_base
-from zero import Traffic, ZeRO, all_reduce_sum, replica_digest, traffic_formula
+from collectives import Traffic, all_reduce_sum
+from zero import ZeRO, replica_digest, traffic_formula
 from zero3 import ZeRO3
 
 
@@ -59,7 +60,7 @@ def init_distributed(cfg):
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        set_tf32(True)  # fp32 matmuls on tensor cores (16-bit runs: the fp32 ones left)
     if "RANK" in os.environ:
         dist.init_process_group("nccl" if use_cuda else "gloo",
                                 device_id=device if use_cuda else None)
@@ -111,16 +112,14 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, in
                    parse_targets(cfg.lora_targets))
         if cfg.quantize:
             quantize_base(model, cfg.quantize, cfg.double_quant)
-    if cfg.compile:  # the blocks' math; the hooks that drive ZeRO stay outside compiled code
-        for block in model.transformer.h:
-            block.attn.compile()
-            block.mlp.compile()
+    if cfg.compile:  # each block's whole forward, and the loss head: see compile_model
+        compile_model(model)
     Engine = ZeRO3 if cfg.zero == 3 else ZeRO
     extra = {"prefetch": cfg.prefetch} if cfg.zero == 3 else {}
     zero = Engine(model, cfg.zero, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
                   weight_decay=cfg.weight_decay, bucket_mb=cfg.bucket_mb, rank=rank,
                   world_size=world_size, fp32_grad_accum=cfg.fp32_grad_accum and grad_accum > 1
-                  and dtype != torch.float32, **extra)
+                  and dtype != torch.float32, reduce_dtype=DTYPES.get(cfg.reduce_dtype), **extra)
     auto = "dynamic" if cfg.dtype == "fp16" else "none"  # bf16 and fp32 need no scale
     scale = auto if cfg.loss_scale == "auto" else cfg.loss_scale
     # a fixed scale of 1 is "no scaler", but still finds inf/NaN gradients and skips the step
@@ -129,6 +128,16 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, in
                         min_scale=cfg.min_loss_scale, device=device)
     torch.manual_seed(cfg.seed + rank)  # dropout: different masks on different ranks
     return model, zero, scaler
+
+
+def compile_model(model):
+    """torch.compile each block's forward and the loss head (final LayerNorm, LM head, loss),
+    where the memory-bound work (LayerNorms, residual adds, GELU, the softmax) fuses. A module's
+    hooks run in its __call__, around forward: compiling forward, not the module, keeps the
+    hooks that drive ZeRO (gathers, frees, gradient reductions) outside the compiled code."""
+    for block in model.transformer.h:
+        block.forward = torch.compile(block.forward)
+    model.head = torch.compile(model.head)
 
 
 class Metrics:
@@ -258,7 +267,8 @@ def main(argv=None):
         found_inf = scaler.unscale_(grads)  # divide by the loss scale; an inf/NaN on any rank?
         grad_norm = zero.clip_grad_norm_(cfg.grad_clip)  # global norm over every rank's slice
         zero.step(lr, found_inf)  # AdamW on this rank's fp32 slice; skipped if found_inf
-        zero.publish()  # fp32 master -> working weights (stages 1-2: all-gather them)
+        zero.publish(wait=False)  # fp32 master -> weights (stages 1-2: all-gathers, waited
+        # for bucket by bucket in the next forward's pre-hooks: they overlap it)
         scaler.update(found_inf)  # halve the scale after an overflow, grow it after a clean run
         zero.zero_grad()  # the next step's gradients start from zero
 
@@ -309,6 +319,7 @@ def log_step(step, clock, cfg, model, zero, scaler, metrics, print0):
 
 
 def save(cfg, it, zero, model, scaler, header, print0):
+    zero.wait_published()  # the weights of the last step, not a gather still on its way
     path = checkpoint.save(cfg.out_dir, it, zero, model, scaler, header, cfg.ckpt_format,
                            cfg.keep_last)
     print0(f"saved {path}")
@@ -317,6 +328,7 @@ def save(cfg, it, zero, model, scaler, header, print0):
 def wrap_up(cfg, it, zero, model, scaler, header, metrics, stopped, print0):
     """The end of a run: the replica check, the final checkpoint, a LoRA run's adapter."""
     # every rank must hold bitwise the same full parameters (under ZeRO-3 no rank holds them)
+    zero.wait_published()
     digest = "sharded" if cfg.zero == 3 else replica_digest(model)
     digests = [digest] * zero.world_size
     if zero.world_size > 1:
@@ -352,3 +364,6 @@ if __name__ == "__main__":
     except (ConfigError, CheckpointError) as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(2)
+    finally:  # an error after init: leave no communicator behind (NCCL warns, may hang)
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -18,164 +18,39 @@ followed by an all-gather, and stages 1-2 do the two halves at different times, 
 their own shard in between. So they differ in two places: `_reduce` (which collective runs in
 backward) and `publish` (whether the step all-gathers).
 
-Layout. The trainable parameters (the tied embedding / LM head once) are packed, last layer
-first, into buckets of about --bucket-mb: one flat tensor each, padded to a multiple of N, the
-parameters views into it, so collectives run on contiguous memory. Rank r owns the r-th 1/N of
-every bucket. Padding makes every world size legal and stays zero, outside norms, inf checks
-and checkpoints. The optimizer steps one 1-D view per (parameter, rank) piece, a `Segment`.
+Layout (buckets.py): the trainable parameters packed into flat buckets, padded to a multiple of
+N; rank r owns the r-th 1/N of every bucket, and the optimizer steps those pieces (Segments).
 
 Overlap. A post-accumulate-grad hook counts a bucket's gradients as they land; a complete
 bucket's collective is launched asynchronously while backward goes on. Buckets launch strictly
-in index order, so all ranks issue the same collectives in the same order.
+in index order, so all ranks issue the same collectives in the same order. At most two are in
+flight: the backend keeps a collective's buffers until it is waited for, so an unbounded
+backward would hold every bucket's full-size temporary at once (stage 2's 2Ψ again). The
+publish all-gathers of stages 1-2 overlap the next forward: each bucket is waited for just
+before the first block that reads it.
+
+Precision on the wire. Gradients are reduced in one dtype at every stage, --reduce-dtype: the
+working dtype by default (the ZeRO paper's 16-bit gradients), or fp32 (torchtitan's and
+Megatron's default), which doubles the bytes and keeps the low bits of a sum over many ranks.
 
 The step, called by train.py's loop in the lecture's order: `master_grads`, the scaler's
 unscale and inf check, `clip_grad_norm_`, `step` (fused AdamW, skipped on the device when any
 rank found an inf), `publish`. Norms, the inf flag and the skip stay on the device.
 """
 import hashlib
-import math
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-# torch 2.13 renamed the tensor-in / tensor-out collectives; use the new names where they exist
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
+from buckets import Bucket, frozen_tensors, plan_buckets
+from collectives import (Traffic, all_gather_params, all_reduce_grads, all_reduce_sum,
+                         gather_group, reduce_scatter_grads)
 
 # ----------------------------------------------------------------------------------------------
-# The collectives, named: the one place that counts traffic, in elements as the ZeRO paper does.
-# An all-reduce of n elements moves 2n (a reduce-scatter and an all-gather half), a
-# reduce-scatter or all-gather of an n-element buffer n. On one rank: local copies, no traffic.
+# Reductions launched and not yet landed, at most. Each holds a bucket's full-size gradient
+# temporary (stages 2-3) until it is waited for: two let one bucket's reduction overlap the
+# next bucket's backward while a rank never holds more than two buckets of them.
+MAX_IN_FLIGHT = 2
 
-@dataclass
-class Traffic:
-    """Elements (and bytes) this rank's collectives moved since the counter was made."""
-    all_reduce: int = 0
-    reduce_scatter: int = 0
-    all_gather: int = 0
-    bytes: int = 0
-
-    @property
-    def elements(self):
-        return self.all_reduce + self.reduce_scatter + self.all_gather
-
-
-def all_reduce_grads(flat, traffic, world_size, group=None):
-    if world_size == 1:
-        return None
-    traffic.all_reduce += 2 * flat.numel()
-    traffic.bytes += 2 * flat.numel() * flat.element_size()
-    # SUM and an explicit division elsewhere, never ReduceOp.AVG (not supported on gloo)
-    return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-
-
-def reduce_scatter_grads(shard, flat, traffic, world_size, group=None):
-    if world_size == 1:
-        shard.copy_(flat)
-        return None
-    traffic.reduce_scatter += flat.numel()
-    traffic.bytes += flat.numel() * flat.element_size()
-    # gloo has no native reduce-scatter: it runs an all-reduce and keeps one slice, so on CPU
-    # this half costs what a whole all-reduce costs. NCCL's ring does only the reduce half.
-    return _reduce_scatter(shard, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-
-
-def all_gather_params(flat, shard, traffic, world_size, group=None):
-    if world_size == 1:
-        flat.copy_(shard)
-        return None
-    traffic.all_gather += flat.numel()
-    traffic.bytes += flat.numel() * flat.element_size()
-    return _all_gather(flat, shard, group=group, async_op=True)
-
-
-def all_reduce_sum(x, world_size, group=None):
-    """A few bytes of control traffic (norms, counts), not counted as model traffic."""
-    if world_size > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
-    return x
-
-
-# ----------------------------------------------------------------------------------------------
-# Layout: buckets and the segments the optimizer steps
-
-def plan_buckets(numels, cap):
-    """Indices of tensors of sizes `numels` grouped into buckets of at most `cap` elements, last
-    tensor first (gradients arrive last layer first); a larger tensor gets a bucket of its own.
-    memory.py plans with this very function: its estimate packs what the trainer packs."""
-    buckets, current, size = [], [], 0
-    for i in reversed(range(len(numels))):
-        if current and size + numels[i] > cap:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += numels[i]
-    return buckets + [current]
-
-
-def frozen_tensors(module, keep=lambda t: True):
-    """What a module holds but never trains: frozen parameters (LoRA's base) and persistent
-    buffers (a quantized base's codes and scales; not nf4's shared 16-value code table)."""
-    frozen = [p for p in module.parameters() if not p.requires_grad and keep(p)]
-    for m in module.modules():
-        for name, b in m._buffers.items():
-            if b is not None and name not in m._non_persistent_buffers_set and keep(b):
-                frozen.append(b)
-    return frozen
-
-
-@dataclass
-class Segment:
-    """The piece [lo, hi) of one flattened parameter that this rank owns: what AdamW steps
-    (as `master`, an fp32 view into the master slice) and what a checkpoint saves by name."""
-    name: str  # the parameter's name in model.state_dict()
-    param: torch.Tensor  # the working parameter
-    lo: int
-    hi: int
-    start: int  # where the piece begins inside its bucket's owned slice
-    master: torch.Tensor = None
-
-
-class Bucket:
-    """Tensors packed into one flat buffer (padded to a multiple of N) that they become views
-    of. This rank owns [lo, hi): that range's optimizer state (stage 2+: gradient) lives here."""
-
-    def __init__(self, tensors, rank, world_size, dtype, device, pad=True):
-        self.params = tensors
-        numel = sum(t.numel() for t in tensors)
-        self.numel = math.ceil(numel / world_size) * world_size if pad else numel
-        shard = self.numel // world_size if pad else self.numel
-        self.lo, self.hi = (rank * shard, (rank + 1) * shard) if pad else (0, self.numel)
-        self.flat = torch.zeros(self.numel, dtype=dtype, device=device)
-        self.offsets, offset = [], 0
-        for t in tensors:
-            self.flat[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
-            t.data = self.flat[offset:offset + t.numel()].view_as(t)  # the tensor is now a view
-            self.offsets.append(offset)
-            offset += t.numel()
-        self.flat_grad = None  # stages 0-1: the full gradient of the bucket
-        self.grad_shard = None  # stages 2-3: only this rank's reduced slice of it
-        self.segments = []  # the pieces of its parameters this rank owns, in order
-        self.ready = 0  # parameters whose gradient has landed in this backward
-
-    def owned_grad(self):  # this rank's reduced gradient slice
-        return self.grad_shard if self.grad_shard is not None else self.flat_grad[self.lo:self.hi]
-
-    def make_segments(self, names, master):
-        """Cut the owned range into one Segment per tensor that overlaps it; `master` is the
-        fp32 copy (or, in fp32, the view) of the owned range, None for frozen tensors."""
-        for p, offset in zip(self.params, self.offsets):
-            lo, hi = max(offset, self.lo), min(offset + p.numel(), self.hi)
-            if lo < hi:  # else another rank owns all of this tensor
-                start = lo - self.lo
-                view = None if master is None else master[start:start + hi - lo]
-                self.segments.append(Segment(names[id(p)], p, lo - offset, hi - offset, start,
-                                             view))
-
-
-# ----------------------------------------------------------------------------------------------
 
 class ZeRO:
     """Owns the trainable parameters' flat buckets, this rank's fp32 master slice and AdamW.
@@ -184,17 +59,15 @@ class ZeRO:
     STAGES = (0, 1, 2)
 
     def __init__(self, model, stage, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8,
-                 bucket_mb=25.0, rank=0, world_size=1, group=None, fp32_grad_accum=False):
+                 bucket_mb=25.0, rank=0, world_size=1, group=None, fp32_grad_accum=False,
+                 reduce_dtype=None):
         if stage not in self.STAGES:
             raise ValueError(f"{type(self).__name__} runs ZeRO stages {self.STAGES}, not {stage}")
         self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
         self.bucket_mb, self.traffic = bucket_mb, Traffic()
-        # NCCL runs a process group's collectives in order on one stream of its own: with a
-        # second group, an all-gather (ZeRO-3's prefetch, stage 1-2's publish) need not queue
-        # behind a reduce-scatter (FSDP2 uses two streams alike). wait() makes the compute
-        # stream wait for it, and the group holds its tensors until then. gloo: one group.
-        on_gpus = world_size > 1 and next(model.parameters()).device.type == "cuda"
-        self.gather_group = dist.new_group(backend="nccl") if on_gpus else group
+        # all-gathers on a group of their own (collectives.py; stage 0 never all-gathers)
+        device = next(model.parameters()).device
+        self.gather_group = gather_group(group, device, world_size) if stage >= 1 else group
         # named_parameters() skips the tied weight's second name; frozen tensors stay out
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
@@ -210,6 +83,11 @@ class ZeRO:
         # a 16-bit sum over micro-steps loses the small contributions (Megatron and DeepSpeed's
         # bf16 optimizer accumulate in fp32): the accumulating gradient buffer is fp32
         self.grad_dtype = torch.float32 if fp32_grad_accum else self.dtype
+        # the dtype gradients cross the wire in, the same policy at every stage: the working
+        # dtype by default (the ZeRO paper reduces 16-bit gradients, half the bytes of fp32),
+        # fp32 as torchtitan and Megatron do by default (a 16-bit sum over many ranks rounds).
+        # One rank moves nothing, so nothing is cast there.
+        self.reduce_dtype = reduce_dtype or self.dtype
         self.buckets = self._make_buckets(model, [p for _, p in named])
         # where each trainable parameter lives: its bucket, its offset in the flat buffer
         self.where = {id(p): (b, offset) for b in self.buckets
@@ -237,6 +115,10 @@ class ZeRO:
                 "exp_avg": torch.zeros_like(s.master), "exp_avg_sq": torch.zeros_like(s.master)}
 
         self.sync, self.next_bucket, self.in_flight = True, 0, []
+        self.publishing = {}  # bucket index -> (its publish all-gather, the shard it sends)
+        self.publish_order = list(range(len(self.buckets)))
+        if self.stage in (1, 2):
+            self._order_publish(model)
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -280,33 +162,46 @@ class ZeRO:
 
     def _reduce(self, b):
         """Launch bucket b's gradient collective, each gradient divided by N first: the sum over
-        ranks is then the mean, and a 16-bit sum of N gradients cannot overflow on the way."""
+        ranks is then the mean, and a 16-bit sum of N gradients cannot overflow on the way.
+        At most MAX_IN_FLIGHT reductions are in flight: the oldest lands before a new one
+        starts, since the backend keeps each one's buffers alive until it is waited for."""
+        while len(self.in_flight) >= MAX_IN_FLIGHT:
+            self._land_one(*self.in_flight.pop(0))
         N = self.world_size
-        if self.stage == 0:  # plain data parallelism: every rank gets the whole sum
-            b.flat_grad.div_(N)
-            work = all_reduce_grads(b.flat_grad, self.traffic, N, self.group)
-            self.in_flight.append((work, None, None))
-        elif self.stage == 1:  # ZeRO-1: reduce-scatter; only the owned slice's sum is needed
-            b.flat_grad.div_(N)
-            reduced = torch.empty_like(b.flat_grad[b.lo:b.hi])
-            work = reduce_scatter_grads(reduced, b.flat_grad, self.traffic, N, self.group)
-            self.in_flight.append((work, reduced, b.flat_grad[b.lo:b.hi]))
+        if self.stage <= 1:  # the bucket's accumulated gradient, cast for the wire if asked
+            send = b.flat_grad
+            if N > 1 and send.dtype != self.reduce_dtype:
+                send = send.to(self.reduce_dtype)
         else:
-            # ZeRO-2: the gradients go into a temporary flat buffer, freed after the reduce-
-            # scatter: only this rank's slice survives, summed over micro-steps (never 2Ψ held)
-            flat = torch.empty_like(b.flat)
-            for p, offset in zip(b.params, b.offsets):
-                piece = flat[offset:offset + p.numel()]
-                if p.grad is None:  # the parameter was unused in this forward
-                    piece.zero_()
-                else:
-                    piece.copy_(p.grad.reshape(-1))
-                    p.grad = None
-            flat[b.offsets[-1] + b.params[-1].numel():].zero_()  # the padding
-            flat.div_(N)
-            reduced = torch.empty(b.hi - b.lo, dtype=self.dtype, device=self.device)
-            work = reduce_scatter_grads(reduced, flat, self.traffic, N, self.group)
-            self.in_flight.append((work, reduced, b.grad_shard))
+            send = self._grads_to_flat(b)
+        if N > 1:
+            send.div_(N)
+        if self.stage == 0:  # plain data parallelism: every rank gets the whole sum, in place
+            work = all_reduce_grads(send, self.traffic, N, self.group)
+            into = None if send is b.flat_grad else b.flat_grad
+            self.in_flight.append((work, send, send, into))
+            return
+        # ZeRO-1 and 2: reduce-scatter; only this rank's slice of the sum is needed
+        reduced = torch.empty(b.hi - b.lo, dtype=send.dtype, device=self.device)
+        work = reduce_scatter_grads(reduced, send, self.traffic, N, self.group)
+        into = b.flat_grad[b.lo:b.hi] if self.stage == 1 else b.grad_shard
+        self.in_flight.append((work, send, reduced, into))
+
+    def _grads_to_flat(self, b):
+        """ZeRO-2: the bucket's gradients, moved into a temporary flat buffer that lives only
+        until its reduce-scatter lands. Only this rank's slice survives, summed over micro-steps
+        (never 2Ψ held). Each parameter's own .grad is freed as it is copied."""
+        dtype = self.reduce_dtype if self.world_size > 1 else self.dtype
+        flat = torch.empty(b.numel, dtype=dtype, device=self.device)
+        for p, offset in zip(b.params, b.offsets):
+            piece = flat[offset:offset + p.numel()]
+            if p.grad is None:  # the parameter was unused in this forward
+                piece.zero_()
+            else:
+                piece.copy_(p.grad.reshape(-1))
+                p.grad = None
+        flat[b.offsets[-1] + b.params[-1].numel():].zero_()  # the padding
+        return flat
 
     def backward(self, loss, sync=True):
         """loss.backward(), the gradient collectives overlapped. sync=False on all but the last
@@ -319,20 +214,20 @@ class ZeRO:
             while self.next_bucket < len(self.buckets):  # buckets with unused parameters
                 self._reduce(self.buckets[self.next_bucket])
                 self.next_bucket += 1
-            self._land()
+            while self.in_flight:  # land what is still in flight, oldest first
+                self._land_one(*self.in_flight.pop(0))
 
-    def _land(self):
-        """Wait for every collective launched in this backward and put its result in place."""
-        for work, reduced, into in self.in_flight:
-            if work is not None:
-                work.wait()  # always wait before reading a collective's output
-            if into is None:
-                continue  # an all-reduce: done in place
-            if self.stage >= 2:
-                into.add_(reduced)  # micro-steps accumulate into the shard (fp32 if asked)
-            else:
-                into.copy_(reduced)
-        self.in_flight = []
+    def _land_one(self, work, send, reduced, into):
+        """Wait for one launched reduction and put its result in place. `send` is held only so
+        that the buffer the backend reads lives exactly as long as the collective does."""
+        if work is not None:
+            work.wait()  # always wait before reading a collective's output
+        if into is None:
+            return  # an all-reduce in place: done
+        if self.stage >= 2:
+            into.add_(reduced)  # micro-steps accumulate into the shard (fp32 if asked)
+        else:
+            into.copy_(reduced)
 
     # -- the optimizer step on this rank's slice --------------------------------------------
 
@@ -374,22 +269,50 @@ class ZeRO:
             s.master.grad = None
 
     @torch.no_grad()
-    def publish(self):
+    def publish(self, wait=True):
         """The new fp32 master -> the working weights: stage 0 copies it (each rank updated all
-        of it), stages 1-2 all-gather every rank's slice (the second half of the 2Ψ). After a
-        skipped step this publishes unchanged weights: skipping would need the inf flag read."""
-        works = []
-        for b, master in zip(self.buckets, self.master):
+        of it), stages 1-2 all-gather every rank's slice (the second half of the 2Ψ), in the
+        order the next forward reads them. wait=False (train.py's loop) returns with the
+        gathers in flight: each bucket is waited for in the forward pre-hook of the first module
+        that reads it, so they overlap the next forward. Whatever else reads the weights calls
+        wait_published() first. After a skipped step this publishes unchanged weights: skipping
+        would need the inf flag read."""
+        for i in self.publish_order:
+            b, master = self.buckets[i], self.master[i]
             if self.stage == 0:
                 if master.data_ptr() != b.flat.data_ptr():  # in fp32 the master is the weight
                     b.flat.copy_(master)
-            else:  # a fresh copy: the input of all-gather must not alias its output
-                shard = master.to(self.dtype, copy=True)
-                works.append(all_gather_params(b.flat, shard, self.traffic, self.world_size,
-                                               self.gather_group))
-        for work in works:
+                continue
+            shard = master.to(self.dtype, copy=True)  # the input must not alias the output
+            work = all_gather_params(b.flat, shard, self.traffic, self.world_size,
+                                     self.gather_group)
             if work is not None:
-                work.wait()
+                self.publishing[i] = (work, shard)  # the shard lives as long as its gather
+        if wait:
+            self.wait_published()
+
+    def wait_published(self, indices=None):
+        """Wait for the publish all-gathers of these buckets (default: all still in flight)."""
+        for i in list(self.publishing) if indices is None else indices:
+            entry = self.publishing.pop(i, None)
+            if entry is not None:
+                entry[0].wait()
+
+    def _order_publish(self, model):
+        """Stages 1-2: which forward first reads each bucket (-1: the root, before any block),
+        the publish order that follows, and the pre-hooks that wait for each bucket there.
+        Hooks on the blocks and the model, never inside them: a compiled block stays whole."""
+        blocks = list(getattr(getattr(model, "transformer", None), "h", []))
+        block_of = {id(p): i for i, blk in enumerate(blocks) for p in blk.parameters()}
+        first = [min(block_of.get(id(p), -1) for p in b.params) for b in self.buckets]
+        self.publish_order = sorted(range(len(self.buckets)), key=lambda i: first[i])
+        readers = {j: [i for i in self.publish_order if first[i] == j] for j in set(first)}
+        model.register_forward_pre_hook(
+            lambda m, args: self.wait_published(readers.get(-1, [])))
+        for j, blk in enumerate(blocks):
+            if j in readers:
+                blk.register_forward_pre_hook(
+                    lambda m, args, j=j: self.wait_published(readers[j]))
 
     def zero_grad(self):
         for b in self.buckets:

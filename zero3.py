@@ -10,9 +10,11 @@ LM head), and the life of a unit's weights in one training step is, as the code 
                  `shard`, and the full buffer's storage is freed (resized to 0 bytes)
   (2) gather     just before the block's forward, all-gather the shards into that storage
   (3) prefetch   ... and launch the next block's all-gather, to overlap this block's compute
+                 (block 0's starts in the model's pre-forward, behind the embeddings)
   (4) free       right after the block's forward
   (5) re-gather  for backward: when the gradient of the block's output arrives, the block's
-                 backward is next: gather it again (and prefetch the block before it)
+                 backward is next: gather it again (and prefetch the block before it). The
+                 last block's re-gather starts at the end of the forward, behind the loss head
   (6) reduce-scatter, free: once the unit's gradients are complete, reduce-scatter them, as
                  stage 2 does (zero.py), and free the full weights
   (7) step       AdamW updates the fp32 master of the shard; publish copies it into `shard`
@@ -28,7 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from zero import Bucket, ZeRO, all_gather_params, frozen_tensors
+from buckets import Bucket, frozen_tensors
+from collectives import all_gather_params
+from zero import ZeRO
 
 
 class ShardedBucket(Bucket):
@@ -142,10 +146,16 @@ class ZeRO3(ZeRO):
 
     def _pre_model_forward(self, model, args):
         self._gather(self.root)  # (2) the root: embeddings first, the tied head last
+        if self.prefetch and self.units:
+            self._gather(self.units[0], wait=False)  # (3) the first block, behind the embeddings
 
     def _post_model_forward(self, model, args, out):
         if not torch.is_grad_enabled():
             self._free(self.root.buckets)  # evaluation: no backward will need it
+        elif self.prefetch and self.units and not self.in_backward:
+            # (5) the last block's backward comes right after the loss head's: its re-gather
+            # can start now and overlap the head's backward
+            self._gather(self.units[-1], wait=False)
 
     def _pre_forward(self, i):
         self._gather(self.units[i])  # (2) gather
@@ -183,7 +193,7 @@ class ZeRO3(ZeRO):
         self.in_backward = False
 
     @torch.no_grad()
-    def publish(self):
+    def publish(self, wait=True):
         """(7) step: the updated fp32 master -> the shard; the next forward gathers it."""
         for b, master in zip(self.buckets, self.master):
             if master.data_ptr() != b.shard.data_ptr():  # in fp32 the shard is the master

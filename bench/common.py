@@ -22,13 +22,13 @@ from dataclasses import replace
 
 import torch
 
+from collectives import Traffic
 from configurator import TrainConfig
 from data import loader
 from data.loader import get_batch
 from model import saved_activation_bytes
-from precision import DTYPES
+from precision import DTYPES, set_tf32
 from train import build, get_lr
-from zero import Traffic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS_MD = os.path.join(ROOT, "BENCHMARKS.md")
@@ -43,7 +43,7 @@ def default_device():
     """cuda:0 when there is a GPU (fp32 matmuls on TF32 tensor cores, as train.py sets), else
     the CPU."""
     if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        set_tf32(True)
         return torch.device("cuda:0")
     return torch.device("cpu")
 
@@ -225,7 +225,7 @@ def our_step(model, zero, scaler, cfg, x, y, lr, act=None):
     found_inf = scaler.unscale_(grads)
     zero.clip_grad_norm_(cfg.grad_clip)
     zero.step(lr, found_inf)
-    zero.publish()
+    zero.publish(wait=False)  # as train.py: the next forward waits for each bucket
     scaler.update(found_inf)
     zero.zero_grad()
     return loss_sum, found_inf

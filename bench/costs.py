@@ -39,7 +39,7 @@ from configurator import TrainConfig, load_preset
 from lora import parse_targets
 from memory import estimate
 from model import GPT, peak_flops
-from precision import DTYPES
+from precision import DTYPES, set_tf32
 from train import model_config
 from zero import traffic_formula, zero_formula
 
@@ -193,7 +193,7 @@ def worker(rank, world_size, port, args, out_path):
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        set_tf32(True)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size,
                             device_id=device if cuda else None)
     data, vocab = load_data()

@@ -127,7 +127,8 @@ def main(argv=None):
         print(f"{key}: {ms:.1f} ms/iter", flush=True)
     body = table(["configuration", "ms/iter", "spread (blocks)", f"vs {keys[0]}", "tokens/s",
                   "MFU", "max allocated GiB"], rows)
-    numbers = (f"{name or 'CPU (--tiny: a smoke run, not a measurement)'}; {cfg.n_layer} layers, "
+    smoke = " (--tiny: a smoke run, not a measurement)" if args.tiny else ""
+    numbers = (f"{name or 'CPU'}{smoke}; {cfg.n_layer} layers, "
                f"{cfg.n_embd} wide, {cfg.batch_size} x {cfg.block_size} tokens a step, bf16; "
                f"{args.warmup} warm-up steps, then {args.rounds} blocks of {args.steps} steps.")
     report(command("gpu", argv), "gpu", body, numbers, watch, not args.no_write,

@@ -8,6 +8,7 @@ precision: our step in fp32, bf16 and fp16 (GradScaler dynamic for fp16).
 
     python -m bench.loop                       # both sections, the CPU demo model
     python -m bench.loop --only loop --steps 60 --no-write
+    python -m bench.loop --only loop --compile  # (a) torch.compile(model); (b), (c) --compile
     python bench/loop.py --only precision
 
 BENCHMARKS.md's "loop" and "precision" sections say how they measure.
@@ -44,13 +45,16 @@ def demo_config(device):
 
 def loop_overhead(args, device):
     """Rows for (a), (b), (c), and the numbers line."""
-    cfg, (data, vocab) = TrainConfig(), load_data()
+    cfg, (data, vocab) = TrainConfig(compile=args.compile), load_data()
     steps = args.steps or 200
     rounds = max(2, steps // 20)  # short rounds: a and b see the same machine
     per_round = max(1, steps // rounds)
     torch.manual_seed(cfg.seed)  # the weights train.build starts from
     plain = GPT(model_config(cfg, vocab)).to(device)
-    runs = {"a": PlainRun(plain, adamw(plain, cfg), cfg, data, device),
+    opt = adamw(plain, cfg)
+    if args.compile:  # the whole model, as nanoGPT compiles it
+        plain = torch.compile(plain)
+    runs = {"a": PlainRun(plain, opt, cfg, data, device),
             "b": OurRun(cfg, data, vocab, device)}
     ms = {"a": [], "b": []}
     for w in "ab":
@@ -60,13 +64,16 @@ def loop_overhead(args, device):
             ms[w].append(time_block(runs[w].step, 5 + r * per_round, per_round, device))
     a, b = statistics.median(ms["a"]), statistics.median(ms["b"])
     overhead = paired_ratio(ms["b"], ms["a"])
-    c_ms = train_py_ms()
+    c_ms = train_py_ms(["--compile"] if args.compile else [])
     c = statistics.median(c_ms)
-    rows = [["(a) plain PyTorch: forward, backward, clip_grad_norm_, fused AdamW", f"{a:.2f}",
+    compiled = ", compiled" if args.compile else ""
+    rows = [[f"(a) plain PyTorch: forward, backward, clip_grad_norm_, fused AdamW{compiled}",
+             f"{a:.2f}",
              spread(ms["a"]), "-", "-"],
             ["(b) our train path: ZeRO stage 0 (N=1) + GradScaler(1, fixed)", f"{b:.2f}",
              spread(ms["b"]), percent(overhead), judge(overhead)],
-            ["(c) `train.py --max-iters 60 --eval-interval 1000 --log-interval 1`", f"{c:.2f}",
+            [f"(c) `train.py --max-iters 60 --eval-interval 1000 --log-interval 1"
+             f"{' --compile' if args.compile else ''}`", f"{c:.2f}",
              spread(c_ms) + " (steps)", percent(c / a), judge(c / a)]]
     body = table(["path", "ms/step", "spread (round means)", "overhead vs (a)", "target < 5%"],
                  rows)
@@ -83,12 +90,12 @@ def judge(ratio):
     return "met" if ratio <= TARGET else "**missed**"
 
 
-def train_py_ms():
+def train_py_ms(extra=()):
     """(c): train.py as a user runs it, logging every step (so it also pays loss.item(), the
     gradient zero-fraction count, a JSON line); its metrics.jsonl `ms` after the first 10."""
     with tempfile.TemporaryDirectory() as tmp:
-        rows = run_train(["--max-iters", "60", "--eval-interval", "1000", "--log-interval", "1"],
-                         tmp, threads=torch.get_num_threads())
+        rows = run_train(["--max-iters", "60", "--eval-interval", "1000", "--log-interval", "1",
+                          *extra], tmp, threads=torch.get_num_threads())
     return [r["ms"] for r in rows if "ms" in r and r["iter"] >= 10]
 
 
@@ -130,6 +137,8 @@ def precision(args, device):
 def main(argv=None):
     p = parser("loop", __doc__)
     p.add_argument("--only", choices=("loop", "precision"), help="run only this section")
+    p.add_argument("--compile", action="store_true", help="loop: every path torch.compile'd "
+                   "(written as section loop-compile)")
     p.add_argument("--steps", type=int, help="timed steps: per path (loop, default 200); per "
                    "dtype (precision, default 30; at most 5 for a 16-bit dtype this CPU emulates)")
     args = p.parse_args(argv)
@@ -143,6 +152,8 @@ def main(argv=None):
         measure, heading = sections[name]
         watch = Stopwatch()
         body, numbers = measure(args, device)
+        if args.compile and name == "loop":
+            name, heading = "loop-compile", "Loop overhead, compiled"
         report(command("loop", argv), name, body, numbers, watch, not args.no_write, heading)
 
 

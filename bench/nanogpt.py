@@ -9,6 +9,7 @@ nanoGPT is not part of this repository: bring a checkout of it.
     git clone https://github.com/karpathy/nanoGPT ../nanoGPT
     python -m bench.nanogpt --nanogpt ../nanoGPT                 # 3 rounds x 200 steps each
     python -m bench.nanogpt --nanogpt ../nanoGPT --rounds 1 --steps 20 --no-write
+    python -m bench.nanogpt --nanogpt ../nanoGPT --compile     # both sides torch.compile'd
 
 nanoGPT's data/shakespeare_char/prepare.py downloads Tiny Shakespeare; we write its input.txt
 from our copy (data/tinyshakespeare.txt) first, so it runs offline, and check that its token
@@ -34,7 +35,7 @@ from data.prepare import TINY_PATH, TINY_SHA256
 HOW = "git clone https://github.com/karpathy/nanoGPT"
 # nanoGPT's README, "I only have a macbook": its CPU recipe for shakespeare_char, except that
 # --max_iters is the round's length (lr_decay_iters stays 2000: the same schedule)
-RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
+RECIPE = ["config/train_shakespeare_char.py", "--device=cpu",
           "--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12",
           "--n_layer=4", "--n_head=4", "--n_embd=128", "--lr_decay_iters=2000", "--dropout=0.0"]
 ITER_LINE = re.compile(r"^iter (\d+): loss ([\d.]+), time ([\d.]+) ?ms", re.M)
@@ -63,18 +64,20 @@ def prepare_nanogpt_data(path):
                  "data/shakespeare_char/train.bin: not the same data")
 
 
-def run_nanogpt(path, steps, out_dir):
+def run_nanogpt(path, steps, out_dir, compile=False):
     """nanoGPT's train.py for steps + 1 iterations (it runs 0..max_iters): {iter: (loss, ms)}."""
-    cmd = [sys.executable, "train.py", *RECIPE, f"--max_iters={steps}", f"--out_dir={out_dir}"]
+    cmd = [sys.executable, "train.py", *RECIPE, f"--compile={compile}", f"--max_iters={steps}",
+           f"--out_dir={out_dir}"]
     done = subprocess.run(cmd, cwd=path, check=True, capture_output=True, text=True)
     return {int(i): (float(loss), float(ms)) for i, loss, ms in ITER_LINE.findall(done.stdout)}
 
 
-def run_ours(steps, out_dir):
+def run_ours(steps, out_dir, compile=False):
     """Our train.py on the same recipe (config/shakespeare_char_cpu.py is it), logging every
     step as nanoGPT does here: {iter: (loss, ms)}."""
     rows = run_train(["--config", "config/shakespeare_char_cpu.py", "--device", "cpu",
-                      "--log-interval", "1", "--max-iters", str(steps)], out_dir)
+                      "--log-interval", "1", "--max-iters", str(steps)]
+                     + (["--compile"] if compile else []), out_dir)
     return {r["iter"]: (r["loss"], r["ms"]) for r in rows if "ms" in r}
 
 
@@ -87,6 +90,8 @@ def main(argv=None):
     p.add_argument("--nanogpt", metavar="PATH", help=f"a nanoGPT checkout ({HOW})")
     p.add_argument("--rounds", type=int, default=3, help="rounds; each runs both once")
     p.add_argument("--steps", type=int, default=200, help="steps of each run")
+    p.add_argument("--compile", action="store_true", help="both sides with torch.compile "
+                   "(nanoGPT: the whole model; ours: each block and the loss head)")
     args = p.parse_args(argv)
     if not args.nanogpt:
         p.error(f"--nanogpt PATH: a nanoGPT checkout is needed ({HOW})")
@@ -101,8 +106,8 @@ def main(argv=None):
         for r in range(args.rounds):  # ours first in even rounds, nanoGPT first in odd ones
             for side in (("ours", "nanogpt") if r % 2 == 0 else ("nanogpt", "ours")):
                 out = os.path.join(tmp, f"{side}{r}")
-                log = run_ours(args.steps, out) if side == "ours" else \
-                    run_nanogpt(path, args.steps, out)
+                log = run_ours(args.steps, out, args.compile) if side == "ours" else \
+                    run_nanogpt(path, args.steps, out, args.compile)
                 ms[side].append(median_ms(log))
                 last[side] = log[max(log)][0]
                 print(f"round {r}: {side} {ms[side][-1]:.1f} ms/step", flush=True)
@@ -116,10 +121,13 @@ def main(argv=None):
     if os.path.exists(os.path.join(path, ".git")):
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=path,
                                 capture_output=True, text=True).stdout.strip()
-    numbers = (f"nanoGPT at commit {commit}; {args.rounds} rounds of {args.steps} steps each, "
+    mode = "both compiled (torch.compile)" if args.compile else "both eager"
+    numbers = (f"nanoGPT at commit {commit}, {mode}; {args.rounds} rounds of {args.steps} steps each, "
                f"the median step time after the first {SKIP} of each run; loss at the last "
                f"step: ours {last['ours']:.4f}, nanoGPT {last['nanogpt']:.4f}.")
-    report(command("nanogpt", argv), "nanogpt", body, numbers, watch, not args.no_write,
+    name = "nanogpt-compile" if args.compile else "nanogpt"
+    report(command("nanogpt", argv), name, body, numbers, watch, not args.no_write,
+           "Our loop beside nanoGPT's train.py, both compiled" if args.compile else
            "Our loop beside nanoGPT's train.py")
 
 

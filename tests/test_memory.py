@@ -107,9 +107,9 @@ def test_activation_estimate_matches_measurement(dtype, shape, batch, seq, grad_
     out = [0]
     with saved_activation_bytes(model, out):
         model(x, y)
-    est = activation_bytes(cfg, batch, seq, dtype, grad_ckpt)["total"]
+    est = activation_bytes(cfg, batch, seq, dtype, grad_ckpt, device="cpu")["total"]
     print(f"{dtype} {shape} b={batch} s={seq} grad_ckpt={grad_ckpt}: estimate {est}, measured {out[0]}")
-    assert abs(est - out[0]) <= 0.15 * out[0]  # the bound; torch 2.13 on CPU: equal to the byte
+    assert est == out[0]  # on CPU, to the byte (LayerNorm's statistics in the input's dtype)
 
 
 LORA_CFG = dict(block_size=24, vocab_size=40, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
@@ -136,8 +136,9 @@ def test_lora_activations(targets, grad_ckpt):
     out = [0]
     with saved_activation_bytes(model, out):
         model(x, y)
-    est = estimate(GPTConfig(**LORA_CFG), batch=3, grad_ckpt=grad_ckpt, lora_rank=4, lora_targets=targets)
-    assert abs(est["activations"]["total"] - out[0]) <= 0.15 * out[0]  # torch 2.13 on CPU: equal
+    est = estimate(GPTConfig(**LORA_CFG), batch=3, grad_ckpt=grad_ckpt, lora_rank=4, lora_targets=targets,
+                   device="cpu")
+    assert est["activations"]["total"] == out[0]  # on CPU, to the byte
     assert est["trainable"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -185,7 +186,7 @@ def test_cli_estimate(capsys):
              "--gpu-mem", "80GB"]
     e = main(flags + ["--no-fp32-grad-accum"])
     out = capsys.readouterr().out
-    assert "124,475,904 parameters" in out and "fits" in out and "log-softmax" in out
+    assert "124,475,904 parameters" in out and "fits" in out and "logits (b*s*padded vocab" in out
     psi = 124_475_904  # GPT-2 124M with its vocabulary padded to 50,304
     assert e["state"]["total"] == pytest.approx(zero_formula(psi, 2, 8, torch.bfloat16)["total"],
                                                 rel=1e-6)

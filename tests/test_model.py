@@ -118,6 +118,10 @@ def test_param_count_and_mfu_gpt2_124m():
     assert peak_flops("NVIDIA H200", fp32) == 495e12  # fp32 matmuls run as TF32: half the peak
     assert peak_flops("NVIDIA A100-SXM4-80GB", bf16) == 312e12  # not the A10 entry, a prefix of it
     assert peak_flops("NVIDIA A10", bf16) == 125e12
+    assert peak_flops("NVIDIA A10G", bf16) is None  # no data sheet: not the A10's figure
+    assert peak_flops("NVIDIA H800", bf16) == 989e12 and peak_flops("NVIDIA H20", bf16) == 148e12
+    assert peak_flops("NVIDIA GB200", bf16) == 2500e12 and peak_flops("NVIDIA B200", bf16) == 2250e12
+    assert peak_flops("NVIDIA L4", bf16) == 121e12 and peak_flops("NVIDIA L40", bf16) == 181e12
     assert peak_flops("Some Unknown Accelerator", bf16) is None
     assert peak_flops(None, bf16) is None  # no GPU
 

@@ -1,0 +1,98 @@
+"""
+The collectives ZeRO runs, named once: the one place that counts traffic, and the one place that
+makes a process group.
+
+Traffic is counted in elements, as the ZeRO paper counts it (Rajbhandari et al. 2019, Sec. 7),
+and in bytes, which follow the dtype on the wire (--reduce-dtype for gradients). An all-reduce
+of n elements moves 2n (a reduce-scatter half and an all-gather half), a reduce-scatter or an
+all-gather of an n-element buffer moves n. On one rank there is nothing to move: local copies.
+
+Every collective here is launched asynchronously and returns its work handle (None on one rank).
+Two rules come with a handle: wait() before reading the output, and know that the backend keeps
+the input and output alive until wait() (NCCL stashes them) -- so a caller that launches many
+and waits late holds all of their buffers at once (zero.py bounds that: MAX_IN_FLIGHT).
+"""
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+# torch 2.13 renamed the tensor-in / tensor-out collectives; use the new names where they exist
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class Traffic:
+    """Elements (and bytes) this rank's collectives moved since the counter was made."""
+    all_reduce: int = 0
+    reduce_scatter: int = 0
+    all_gather: int = 0
+    bytes: int = 0
+
+    @property
+    def elements(self):
+        return self.all_reduce + self.reduce_scatter + self.all_gather
+
+
+def all_reduce_grads(flat, traffic, world_size, group=None):
+    if world_size == 1:
+        return None
+    traffic.all_reduce += 2 * flat.numel()
+    traffic.bytes += 2 * flat.numel() * flat.element_size()
+    # SUM and an explicit division elsewhere, never ReduceOp.AVG (not supported on gloo)
+    return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def reduce_scatter_grads(shard, flat, traffic, world_size, group=None):
+    if world_size == 1:
+        shard.copy_(flat)
+        return None
+    traffic.reduce_scatter += flat.numel()
+    traffic.bytes += flat.numel() * flat.element_size()
+    # gloo has no native reduce-scatter: it runs an all-reduce and keeps one slice, so on CPU
+    # this half costs what a whole all-reduce costs. NCCL's ring does only the reduce half.
+    return _reduce_scatter(shard, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def all_gather_params(flat, shard, traffic, world_size, group=None):
+    if world_size == 1:
+        flat.copy_(shard)
+        return None
+    traffic.all_gather += flat.numel()
+    traffic.bytes += flat.numel() * flat.element_size()
+    return _all_gather(flat, shard, group=group, async_op=True)
+
+
+def all_reduce_sum(x, world_size, group=None):
+    """A few bytes of control traffic (norms, counts), not counted as model traffic."""
+    if world_size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
+
+# ----------------------------------------------------------------------------------------------
+# The gather group. NCCL runs one process group's collectives in order, on one stream of its own.
+# With a second group an all-gather (ZeRO-3's prefetch, stage 1-2's publish) need not queue
+# behind the reduce-scatters of backward (FSDP2 uses two streams alike). A group is a
+# communicator that holds GPU memory and takes about a second to make: one per process, made
+# the first time an engine needs it and shared by every engine after that.
+
+_gather_groups = {}  # (the parent group, the default group) -> its gather group
+
+
+def separate_gather_stream(device):
+    """gloo runs every collective on the host; only NCCL gains from a stream of its own."""
+    return device.type == "cuda"
+
+
+def gather_group(group, device, world_size):
+    """The group to all-gather on: `group` itself on one rank or on gloo, else a second group
+    over the same ranks, made once per process. Every rank must call this at the same point."""
+    if world_size == 1 or not separate_gather_stream(device):
+        return group
+    key = (group, dist.group.WORLD)  # a new default group (a re-init) gets a new gather group
+    if key not in _gather_groups:
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        backend = "nccl" if device.type == "cuda" else dist.get_backend(group)
+        _gather_groups[key] = dist.new_group(ranks=ranks, backend=backend)
+    return _gather_groups[key]
