@@ -122,8 +122,8 @@ def main(argv=None):
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=path,
                                 capture_output=True, text=True).stdout.strip()
     mode = "both compiled (torch.compile)" if args.compile else "both eager"
-    numbers = (f"nanoGPT at commit {commit}, {mode}; {args.rounds} rounds of {args.steps} steps each, "
-               f"the median step time after the first {SKIP} of each run; loss at the last "
+    numbers = (f"nanoGPT at commit {commit}, {mode}; {args.rounds} rounds of {args.steps} "
+               f"steps each, the median step time after the first {SKIP} of each run; loss at the last "
                f"step: ours {last['ours']:.4f}, nanoGPT {last['nanogpt']:.4f}.")
     name = "nanogpt-compile" if args.compile else "nanogpt"
     report(command("nanogpt", argv), name, body, numbers, watch, not args.no_write,

@@ -19,7 +19,8 @@ BAD_FLAGS = [("costs", ["--lora", "lora,full"]), ("costs", ["--stages", "0,4"]),
              ("costs", ["--runs", "out"]), ("loop", ["--steps", "0"]),
              ("quality", ["--seeds", "1,b"]), ("quality", ["--max-iters", "5"]),
              ("crossover", ["--widths", "130"]), ("gpu", ["--configs", "s1"]),
-             ("nanogpt", []), ("plots", ["--costs", "no-such.json"])]
+             ("nanogpt", []), ("plots", ["--costs", "no-such.json"]),
+             ("head", ["--rows", "0"])]
 
 
 def run_main(module, argv):
@@ -174,6 +175,16 @@ def test_gpu_tiny_and_crossover_smoke(capsys):
     run_main_ok("crossover", ["--widths", "32", "--steps", "1", "--rounds", "2", "--no-write"])
     out = capsys.readouterr().out
     assert "bf16 matrix units" in out and "| 32 |" in out
+
+
+def test_head_smoke(capsys):
+    """Both heads in their own processes: ours saves less for backward, and the loss agrees."""
+    run_main_ok("head", ["--rows", "64", "--no-write"])
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines()
+            if line.startswith("| textbook") or line.startswith("| ours")}
+    assert float(rows["ours"][2].replace(",", "")) < float(rows["textbook"][2].replace(",", ""))
+    assert abs(float(rows["ours"][5]) - float(rows["textbook"][5])) < 1e-5
 
 
 def run_main_ok(module, argv):

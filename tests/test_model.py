@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from model import GPT, GPTConfig, peak_flops
 
@@ -211,3 +212,34 @@ def test_padded_vocabulary_changes_nothing_but_speed():
                 q.copy_(p[:q.shape[0]])
     assert (padded.lm_head.weight[11:] == 0).all()
     assert padded.eval().generate(idx[:, :3], 20).max() < 11  # sampling never draws a padded id
+
+
+def test_chunked_loss_head_equals_the_textbook_head(monkeypatch):
+    """loss.py's cross-entropy (fp32 softmax a chunk of rows at a time, the padded columns out)
+    against the textbook head (slice, fp32 copy, F.cross_entropy) in fp32: the loss and both
+    gradients to 1e-6, with several chunks and an ignored target; no gradient reaches the
+    padded rows of the head."""
+    import loss
+    torch.manual_seed(0)
+    monkeypatch.setattr(loss, "CHUNK_ELEMENTS", 3 * 65)  # three rows a chunk: 14 chunks
+    cfg = GPTConfig(block_size=8, vocab_size=65, n_layer=1, n_head=2, n_embd=16)
+    model = GPT(cfg)
+    x = torch.randint(0, 65, (5, 8))
+    y = torch.randint(0, 65, (5, 8))
+    y[0, 3] = -1  # ignored, as F.cross_entropy's ignore_index
+    logits, ours = model(x, y)
+    ours.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    h = model.transformer.drop(model.transformer.wte(x) + model.transformer.wpe(torch.arange(8)))
+    for block in model.transformer.h:
+        h = block(h)
+    h = model.transformer.ln_f(h)
+    ref_logits = model.lm_head(h)[..., :65]
+    ref = F.cross_entropy(ref_logits.float().view(-1, 65), y.view(-1), ignore_index=-1)
+    ref.backward()
+    assert abs(ours.item() - ref.item()) < 1e-6
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert not grads["transformer.wte.weight"][65:].any()  # the padded rows: no gradient

@@ -1,0 +1,131 @@
+"""
+The loss head's memory, measured: the textbook head beside ours (loss.py), at GPT-2's vocabulary.
+
+The textbook head slices the padded logits (a 16-bit copy), casts them to fp32 (a copy),
+takes an fp32 log-softmax (kept for backward) and in backward makes the fp32 gradient, its
+16-bit cast and a zero-padded copy. Ours keeps only the 16-bit logits and works in fp32 a chunk
+of rows at a time. Each runs one forward and backward of the head alone (LM head matmul + loss,
+bf16) in a fresh process, on the same inputs, and reports:
+
+  saved     bytes autograd keeps for backward (every saved tensor's storage once, the weight
+            left out): what model.saved_activation_bytes counts in train.py
+  peak      the process's peak resident memory during forward + backward, less what it held
+            just before (inputs allocated, one warm-up run done): the working set at its peak
+  ms        the wall time of one forward + backward
+
+beside memory.py's terms for ours (activations.py: the logits, logsumexp and targets saved;
+head_working_bytes for the transient peak).
+
+    python -m bench.head                         # 4 x 1024 tokens, GPT-2's 50,257 tokens
+    python -m bench.head --rows 1024 --no-write
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a script: import from the repository root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn.functional as F
+
+from activations import activation_bytes, head_working_bytes
+from bench.common import Stopwatch, command, parser, report, table
+from loss import cross_entropy
+from model import GPTConfig
+
+WIDTH, VOCAB = 768, 50257
+
+
+def textbook(x, weight, targets, vocab):
+    """The head as model.py had it: slice, fp32 copy, log-softmax in F.cross_entropy."""
+    logits = (x @ weight.t())[..., :vocab]
+    return F.cross_entropy(logits.float().view(-1, vocab), targets.view(-1), ignore_index=-1)
+
+
+def ours(x, weight, targets, vocab):
+    return cross_entropy(x @ weight.t(), targets, vocab)
+
+
+def resident():
+    """This process's resident memory now, in bytes (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure(which, rows):
+    """In this process: one head's saved bytes, peak working set and time."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=VOCAB, n_embd=WIDTH)
+    weight = (torch.randn(cfg.padded_vocab, WIDTH) * 0.02).bfloat16().requires_grad_()
+    x = torch.randn(1, rows, WIDTH).bfloat16().requires_grad_()
+    targets = torch.randint(0, VOCAB, (1, rows))
+    head = textbook if which == "textbook" else ours
+    head(x, weight, targets, VOCAB).backward()  # warm-up: the allocator's pools are set up
+    x.grad = weight.grad = None
+    saved, seen = [0], set()
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen and ptr != weight.untyped_storage().data_ptr():
+            seen.add(ptr)
+            saved[0] += t.untyped_storage().nbytes()
+        return t
+
+    before = resident()
+    t0 = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = head(x, weight, targets, VOCAB)
+    loss.backward()
+    ms = (time.perf_counter() - t0) * 1000
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+    return {"saved": saved[0], "peak": peak - before, "ms": ms, "loss": loss.item()}
+
+
+def run(which, rows):
+    """measure() in a fresh process: the peak of one process is its own."""
+    out = subprocess.run([sys.executable, "-m", "bench.head", "--child", which, "--rows",
+                          str(rows)], check=True, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    p = parser("head", __doc__)
+    p.add_argument("--rows", type=int, default=4096, help="tokens in the batch (B x T)")
+    p.add_argument("--child", choices=("textbook", "ours"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.rows < 1:
+        p.error("--rows: at least 1")
+    torch.set_num_threads(min(2, os.cpu_count()))
+    if args.child:
+        print(json.dumps(measure(args.child, args.rows)))
+        return
+    watch = Stopwatch()
+    results = {which: run(which, args.rows) for which in ("textbook", "ours")}
+    cfg = GPTConfig(vocab_size=VOCAB, n_embd=WIDTH, block_size=args.rows)
+    terms = activation_bytes(cfg, 1, args.rows, "bf16", device="cpu")["outside"]
+    model_saved = sum(v for k, v in terms.items() if k.startswith(("logits", "logsumexp",
+                                                                    "targets", "lm_head")))
+    mb = lambda n: f"{n / 2**20:,.0f}"
+    rows = [[w, mb(r["saved"]), mb(r["peak"]), f"{r['ms']:,.0f}", f"{r['loss']:.6f}"]
+            for w, r in results.items()]
+    rows.append(["memory.py for ours", mb(model_saved),
+                 mb(model_saved + head_working_bytes(cfg, 1, args.rows, "bf16")), "-", "-"])
+    body = table(["head", "saved for backward (MiB)", "peak working set (MiB)",
+                  "ms (fwd + bwd)", "loss"], rows)
+    t, o = results["textbook"], results["ours"]
+    numbers = (f"{args.rows:,} tokens x {VOCAB:,} (padded {cfg.padded_vocab:,}) logits, width "
+               f"{WIDTH}, bf16, CPU, one process each; ours saves {t['saved'] / o['saved']:.1f}x "
+               f"less and peaks {t['peak'] / max(o['peak'], 1):.1f}x lower; the two losses "
+               f"differ by {abs(t['loss'] - o['loss']):.1e}.")
+    report(command("head", argv), "head", body, numbers, watch, not args.no_write,
+           "The loss head's memory")
+
+
+if __name__ == "__main__":
+    main()
