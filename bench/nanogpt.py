@@ -123,8 +123,8 @@ def main(argv=None):
                                 capture_output=True, text=True).stdout.strip()
     mode = "both compiled (torch.compile)" if args.compile else "both eager"
     numbers = (f"nanoGPT at commit {commit}, {mode}; {args.rounds} rounds of {args.steps} "
-               f"steps each, the median step time after the first {SKIP} of each run; loss at the last "
-               f"step: ours {last['ours']:.4f}, nanoGPT {last['nanogpt']:.4f}.")
+               f"steps each, the median step time after the first {SKIP} of each run; loss at "
+               f"the last step: ours {last['ours']:.4f}, nanoGPT {last['nanogpt']:.4f}.")
     name = "nanogpt-compile" if args.compile else "nanogpt"
     report(command("nanogpt", argv), name, body, numbers, watch, not args.no_write,
            "Our loop beside nanoGPT's train.py, both compiled" if args.compile else
