@@ -7,63 +7,150 @@ per layer s*b*h*(34 + 5*a*s/h) bytes of activations in 16 bits, 2*s*b*h with ful
 model.saved_activation_bytes measures what these formulas predict; tests/test_memory.py holds
 the two equal to the byte on CPU.
 """
+import torch
+import torch.nn as nn
+
 import loss
+from lora import LoRALinear, apply_lora
+from model import GPT, MLP, CausalSelfAttention, LayerNorm
+from quant import QuantLinear
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "nf4": 0.5}  # bytes per value
 
-# the input each adapter's A reads (and so keeps for its gradient), named as in activation_bytes()
-ADAPTER_INPUT = {"q": "c_attn input", "k": "c_attn input", "v": "c_attn input",
-                 "attn_out": "attention output = c_proj input", "mlp_fc": "c_fc input",
-                 "mlp_proj": "gelu output = c_proj input"}
-
-
 def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_targets=(),
-                     device="cuda"):
-    """Bytes autograd saves for backward in one micro-step, as {term: bytes} per layer and outside
-    the blocks. Korthikanti et al. count 34*s*b*h per layer in 16 bits: 4 (two LayerNorm inputs) +
-    11 (attention) + 19 (MLP), 2 of them dropout masks, plus 5*a*s^2*b for the attention matrix,
-    its softmax and dropout. Ours differs: SDPA's fused kernels keep a logsumexp per row instead
-    of the a*s^2 matrix, LayerNorm keeps its mean and rstd (fp32 on CUDA; in the input's dtype
-    on CPU: `device`), there is no mask with dropout 0, and in fp32 every 16-bit term doubles.
-    The loss head keeps the 16-bit logits, not an fp32 log-softmax (loss.py). Under LoRA the
-    base weights are frozen, so autograd skips the inputs that only a weight's gradient needs,
-    and everything in front of the first adapter."""
-    E, b, s, h, a = BYTES[dtype], batch, seq, cfg.n_embd, cfg.n_head
-    bsh, lora = b * s * h, lora_rank > 0
-    needed = [ADAPTER_INPUT[t] for t in lora_targets]
-    # dropout: a bool mask per dropout (CUDA). Not modelled: on CPU the masks are float, and with
-    # dropout SDPA falls back to its math kernel there, which does keep the a*s^2 matrices
-    drop = bsh if cfg.dropout > 0 else 0
+                     device="cuda", build=None):
+    """Bytes autograd saves for backward in one micro-step of the model cfg describes (model.py's
+    GPT, or build(cfg)'s), with LoRA if lora_rank: {"layer": the last block's terms, "outside":
+    the rest, "per_layer": the last block's sum, "total"}. A shapes-only copy of the model is
+    walked in forward order, each module priced by its entry in SAVED."""
+    with torch.device("meta"):  # nothing allocated
+        model = (build or GPT)(cfg)
+        if lora_rank:
+            apply_lora(model, lora_rank, targets=lora_targets)
+    E = BYTES[dtype]
+    flow = Flow(batch, seq, E, stat=4 if device == "cuda" else E, live=False)
+    outside, blocks = SAVED[type(model)](model, flow, grad_ckpt)
+    return {"layer": blocks[-1], "outside": outside, "per_layer": sum(blocks[-1].values()),
+            "total": sum(sum(t.values()) for t in blocks) + sum(outside.values())}
 
-    stat = 4 if device == "cuda" else E  # bytes of a LayerNorm mean / rstd
 
-    def ln(name):
-        return {f"{name} input": E * bsh, f"{name} mean, rstd": 2 * stat * b * s}
+class Flow:
+    """The walk's state, in forward order: the batch, bytes per value (E; `stat` for a norm's
+    statistics: fp32 on CUDA, the input's dtype on CPU), and whether the activation flowing in
+    requires grad. Autograd saves nothing for a computation no input of which requires grad:
+    under LoRA, everything in front of the first adapter."""
 
-    if grad_ckpt:  # the checkpoint keeps the block's input; the rest is recomputed in backward
-        layer = {"block input (kept by the checkpoint)": E * bsh}
-    else:  # in forward order
-        layer = {**ln("ln_1"), "c_attn input": E * bsh, "q, k, v (one c_attn output)": 3 * E * bsh,
-                 "attention logsumexp (fp32; no a*s^2 matrix)": 4 * b * a * s,
-                 "attention output = c_proj input": E * bsh,  # SDPA keeps it, with the logsumexp
-                 "residual dropout masks": 2 * drop, **ln("ln_2"), "c_fc input": E * bsh,
-                 "c_fc output = gelu input": 4 * E * bsh, "gelu output = c_proj input": 4 * E * bsh,
-                 "LoRA A outputs (r wide)": E * b * s * lora_rank * len(lora_targets)}
-        if lora:  # a frozen weight needs no gradient: a Linear's input is kept for an adapter only
-            for term in ("c_attn input", "c_fc input", "gelu output = c_proj input"):
-                if term not in needed:
-                    layer[term] = 0
-    outside = {"token ids, positions (int64)": 0 if lora else 8 * b * s + 8 * s,
-               "embedding dropout mask": drop, **ln("ln_f"),
-               "lm_head input": 0 if lora else E * bsh,
-               "logits (b*s*padded vocab; loss.py)": E * b * s * cfg.padded_vocab,
-               "logsumexp per row (fp32)": 4 * b * s, "targets (int64)": 8 * b * s}
-    per_layer = first = sum(layer.values())
-    if lora and not grad_ckpt:  # the first layer saves from its first adapter's input on
-        start = min(list(layer).index(term) for term in needed)
-        first = sum(list(layer.values())[start:])
-    return {"layer": layer, "outside": outside, "per_layer": per_layer,
-            "total": first + (cfg.n_layer - 1) * per_layer + sum(outside.values())}
+    def __init__(self, b, s, E, stat, live):
+        self.b, self.s, self.E, self.stat, self.live = b, s, E, stat, live
+
+    def values(self, width, E=None):  # bytes of one (b, s, width) activation
+        return (self.E if E is None else E) * self.b * self.s * width
+
+
+def walk(name, module, flow):
+    """{term: bytes} that module saves, by its SAVED entry; a module without one is walked child
+    by child (in registration order: forward order, as model.py writes its blocks)."""
+    rule = SAVED.get(type(module))
+    if rule is not None:
+        return rule(name, module, flow)
+    children = list(module.named_children())
+    if not children:
+        raise ValueError(f"activations.py has no formula for {type(module).__name__} ({name}): "
+                         f"add an entry SAVED[{type(module).__name__}] saying what it saves")
+    terms = {}
+    for child_name, child in children:
+        terms.update(walk(f"{name}.{child_name}" if name else child_name, child, flow))
+    return terms
+
+
+def trainable(module):
+    return any(p.requires_grad for p in module.parameters(recurse=False))
+
+
+def linear(name, m, flow):
+    """nn.Linear, quant.py's QuantLinear, lora.py's LoRALinear: a weight's gradient needs the
+    input, so the input is kept when the weight trains or an adapter's A reads it; the adapter
+    keeps A's output (r wide per adapted slice) for B's gradient."""
+    lora = isinstance(m, LoRALinear)
+    terms = {}
+    if lora or trainable(m):
+        terms[f"{name} input"] = flow.values(m.weight.shape[-1])
+    if lora:
+        terms[f"{name}: LoRA A output (r wide)"] = flow.values(m.r * sum(m.slices))
+    flow.live = flow.live or lora or trainable(m)
+    return terms
+
+
+def layer_norm(name, m, flow):
+    if not (flow.live or trainable(m)):
+        return {}
+    flow.live = True
+    return {f"{name} input": flow.values(m.weight.numel()),
+            f"{name} mean, rstd": 2 * flow.values(1, flow.stat)}
+
+
+def attention(name, m, flow):
+    """c_attn, then SDPA: its fused kernels keep q, k, v (views of c_attn's output), a fp32
+    logsumexp per row and head (no a*s^2 matrix) and their output, which is c_proj's input.
+    Not modelled: attention dropout (SDPA's math kernel then keeps the a*s^2 matrices)."""
+    terms = linear(f"{name}.c_attn", m.c_attn, flow)
+    attended = flow.live
+    if attended:
+        terms[f"{name}: q, k, v (one c_attn output)"] = flow.values(3 * m.n_embd)
+        terms[f"{name}: logsumexp (fp32)"] = 4 * flow.b * flow.s * m.n_head
+        terms[f"{name}: output = c_proj input"] = flow.values(m.n_embd)
+    proj = linear(f"{name}.c_proj", m.c_proj, flow)
+    if attended:  # the same storage as SDPA's output, counted once
+        proj.pop(f"{name}.c_proj input", None)
+    terms.update(proj)
+    if m.dropout > 0 and flow.live:
+        terms[f"{name}: residual dropout mask"] = flow.values(m.n_embd, 1)
+    return terms
+
+
+def mlp(name, m, flow):
+    """c_fc, GELU (which keeps its input, c_fc's output), c_proj (its input: GELU's output)."""
+    terms = linear(f"{name}.c_fc", m.c_fc, flow)
+    if flow.live:
+        terms[f"{name}.c_fc output = gelu input"] = flow.values(m.c_fc.weight.shape[0])
+    terms.update(linear(f"{name}.c_proj", m.c_proj, flow))
+    if m.dropout.p > 0 and flow.live:
+        terms[f"{name}: residual dropout mask"] = flow.values(m.c_proj.weight.shape[0], 1)
+    return terms
+
+
+def gpt(model, flow, grad_ckpt):
+    """The whole model, in its forward's order: (terms outside the blocks, one dict per block).
+    The embeddings keep their int64 ids when they train; under checkpointing a block keeps
+    only its input; the loss head keeps the 16-bit logits, a logsumexp per row and the targets
+    (loss.py), never an fp32 log-softmax."""
+    t, f, cfg = model.transformer, flow, model.config
+    outside = {}
+    if trainable(t.wte):
+        outside["token ids, positions (int64)"] = 8 * f.b * f.s + 8 * f.s
+    f.live = trainable(t.wte) or trainable(t.wpe)
+    if cfg.dropout > 0 and f.live:
+        outside["embedding dropout mask"] = f.values(cfg.n_embd, 1)
+    blocks = []
+    for i, block in enumerate(model.blocks()):
+        if grad_ckpt:  # the checkpoint keeps the block's input; the rest is recomputed
+            blocks.append({"block input (kept by the checkpoint)": f.values(cfg.n_embd)})
+            f.live = f.live or any(p.requires_grad for p in block.parameters())
+        else:
+            blocks.append(walk(f"h.{i}", block, f))
+    outside.update(walk("ln_f", t.ln_f, f))
+    if trainable(model.lm_head):
+        outside["lm_head input"] = f.values(cfg.n_embd)
+    outside["logits (b*s*padded vocab; loss.py)"] = f.values(cfg.padded_vocab)
+    outside["logsumexp per row (fp32)"] = 4 * f.b * f.s
+    outside["targets (int64)"] = 8 * f.b * f.s
+    return outside, blocks
+
+
+# What each kind of module saves for backward. A fork with other layers adds its own entries
+# (tests/test_fork.py does, for a Llama-style model); walk() names a missing one.
+SAVED = {GPT: gpt, LayerNorm: layer_norm, CausalSelfAttention: attention, MLP: mlp,
+         nn.Linear: linear, QuantLinear: linear, LoRALinear: linear}
 
 
 def head_working_bytes(cfg, batch, seq, dtype):

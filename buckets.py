@@ -28,13 +28,21 @@ def plan_buckets(numels, cap):
 
 
 def frozen_tensors(module, keep=lambda t: True):
-    """What a module holds but never trains: frozen parameters (LoRA's base) and persistent
-    buffers (a quantized base's codes and scales; not nf4's shared 16-value code table)."""
+    """What a module holds but never trains: frozen parameters (LoRA's base) and the persistent
+    buffers of modules whose buffers are a weight (quant.py's codes and scales, not nf4's shared
+    16-value code table). Any other persistent buffer would silently become sharded, cast and
+    checkpointed model state: one line says what to do instead."""
     frozen = [p for p in module.parameters() if not p.requires_grad and keep(p)]
-    for m in module.modules():
-        for name, b in m._buffers.items():
-            if b is not None and name not in m._non_persistent_buffers_set and keep(b):
-                frozen.append(b)
+    for name, m in module.named_modules():
+        for key, b in m._buffers.items():
+            if b is None or key in m._non_persistent_buffers_set or not keep(b):
+                continue
+            if not getattr(m, "BUFFERS_ARE_STATE", False):
+                raise ValueError(f"{name}.{key} is a persistent buffer: ZeRO would shard, cast and "
+                                 "checkpoint it as model state. Register it with "
+                                 "persistent=False if it is recomputed, or make it a frozen "
+                                 "nn.Parameter")
+            frozen.append(b)
     return frozen
 
 

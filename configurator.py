@@ -74,12 +74,14 @@ class TrainConfig:
     grad_accum: int = opt(1, "micro-steps per rank per optimizer step")
     batch_tokens: int = opt(0, "the global batch in tokens; sets --grad-accum from the world "
                                "size, so a preset trains alike on 1 or 8 GPUs (0 = off)")
-    # AdamW and its schedule: linear warmup, cosine decay to min_lr
+    # the optimizer (optim.py) and its schedule: linear warmup, cosine decay to min_lr
+    optimizer: str = opt("adamw", "adamw | sgd (with momentum --beta1) | lion (Chen et al. "
+                                  "2023: take a 3-10x smaller --learning-rate)")
     learning_rate: float = opt(1e-3, "peak learning rate")
     max_iters: int = opt(2000, "optimizer steps")
     weight_decay: float = opt(0.1, "decoupled weight decay on 2-D weights")
-    beta1: float = opt(0.9, "Adam beta1")
-    beta2: float = opt(0.99, "Adam beta2")
+    beta1: float = opt(0.9, "AdamW's and Lion's beta1; SGD's momentum")
+    beta2: float = opt(0.99, "AdamW's and Lion's beta2")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = off")
     warmup_iters: int = opt(100, "linear warmup steps")
     lr_decay_iters: int = opt(2000, "steps of cosine decay (usually = max_iters)")
@@ -195,7 +197,8 @@ def check_config(cfg):
     choices = {"dtype": ("fp32", "bf16", "fp16"), "device": ("auto", "cpu", "cuda"),
                "zero": (0, 1, 2, 3), "ckpt_format": ("consolidated", "sharded"),
                "quantize": ("", "int8", "nf4"),
-               "reduce_dtype": ("auto", "fp32", "bf16", "fp16")}
+               "reduce_dtype": ("auto", "fp32", "bf16", "fp16"),
+               "optimizer": ("adamw", "sgd", "lion")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: use "

@@ -21,18 +21,27 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from quant import LINEARS, QuantizedWeight, linear
+from model import GPT
+from quant import QuantizedWeight, declared_linears, linear
 from tensorfile import write_safetensors
 
-TARGETS = ("q", "k", "v", "attn_out", "mlp_fc", "mlp_proj")
+
+def targets_of(linears):
+    """The names LoRA can target: every output slice of the model's declared LINEARS."""
+    return tuple(name for _, slices in linears for name in slices)
+
+
+TARGETS = targets_of(GPT.LINEARS)  # model.py's: q, k, v, attn_out, mlp_fc, mlp_proj
 
 
 class AdapterError(Exception):
     """An adapter file that is unreadable or does not fit this model (other base, other shapes)."""
 
 
-def parse_targets(spec):
-    """'q,v' | 'all' | ('q', 'v') -> a tuple of names from TARGETS, in TARGETS' order."""
+def parse_targets(spec, linears=GPT.LINEARS):
+    """'q,v' | 'all' | ('q', 'v') -> a tuple of the model's target names (targets_of(linears);
+    model.py's TARGETS by default), in their order."""
+    TARGETS = targets_of(linears)
     if spec == "all":
         names = TARGETS
     else:
@@ -120,6 +129,12 @@ def _loras(model):
     return [m for m in model.modules() if isinstance(m, LoRALinear)]
 
 
+def _named_blocks(model):
+    """(name, block) of the model's declared blocks(), as named_modules() names them."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return [(names[id(b)], b) for b in model.blocks()]
+
+
 def _replace(block, name, new):  # "attn.c_attn" -> block.attn.c_attn = new
     parent, child = name.rsplit(".", 1)
     setattr(block.get_submodule(parent), child, new)
@@ -129,20 +144,20 @@ def apply_lora(model, rank=8, alpha=1.0, dropout=0.0, targets=("q", "v")):
     """Freeze every parameter, replace the targeted Linears of each block by LoRALinear (trainable
     lora_A / lora_B in the base weight's dtype and device); returns the replaced module names.
     Before ZeRO(model, ...): ZeRO packs what requires grad when it is built."""
-    targets = parse_targets(targets)
+    linears = declared_linears(model)
+    targets = parse_targets(targets, linears)
     if _loras(model):
         raise ValueError("the model already has LoRA adapters")
     for p in model.parameters():
         p.requires_grad_(False)
-    qkv = tuple(t in targets for t in ("q", "k", "v"))  # which slices of the fused c_attn
-    slices = {"attn.c_attn": qkv, "attn.c_proj": ("attn_out" in targets,),
-              "mlp.c_fc": ("mlp_fc" in targets,), "mlp.c_proj": ("mlp_proj" in targets,)}
     names = []
-    for i, block in enumerate(model.transformer.h):
-        for name in (n for n in LINEARS if any(slices[n])):
-            m = block.get_submodule(name)
-            _replace(block, name, LoRALinear(m.weight, m.bias, rank, alpha, dropout, slices[name]))
-            names.append(f"transformer.h.{i}.{name}")
+    for prefix, block in _named_blocks(model):
+        for name, slice_names in linears:
+            slices = tuple(t in targets for t in slice_names)  # which output slices to adapt
+            if any(slices):
+                m = block.get_submodule(name)
+                _replace(block, name, LoRALinear(m.weight, m.bias, rank, alpha, dropout, slices))
+                names.append(f"{prefix}.{name}")
     # coverage, in the spirit of minGPT's optimizer groups: every parameter is either trainable
     # LoRA or frozen base, never both, never neither
     for n, p in model.named_parameters():

@@ -25,6 +25,7 @@ from loss import cross_entropy
 
 @dataclass
 class GPTConfig:
+    arch: str = "gpt2"      # the architecture's name: checkpoints carry it, resume checks it
     block_size: int = 256   # longest sequence the position embedding covers
     vocab_size: int = 65    # 65 characters for shakespeare_char, 50257 for GPT-2 BPE
     pad_vocab: int = 64     # embedding / head rows rounded up to a multiple of this
@@ -122,9 +123,20 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """GPT-2. Besides forward, it declares what the engine needs to know of it, once: its
+    blocks() (ZeRO-3's units, --compile's regions, the checkpointed segments; everything else
+    is the root) and LINEARS, the layers of a block that lora.py adapts and quant.py quantizes.
+    A fork with other layers changes these two, not the engine (README, "Forking")."""
+
+    ARCH = "gpt2"  # the name its GPTConfig carries: checkpoints hold it, resume compares it
+    # (path inside a block, the names of its equal output slices): the fused q|k|v is three
+    LINEARS = (("attn.c_attn", ("q", "k", "v")), ("attn.c_proj", ("attn_out",)),
+               ("mlp.c_fc", ("mlp_fc",)), ("mlp.c_proj", ("mlp_proj",)))
 
     def __init__(self, config):
         super().__init__()
+        if config.arch != self.ARCH:
+            raise ValueError(f"arch={config.arch!r}: model.py's GPT builds {self.ARCH!r}")
         self.config = config
         self.grad_ckpt = False  # activation checkpointing per block, set by train.py --grad-ckpt
         self.transformer = nn.ModuleDict(dict(
@@ -154,12 +166,18 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    def blocks(self):
+        """The repeated blocks, in forward order."""
+        return list(self.transformer.h)
+
     def num_params(self, non_embedding=True):
-        """Parameters counted once each (the tied wte/lm_head is one tensor). Position
-        embeddings are left out by default, as the 6N FLOPs formula wants."""
+        """Parameters counted once each (the tied wte/lm_head is one tensor). Learned position
+        embeddings, where the model has them, are left out by default, as the 6N FLOPs formula
+        wants (a lookup, no matmul)."""
         n = sum(p.numel() for p in self.parameters())  # .parameters() already deduplicates
-        if non_embedding:
-            n -= self.transformer.wpe.weight.numel()
+        wpe = getattr(self.transformer, "wpe", None)
+        if non_embedding and wpe is not None:
+            n -= wpe.weight.numel()
         return n
 
     def forward(self, idx, targets=None):
@@ -278,7 +296,7 @@ def saved_activation_bytes(model, out):
         count(t)
         return t
 
-    blocks = model.transformer.h if model.grad_ckpt else []
+    blocks = model.blocks() if model.grad_ckpt else []
     hooks = [b.register_forward_pre_hook(lambda m, args: count(args[0])) for b in blocks]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield

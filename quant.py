@@ -9,7 +9,8 @@ Quantized storage of a frozen weight: int8 absmax rows, NF4 blocks, double quant
 
 A QuantizedWeight holds only buffers (no parameters: no gradient, no optimizer state, not in
 ZeRO's gradient buckets; ZeRO-3 shards them with their block like any frozen tensor).
-quantize_base turns every block's four Linears (LoRA-wrapped or not) into such weights.
+quantize_base turns every block's declared linear layers (the model's LINEARS; LoRA-wrapped or
+not) into such weights.
 """
 import math
 
@@ -17,7 +18,23 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # per block; q|k|v share c_attn
+
+
+def declared_linears(model):
+    """The model's LINEARS, (path in a block, output slices), each path checked in every block:
+    what is missing is one line naming what to declare."""
+    linears = getattr(model, "LINEARS", None)
+    if linears is None or not hasattr(model, "blocks"):
+        raise ValueError(f"{type(model).__name__} declares no LINEARS or blocks(): LoRA and "
+                         "quantization find the layers to change there (see model.py's GPT)")
+    for i, block in enumerate(model.blocks()):
+        for path, _ in linears:
+            try:
+                block.get_submodule(path)
+            except AttributeError:
+                raise ValueError(f"{type(model).__name__}.LINEARS names {path!r}, which block {i}"
+                                 " does not have: declare the paths of its linear layers")
+    return linears
 
 
 def nf4_code():
@@ -60,6 +77,7 @@ class QuantizedWeight(nn.Module):
     row (8 + 32/in bits per parameter). nf4: blocks of `block` values of the flattened weight,
     two 4-bit codes per byte, one fp32 absmax per block (4 + 32/64 bits), or with double_quant
     an 8-bit code per block's scale (4 + 8/64 + 64/(64*256) bits)."""
+    BUFFERS_ARE_STATE = True  # its codes and scales are the weight: ZeRO shards them
 
     def __init__(self, w, mode="nf4", double_quant=False, block=64):
         super().__init__()
@@ -146,13 +164,14 @@ class QuantLinear(nn.Module):
 def quantize_base(model, mode="nf4", double_quant=False, block=64):
     """Quantize the weights of every block's four Linears, LoRA-wrapped or not (the tied
     embedding / head stay as they are). Returns the quantized module names."""
-    names = []
-    for i, blk in enumerate(model.transformer.h):
-        for name in LINEARS:
+    names, paths = [], [path for path, _ in declared_linears(model)]
+    block_names = {id(m): n for n, m in model.named_modules()}
+    for blk in model.blocks():
+        for name in paths:
             m = blk.get_submodule(name)
             if isinstance(m.weight, QuantizedWeight) or getattr(m, "merged", False):
-                raise ValueError(f"transformer.h.{i}.{name} is already quantized or has LoRA "
-                                 "merged in")
+                raise ValueError(f"{block_names[id(blk)]}.{name} is already quantized or has "
+                                 "LoRA merged in")
             qw = QuantizedWeight(m.weight, mode, double_quant, block)
             if isinstance(m, nn.Linear):
                 parent, child = name.rsplit(".", 1)
@@ -160,7 +179,7 @@ def quantize_base(model, mode="nf4", double_quant=False, block=64):
             else:  # a wrapper that computes with .weight (LoRALinear): the buffers take its name
                 del m.weight
                 m.weight = qw
-            names.append(f"transformer.h.{i}.{name}")
+            names.append(f"{block_names[id(blk)]}.{name}")
     return names
 
 

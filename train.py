@@ -36,7 +36,7 @@ import pretrained
 from checkpoint import CheckpointError
 from configurator import ConfigError, grad_accum_for, parse_args
 from data.loader import Batches, estimate_loss, load_data
-from lora import adapter_state, apply_lora, base_fingerprint, parse_targets, save_adapter
+from lora import adapter_state, apply_lora, base_fingerprint, save_adapter
 from memory import model_state_report
 from model import GPT, GPTConfig, peak_flops, saved_activation_bytes
 from precision import DTYPES, GradScaler, grad_zero_frac, resolve_dtype, set_tf32
@@ -82,7 +82,8 @@ def get_lr(it, cfg):
 def model_config(cfg, vocab_size):
     """The GPTConfig of a run's configuration (a ConfigError when the shape does not divide)."""
     try:
-        return GPTConfig(block_size=cfg.block_size, vocab_size=vocab_size, n_layer=cfg.n_layer,
+        return GPTConfig(arch=GPT.ARCH, block_size=cfg.block_size, vocab_size=vocab_size,
+                         n_layer=cfg.n_layer,
                          n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)
     except ValueError as e:
         raise ConfigError(str(e))
@@ -108,8 +109,10 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, in
         model = model.to(device=device, dtype=dtype)  # 16-bit working weights in bf16 / fp16
     model.grad_ckpt = cfg.grad_ckpt
     if cfg.lora:  # freeze the base, add adapters: only they reach ZeRO's buffers and the optimizer
-        apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
-                   parse_targets(cfg.lora_targets))
+        try:  # the targets are names of the model's own LINEARS
+            apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+        except ValueError as e:
+            raise ConfigError(f"--lora-targets {cfg.lora_targets}: {e}")
         if cfg.quantize:
             quantize_base(model, cfg.quantize, cfg.double_quant)
     if cfg.compile:  # each block's whole forward, and the loss head: see compile_model
@@ -119,7 +122,8 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, in
     zero = Engine(model, cfg.zero, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
                   weight_decay=cfg.weight_decay, bucket_mb=cfg.bucket_mb, rank=rank,
                   world_size=world_size, fp32_grad_accum=cfg.fp32_grad_accum and grad_accum > 1
-                  and dtype != torch.float32, reduce_dtype=DTYPES.get(cfg.reduce_dtype), **extra)
+                  and dtype != torch.float32, reduce_dtype=DTYPES.get(cfg.reduce_dtype),
+                  optimizer=cfg.optimizer, **extra)
     auto = "dynamic" if cfg.dtype == "fp16" else "none"  # bf16 and fp32 need no scale
     scale = auto if cfg.loss_scale == "auto" else cfg.loss_scale
     # a fixed scale of 1 is "no scaler", but still finds inf/NaN gradients and skips the step
@@ -135,7 +139,7 @@ def compile_model(model):
     where the memory-bound work (LayerNorms, residual adds, GELU, the softmax) fuses. A module's
     hooks run in its __call__, around forward: compiling forward, not the module, keeps the
     hooks that drive ZeRO (gathers, frees, gradient reductions) outside the compiled code."""
-    for block in model.transformer.h:
+    for block in model.blocks():
         block.forward = torch.compile(block.forward)
     model.head = torch.compile(model.head)
 

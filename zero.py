@@ -41,6 +41,7 @@ import hashlib
 
 import torch
 
+import optim
 from buckets import Bucket, frozen_tensors, plan_buckets
 from collectives import (Traffic, all_gather_params, all_reduce_grads, all_reduce_sum,
                          gather_group, reduce_scatter_grads)
@@ -53,14 +54,15 @@ MAX_IN_FLIGHT = 2
 
 
 class ZeRO:
-    """Owns the trainable parameters' flat buckets, this rank's fp32 master slice and AdamW.
+    """Owns the trainable parameters' flat buckets, this rank's fp32 master slice and its
+    optimizer (optim.py: AdamW by default).
     The model must be on its device, in its working dtype (fp32, bf16 or fp16). Per micro-step
     backward(loss, sync); per step master_grads, clip_grad_norm_, step, publish, zero_grad."""
     STAGES = (0, 1, 2)
 
     def __init__(self, model, stage, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8,
                  bucket_mb=25.0, rank=0, world_size=1, group=None, fp32_grad_accum=False,
-                 reduce_dtype=None):
+                 reduce_dtype=None, optimizer="adamw"):
         if stage not in self.STAGES:
             raise ValueError(f"{type(self).__name__} runs ZeRO stages {self.STAGES}, not {stage}")
         self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
@@ -103,16 +105,14 @@ class ZeRO:
         # decay 2-D weights (matmuls, embeddings), not biases or LayerNorm gains
         decay = [s.master for s in self.segments if s.param.dim() >= 2]
         no_decay = [s.master for s in self.segments if s.param.dim() < 2]
-        # fused: one multi-tensor kernel for the update; it takes found_inf, so a skipped step
-        # is decided on the device (the door torch.amp.GradScaler uses)
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}],
-                                     lr=lr, betas=betas, eps=eps, fused=True)
-        # Adam's moments now, as fused AdamW makes them: start-up measures what training holds
-        for s in self.segments:
-            self.opt.state[s.master] = {
-                "step": torch.zeros((), dtype=torch.float32, device=self.device),
-                "exp_avg": torch.zeros_like(s.master), "exp_avg_sq": torch.zeros_like(s.master)}
+        # optim.py builds it (AdamW, SGD with momentum, Lion) and makes its state now, by its
+        # own code: start-up measures what training holds
+        self.optimizer = optimizer
+        self.opt = optim.build(optimizer, [{"params": decay, "weight_decay": weight_decay},
+                                           {"params": no_decay, "weight_decay": 0.0}],
+                               lr=lr, betas=betas, eps=eps)
+        if self.segments:  # a rank may own nothing but padding
+            optim.init_state(self.opt, [s.master for s in self.segments])
 
         self.sync, self.next_bucket, self.in_flight = True, 0, []
         self.publishing = {}  # bucket index -> (its publish all-gather, the shard it sends)
@@ -258,12 +258,12 @@ class ZeRO:
 
     @torch.no_grad()
     def step(self, lr, found_inf=None):
-        """AdamW on this rank's fp32 master slice. found_inf (a device tensor, 1.0 when any
-        rank's gradient held an inf/NaN) makes the fused kernel skip the whole update: the
-        weights, both moments and the step count stay as they were."""
+        """The optimizer on this rank's fp32 master slice. found_inf (a device tensor, 1.0 when
+        any rank's gradient held an inf/NaN) makes it skip the whole update on the device: the
+        weights, its state and any step count stay as they were."""
         for g in self.opt.param_groups:
             g["lr"] = lr
-        self.opt.found_inf = found_inf  # read by fused AdamW's step
+        self.opt.found_inf = found_inf  # read by the optimizer's step (optim.py)
         self.opt.step()
         for s in self.segments:
             s.master.grad = None
@@ -302,7 +302,7 @@ class ZeRO:
         """Stages 1-2: which forward first reads each bucket (-1: the root, before any block),
         the publish order that follows, and the pre-hooks that wait for each bucket there.
         Hooks on the blocks and the model, never inside them: a compiled block stays whole."""
-        blocks = list(getattr(getattr(model, "transformer", None), "h", []))
+        blocks = model.blocks()
         block_of = {id(p): i for i, blk in enumerate(blocks) for p in blk.parameters()}
         first = [min(block_of.get(id(p), -1) for p in b.params) for b in self.buckets]
         self.publish_order = sorted(range(len(self.buckets)), key=lambda i: first[i])
@@ -330,12 +330,13 @@ class ZeRO:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def state_bytes(self):
-        """Model-state bytes this rank holds, by summing the tensors actually allocated. Adam's
-        scalar step counters (4 bytes each) are left out."""
+        """Model-state bytes this rank holds, by summing the tensors actually allocated. The
+        optimizer's scalar step counters (AdamW's: 4 bytes each) are left out."""
         nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)
         grads = [b.flat_grad if b.flat_grad is not None else b.grad_shard for b in self.buckets]
         master = [] if self.dtype == torch.float32 else self.master
-        moments = [s[k] for s in self.opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        moments = [t for s in self.opt.state.values() for t in s.values()
+                   if torch.is_tensor(t) and t.dim() > 0]  # scalars: step counts
         out = {"params": self.weight_bytes(), "grads": nbytes(grads),
                "master": nbytes(master), "optimizer": nbytes(moments)}
         out["total"] = sum(out.values())
@@ -363,11 +364,12 @@ def traffic_formula(psi, stage, world_size, grad_accum=1, frozen=0):
     return per_psi * psi + (stage == 3) * 2 * grad_accum * frozen
 
 
-def zero_formula(psi, stage, world_size, dtype):
-    """The ZeRO paper's model-state bytes per rank for Ψ parameters: 2+2+12 in 16 bits,
-    4+4+8 in fp32 (the fp32 weights are the master: no copy)."""
+def zero_formula(psi, stage, world_size, dtype, optimizer="adamw"):
+    """The ZeRO paper's model-state bytes per rank for Ψ parameters, (2 + 2 + K)Ψ: K = 12 in 16
+    bits with AdamW (an fp32 master and two fp32 moments), 8 with SGD-momentum or Lion (one
+    buffer); in fp32 4 + 4 + K with no master copy (the fp32 weights are the master)."""
     w = 4 if dtype == torch.float32 else 2  # bytes of a working weight / gradient
-    k = 8 if dtype == torch.float32 else 12  # master (16-bit only) + Adam's two moments
+    k = optim.STATE_BYTES[optimizer] + (0 if dtype == torch.float32 else 4)  # + the master
     sharded = lambda by_stage: world_size if stage >= by_stage else 1
     opt, grads, params = k * psi / sharded(1), w * psi / sharded(2), w * psi / sharded(3)
     return {"params": params, "grads": grads, "optimizer_side": opt, "total": params + grads + opt}

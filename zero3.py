@@ -80,7 +80,7 @@ class ZeRO3(ZeRO):
         """(1) shard: one unit per block, then the root. Returns the trainable buckets in the
         order their gradients complete: last block first, the root (the tied embedding's
         gradient comes last) at the end."""
-        blocks = list(model.transformer.h)
+        blocks = model.blocks()  # the model declares them (model.py)
         in_blocks = {id(t) for blk in blocks for t in list(blk.parameters()) + list(blk.buffers())}
         self.units = [self._make_unit(blk, lambda t: True) for blk in blocks]
         self.root = self._make_unit(model, lambda t: id(t) not in in_blocks, root=True)
