@@ -21,7 +21,12 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 class ConfigError(Exception):
-    """Bad input from the user: printed as one line, never a traceback."""
+    """Bad input from the user: printed as one line, never a traceback; under torchrun by rank
+    0 alone, the same on every rank, unless rank_local (only this rank can see the problem)."""
+
+    def __init__(self, message, rank_local=False):
+        super().__init__(message)
+        self.rank_local = rank_local
 
 
 def opt(default, help):
