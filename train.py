@@ -42,6 +42,7 @@ from model import GPT, GPTConfig, peak_flops, saved_activation_bytes
 from precision import GradScaler, grad_zero_frac, resolve_dtype
 from quant import quantize_base
 from rundir import RunDirError
+from validate import vocab_id
 from zero import Traffic, ZeRO, all_reduce_sum, replica_digest, traffic_formula
 from zero3 import ZeRO3
 
@@ -271,9 +272,7 @@ def main(argv=None):
         it += 1
         saving = cfg.save_interval and it % cfg.save_interval == 0 and it < cfg.max_iters
         if (logging or saving) and scaler.exhausted.item():
-            raise ConfigError(f"by step {it - 1} the loss is non-finite at any scale, even the "
-                              f"minimum {cfg.min_loss_scale:g} (a NaN, not an overflow): stopped "
-                              "without saving; lower --learning-rate or find the NaN and resume")
+            raise ConfigError(exhausted(cfg, scaler, it))
         if saving or stopped:
             save(cfg, it, zero, model, scaler, header, print0)
         if stopped:
@@ -282,6 +281,17 @@ def main(argv=None):
     wrap_up(cfg, it, zero, model, scaler, header, metrics, stopped, print0)
     rundir.release_locks()
     finish(model, zero, world_size)
+
+
+def exhausted(cfg, scaler, it):
+    """Why a run whose steps all overflow stops (without saving)."""
+    if scaler.dynamic:
+        return (f"by step {it - 1} the loss is non-finite at any scale, even the minimum "
+                f"{cfg.min_loss_scale:g} (a NaN, not an overflow): stopped without saving; "
+                "lower --learning-rate or find the NaN and resume")
+    return (f"{scaler.FIXED_GIVE_UP} steps in a row, up to step {it - 1}, overflowed at the "
+            f"fixed loss scale {scaler.get_scale():g}, which cannot back off: stopped without "
+            "saving; use --loss-scale dynamic (or a smaller value), or find the NaN")
 
 
 def log_step(step, clock, cfg, model, zero, scaler, metrics, print0):
@@ -332,7 +342,8 @@ def wrap_up(cfg, it, zero, model, scaler, header, metrics, stopped, print0):
         full = checkpoint.state_dict(zero, model)
         if zero.rank == 0:
             path = os.path.join(cfg.out_dir, "adapter.safetensors")
-            save_adapter(path, adapter_state(full), model.lora_settings, model.base_id)
+            save_adapter(path, adapter_state(full), model.lora_settings, model.base_id,
+                         vocab_id(header["meta"]))
             print0(f"saved {path} ({os.path.getsize(path) / 1024:.1f} KiB)")
 
 

@@ -95,6 +95,18 @@ def check_shapes_fit(args, shapes):
                              f"{shapes.get(name)}")
 
 
+def check_hf_types(cfg):
+    """A Hugging Face config.json's numbers: integers where GPT-2 has them, finite numbers."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"it holds {type(cfg).__name__}, not an object")
+    ints = ("n_layer", "n_head", "n_embd", "n_positions", "n_ctx", "vocab_size", "n_inner")
+    floats = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon")
+    for keys, ok, want in ((ints, is_int, "an integer"), (floats, is_number, "a number")):
+        bad = [k for k in keys if cfg.get(k) is not None and not ok(cfg[k])]
+        if bad:
+            raise ValueError(f"{bad[0]} is {cfg[bad[0]]!r}, not {want}")
+
+
 # ----------------------------------------------------------------------------------------------
 # checkpoint headers (checkpoint.Reader calls these before reading any tensor)
 
@@ -234,8 +246,8 @@ def check_adapter(settings, tensors, n_embd):
     at most the model's width (a larger one cannot lower any rank)."""
     keys = {"rank", "alpha", "dropout", "targets"}
     if not isinstance(settings, dict) or set(settings) != keys:
-        raise ValueError(f"settings {sorted(settings) if isinstance(settings, dict) else settings}"
-                         f" are not {sorted(keys)}")
+        got = sorted(settings) if isinstance(settings, dict) else settings
+        raise ValueError(f"its settings {got} are not {sorted(keys)}")
     r, alpha, dropout, targets = (settings[k] for k in ("rank", "alpha", "dropout", "targets"))
     if not is_int(r) or not 1 <= r <= n_embd:
         raise ValueError(f"rank {r!r}: want an integer in [1, {n_embd}] (the model's width)")
@@ -246,9 +258,10 @@ def check_adapter(settings, tensors, n_embd):
             or not all(isinstance(t, str) for t in targets):
         raise ValueError(f"targets {targets!r}: want a list of {', '.join(TARGETS)}")
     for name, shape in tensors.items():
-        if not (name.endswith(".lora_A") and shape[0] % r == 0 and len(shape) == 2) and \
-                not (name.endswith(".lora_B") and len(shape) == 2 and shape[1] == r):
-            raise ValueError(f"tensor {name} {list(shape)} is not a rank-{r} LoRA tensor")
+        a_ok, b_ok = name.endswith(".lora_A"), name.endswith(".lora_B")
+        if len(shape) != 2 or not ((a_ok and shape[0] % r == 0) or (b_ok and shape[1] == r)):
+            raise ValueError(f"LoRA tensor {name} {list(shape)}: shapes differ from what its "
+                             f"settings (rank {r}) make")
 
 
 # ----------------------------------------------------------------------------------------------
