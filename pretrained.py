@@ -14,7 +14,6 @@ Out: the checkpoint is rebuilt as it trained (LoRA, a quantized base), its quant
 dequantized; the adapter is either merged in (W0 + B·A·alpha/r) or written beside the base in
 PEFT's format. Every check comes before the first byte is written.
 """
-import argparse
 import json
 import os
 import sys
