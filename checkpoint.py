@@ -299,12 +299,15 @@ class Reader:
             raise CheckpointError(f"{path} is not a nanoZeRO checkpoint")
         self.file = os.path.join(path, self.opened[0])
         self.hint = rundir.resume_hint(path)  # a bad file names what to resume from instead
-        try:  # every claim of the header, before any of it sizes a model or a copy
-            validate.check_header(self.header)
-        except ValueError as e:
-            raise CheckpointError(f"{self.file}: {e}: the header is corrupt or was edited; "
-                                  f"{self.hint}")
+        self._checked(self.file, validate.check_header, self.header)  # before any claim is used
         self.verified = set()  # ckpt.pt's (name, key) whose checksum was checked
+
+    def _checked(self, file, check, *args):
+        """check(*args) (validate.py), its refusal a CheckpointError naming the file."""
+        try:
+            return check(*args)
+        except ValueError as e:
+            raise CheckpointError(f"{file}: {e} (a corrupt or edited file); {self.hint}")
 
     def _open(self, name, mmap=False):
         self.opened.append(name)
@@ -316,10 +319,9 @@ class Reader:
             if not isinstance(shard, dict) or shard.get("save_id") != self.header["save_id"]:
                 raise CheckpointError(f"{file} belongs to another save "
                                       "than its meta.pt: the folder was edited; use another")
-            try:  # every piece's length and crc32, before any element is copied
-                validate.check_shard(shard, self.header["layout"][r], self.header["frozen"])
-            except ValueError as e:
-                raise CheckpointError(f"{file}: {e}; {self.hint}")
+            # every piece's length and crc32, before any element is copied
+            self._checked(file, validate.check_shard, shard, self.header["layout"][r],
+                          self.header["frozen"])
             self.shards[r] = shard
         return self.shards[r]
 
@@ -335,10 +337,8 @@ class Reader:
             raise CheckpointError(f"{self.path}: {name} has {self.numel(name)} elements, "
                                   f"not [{lo}, {hi})")
         if h["format"] == "consolidated":
-            try:  # as many elements as its shape says, and its crc32, before any copy
-                t = validate.check_entry(h, name, key, self.verified)
-            except ValueError as e:
-                raise CheckpointError(f"{self.file}: {e}; {self.hint}")
+            # as many elements as its shape says, and its crc32, before any copy
+            t = self._checked(self.file, validate.check_entry, h, name, key, self.verified)
             return t.reshape(-1)[lo:hi]
         # the pieces that overlap [lo, hi), each opened and checked before any copy; the
         # layout tiles every tensor exactly once (validate.check_header): every element is there
@@ -366,15 +366,15 @@ class Reader:
     def model_args(self):
         """The header's GPTConfig kwargs, checked against its tensors' shapes: build a model
         from these, never from a bare header (it may claim 10^5 layers)."""
-        try:
-            validate.check_shapes_fit(self.header["model_args"], self.header["shapes"])
-        except ValueError as e:
-            raise CheckpointError(f"{self.file}: {e}: the header was edited; {self.hint}")
-        return self.header["model_args"]
+        h = self.header
+        self._checked(self.file, validate.check_shapes_fit, h["model_args"], h["shapes"])
+        return h["model_args"]
 
     def rng(self, rank):
         h = self.header
-        return h["rng"][rank] if h["format"] == "consolidated" else self._shard(rank)["rng"]
+        state = h["rng"][rank] if h["format"] == "consolidated" else self._shard(rank)["rng"]
+        self._checked(self.file, validate.check_rng, state)  # before any generator is set
+        return state
 
 
 # ----------------------------------------------------------------------------------------------

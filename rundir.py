@@ -12,6 +12,7 @@ saves cleared only when no live run owns them.
                          checkpoints go on untouched.
   OUT_DIR/ckpt-N.tmp/    a save in progress; its owner.json names the run writing it.
 """
+import functools
 import json
 import math
 import os
@@ -95,6 +96,18 @@ def release_locks():
         if _read_json(path) == _owner():
             os.remove(path)
         _held.discard(path)
+
+
+def releasing_locks(main):
+    """main, then release_locks() however main ends: an error (or a test that calls main
+    in-process) leaves no lock of a live process behind."""
+    @functools.wraps(main)
+    def run(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        finally:
+            release_locks()
+    return run
 
 
 def mark_save(tmp):

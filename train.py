@@ -165,6 +165,7 @@ def agree(flag, device, world_size):
 
 # ----------------------------------------------------------------------------------------------
 
+@rundir.releasing_locks  # out_dir's lock is released however the run ends
 def main(argv=None):
     cfg = parse_args(argv)
     rank, world_size, device = init_distributed(cfg)
@@ -279,7 +280,7 @@ def main(argv=None):
             print0(f"stopped by a signal after iteration {it}: resume with --resume")
             break
     wrap_up(cfg, it, zero, model, scaler, header, metrics, stopped, print0)
-    rundir.release_locks()
+    rundir.release_locks()  # before finish's barrier: the run has written its last byte
     finish(model, zero, world_size)
 
 
@@ -363,7 +364,6 @@ if __name__ == "__main__":
     try:
         main()
     except (ConfigError, CheckpointError, RunDirError) as e:
-        rundir.release_locks()
         if int(os.environ.get("RANK", 0)) == 0 or getattr(e, "rank_local", False):
             print(f"train.py: error: {e}", file=sys.stderr)  # one rank speaks for all
         sys.exit(2)

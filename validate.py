@@ -208,7 +208,7 @@ def check_entry(h, name, key, verified):
 def _check_crc(t, want, name, key):
     if crc(t) != want:
         raise ValueError(f"{key} of {name} fails its checksum (crc32 {crc(t):08x}, saved "
-                         f"{want:08x}): the bytes changed on disk")
+                         f"{want:08x}): its bytes changed")
 
 
 def check_shard(shard, layout, frozen):
@@ -219,6 +219,15 @@ def check_shard(shard, layout, frozen):
     for name, piece in pieces.items():
         keys = ("value",) if name in frozen else ("master", "exp_avg", "exp_avg_sq")
         check_piece(piece, name, layout[name], keys)
+
+
+def check_rng(state):
+    """One rank's saved RNG states (checkpoint.rng_state's layout), before any is set."""
+    ok = isinstance(state, dict) and isinstance(state.get("torch"), bytes) and \
+        isinstance(state.get("numpy"), (list, tuple)) and len(state["numpy"]) == 5 and \
+        isinstance(state.get("python"), (list, tuple))
+    if not ok:
+        raise ValueError("its RNG states are not the ones a save writes")
 
 
 def check_piece(piece, name, span, keys):
