@@ -250,7 +250,8 @@ def test_7_adapter_settings_are_checked_before_apply_lora(tmp_path):
              ({"rank": 10**9}, "rank 1000000000")]
     for edit, message in edits:
         path = adapter_file(tmp_path, {**ok, **edit})
-        fresh = GPT(GPTConfig(**HF_ARGS))
+        torch.manual_seed(0)
+        fresh = GPT(GPTConfig(**HF_ARGS))  # the adapter's own base
         quick(lambda: lora.load_adapter(fresh, path), AdapterError, message)
     torch.manual_seed(0)
     base = GPT(GPTConfig(**HF_ARGS))
