@@ -12,25 +12,25 @@ size and ZeRO stage resumes from either: each rank reads the ranges it owns now,
 that hold them (ckpt.pt memory-mapped). Under ZeRO-3 no rank holds more than one bucket beyond
 its shards, saving or restoring.
 
-Checked on resume, each a one-line CheckpointError that changes no file: the model shape and
-vocabulary, every tensor's name and full shape, LoRA's rank, alpha and targets, the
-quantization; every element must come from the file. May change between runs: world size, ZeRO
-stage, format, LoRA dropout, and the dtype (the loss scaler then starts fresh: a scale fit for
-one precision is wrong for another).
+Checked on resume, each a one-line CheckpointError that changes no file (validate.py): the
+header's types, ranges and layout; the model shape and the vocabulary itself; every tensor's
+name, shape, length and crc32 (each saved beside its tensor: a rank checks what it reads); LoRA's
+rank, alpha and targets, the quantization. A corrupt file is never skipped over: its line names
+the older checkpoint to resume from instead. May change between runs: world size, ZeRO stage,
+format, LoRA dropout, and the dtype (the loss scaler then starts fresh).
 
 Safety: a save goes into ckpt-ITER.tmp, renamed to ckpt-ITER once every rank's files are written,
-fsynced and agreed on: a full disk or a crash leaves the previous checkpoint the newest. The
-files of one save share a save_id, so a shard copied in from another is refused. Reading is
-torch.load(weights_only=True): tensors, numbers and strings, never code. Saved for an exact
-resume: master weights, Adam's moments and step, the scaler, the iteration (hence the LR and the
-batches: they depend on (seed, step) only), every rank's RNG states, the flags and model config.
+fsynced and agreed on: a full disk or a crash leaves the previous checkpoint the newest, and
+inf/NaN master weights are never saved. The files of one save share a save_id, so a shard copied
+in from another is refused. Reading is torch.load(weights_only=True): never code. Saved for an
+exact resume: master weights, Adam's moments and step, the scaler, the iteration (hence the LR
+and the batches), every rank's RNG states, the flags and model config.
 
     python checkpoint.py out/ckpt-0002000 --to hf OUT_DIR        # a Hugging Face GPT-2 folder
     python checkpoint.py out/ckpt-0002000 --to safetensors weights.safetensors   # plain weights
 """
 import os
 import random
-import re
 import shutil
 import sys
 import uuid
@@ -40,9 +40,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lora import parse_targets
-from tensorfile import torch_save
+import rundir
+import validate
 from collectives import Traffic, all_gather_params
+from rundir import list_checkpoints
+from tensorfile import torch_save
+from validate import crc
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -201,13 +204,21 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
     shapes = model.stored_shapes()
     trainable = {zero.names[id(p)] for b in zero.buckets for p in b.params}
     adam_step = int(zero.opt.state[zero.segments[0].master]["step"].item()) \
-        if zero.segments else -1
+        if zero.segments else 0
+    # a diverged run (inf / NaN master weights) is never saved over the last good checkpoint
+    if _any_rank(not all(s.master.isfinite().all() for s in zero.segments), zero):
+        previous = list_checkpoints(out_dir)
+        raise CheckpointError(f"not saving {final}: the master weights hold inf/NaN (the run "
+                              "diverged); " + (f"{previous[-1]} is the newest good checkpoint"
+                                               if previous else "no checkpoint was saved"))
     common = dict(header, iter=it, save_id=save_id, world_size=world_size, stage=zero.stage,
                   scaler=scaler.state_dict(), shapes=shapes,
                   frozen=[name for name in shapes if name not in trainable],
                   adam_step=max(_all_gather_object(adam_step, world_size)))
     if fmt == "sharded":
         pieces = owned_pieces(zero, shapes)
+        for piece in pieces.values():  # each piece's checksums beside it: a rank checks its own
+            piece["crc"] = {k: crc(t) for k, t in piece.items() if k not in ("lo", "hi")}
         layout = _all_gather_object({n: (v["lo"], v["hi"]) for n, v in pieces.items()}, world_size)
         files = {f"shard-{rank:05d}.pt": {"save_id": save_id, "rank": rank, "pieces": pieces,
                                           "rng": rng_state()}}
@@ -216,25 +227,22 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
     else:
         tensors = full_tensors(zero, shapes)
         rngs = _all_gather_object(rng_state(), world_size)
-        files = {"ckpt.pt": dict(common, format="consolidated", tensors=tensors, rng=rngs)} \
-            if rank == 0 else {}
+        crcs = {name: {k: crc(t) for k, t in entry.items()} for name, entry in tensors.items()}
+        files = {"ckpt.pt": dict(common, format="consolidated", tensors=tensors, crc=crcs,
+                                 rng=rngs)} if rank == 0 else {}
     error = None
     try:
         if rank == 0:  # a crash mid-save leaves a .tmp folder: no checkpoint, and cleared here
-            for stale in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
-                if re.fullmatch(r"ckpt-\d+\.tmp", stale):
-                    shutil.rmtree(os.path.join(out_dir, stale), ignore_errors=True)
+            rundir.clear_stale_saves(out_dir)  # unless a live run is writing it
             os.makedirs(tmp)
+            rundir.mark_save(tmp)
         _barrier(world_size)
         for name, obj in files.items():
             torch_save(obj, os.path.join(tmp, name))
     except OSError as e:
         error = e
     # every rank learns whether every rank's files are complete before anything is committed
-    failed = torch.tensor([error is not None], dtype=torch.float32, device=zero.device)
-    if world_size > 1:
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item():
+    if _any_rank(error is not None, zero):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         _barrier(world_size)
@@ -242,6 +250,7 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
         raise CheckpointError(f"could not write {final} ({error or 'failed on another rank'}); "
                               + (f"{previous[-1]} is intact" if previous else "nothing was saved"))
     if rank == 0:
+        os.remove(os.path.join(tmp, "owner.json"))
         shutil.rmtree(final, ignore_errors=True)  # the same iteration saved again (a final save)
         os.replace(tmp, final)  # the commit point: a folder without .tmp is complete
         fd = os.open(out_dir, os.O_RDONLY)
@@ -253,17 +262,17 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
     return final
 
 
+def _any_rank(flag, zero):
+    """True on every rank when flag is True on any (a tiny all-reduce)."""
+    t = torch.tensor([float(flag)], device=zero.device)
+    if zero.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def _barrier(world_size):
     if world_size > 1:
         dist.barrier()
-
-
-def list_checkpoints(out_dir):
-    """Complete checkpoints in out_dir, oldest first (a .tmp folder is not one)."""
-    if not os.path.isdir(out_dir):
-        return []
-    names = sorted(n for n in os.listdir(out_dir) if re.fullmatch(r"ckpt-\d+", n))
-    return [os.path.join(out_dir, n) for n in names]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,6 +297,17 @@ class Reader:
         if not isinstance(self.header, dict) or \
                 self.header.get("format") not in ("consolidated", "sharded"):
             raise CheckpointError(f"{path} is not a nanoZeRO checkpoint")
+        self.file = os.path.join(path, self.opened[0])
+        self.hint = rundir.resume_hint(path)  # a bad file names what to resume from instead
+        self._checked(self.file, validate.check_header, self.header)  # before any claim is used
+        self.verified = set()  # ckpt.pt's (name, key) whose checksum was checked
+
+    def _checked(self, file, check, *args):
+        """check(*args) (validate.py), its refusal a CheckpointError naming the file."""
+        try:
+            return check(*args)
+        except ValueError as e:
+            raise CheckpointError(f"{file}: {e} (a corrupt or edited file); {self.hint}")
 
     def _open(self, name, mmap=False):
         self.opened.append(name)
@@ -295,10 +315,13 @@ class Reader:
 
     def _shard(self, r):
         if r not in self.shards:
-            shard = self._open(f"shard-{r:05d}.pt")
+            shard, file = self._open(f"shard-{r:05d}.pt"), f"{self.path}/shard-{r:05d}.pt"
             if not isinstance(shard, dict) or shard.get("save_id") != self.header["save_id"]:
-                raise CheckpointError(f"{self.path}/shard-{r:05d}.pt belongs to another save "
+                raise CheckpointError(f"{file} belongs to another save "
                                       "than its meta.pt: the folder was edited; use another")
+            # every piece's length and crc32, before any element is copied
+            self._checked(file, validate.check_shard, shard, self.header["layout"][r],
+                          self.header["frozen"])
             self.shards[r] = shard
         return self.shards[r]
 
@@ -314,25 +337,21 @@ class Reader:
             raise CheckpointError(f"{self.path}: {name} has {self.numel(name)} elements, "
                                   f"not [{lo}, {hi})")
         if h["format"] == "consolidated":
-            entry = h["tensors"].get(name, {})
-            if key not in entry:
-                raise CheckpointError(f"{self.path} holds no {key} of {name!r}")
-            return entry[key].reshape(-1)[lo:hi]
-        out, covered = None, 0
-        for r, layout in enumerate(h["layout"]):  # every written piece that overlaps [lo, hi)
-            if name in layout:
-                a, b = max(lo, layout[name][0]), min(hi, layout[name][1])
-                if a < b:
-                    piece = self._shard(r)["pieces"][name]
-                    if key not in piece:
-                        raise CheckpointError(f"{self.path} holds no {key} of {name!r}")
-                    if out is None:
-                        out = torch.empty(hi - lo, dtype=piece[key].dtype)
-                    out[a - lo:b - lo] = piece[key][a - piece["lo"]:b - piece["lo"]]
-                    covered += b - a
-        if covered != hi - lo:  # pieces never overlap: every element must come from the file
-            raise CheckpointError(f"{self.path} lacks elements [{lo}, {hi}) of {name!r}: "
-                                  "a shard is missing from its layout")
+            # as many elements as its shape says, and its crc32, before any copy
+            t = self._checked(self.file, validate.check_entry, h, name, key, self.verified)
+            return t.reshape(-1)[lo:hi]
+        # the pieces that overlap [lo, hi), each opened and checked before any copy; the
+        # layout tiles every tensor exactly once (validate.check_header): every element is there
+        parts = []
+        for r, layout in enumerate(h["layout"]):
+            if name in layout and max(lo, layout[name][0]) < min(hi, layout[name][1]):
+                parts.append(self._shard(r)["pieces"][name])
+                if key not in parts[-1]:
+                    raise CheckpointError(f"{self.path} holds no {key} of {name!r}")
+        out = torch.empty(hi - lo, dtype=parts[0][key].dtype if parts else torch.float32)
+        for piece in parts:
+            a, b = max(lo, piece["lo"]), min(hi, piece["hi"])
+            out[a - lo:b - lo] = piece[key][a - piece["lo"]:b - piece["lo"]]
         return out
 
     def weights(self):
@@ -344,68 +363,34 @@ class Reader:
             state[name] = self.read(name, key, 0, self.numel(name)).view(shape)
         return state
 
+    def model_args(self):
+        """The header's GPTConfig kwargs, checked against its tensors' shapes: build a model
+        from these, never from a bare header (it may claim 10^5 layers)."""
+        h = self.header
+        self._checked(self.file, validate.check_shapes_fit, h["model_args"], h["shapes"])
+        return h["model_args"]
+
     def rng(self, rank):
         h = self.header
-        return h["rng"][rank] if h["format"] == "consolidated" else self._shard(rank)["rng"]
+        state = h["rng"][rank] if h["format"] == "consolidated" else self._shard(rank)["rng"]
+        self._checked(self.file, validate.check_rng, state)  # before any generator is set
+        return state
 
 
 # ----------------------------------------------------------------------------------------------
 # resume
 
-# the run flags that change which tensors exist or what they mean: they must match to resume
-SETTINGS = {"lora": "--lora", "lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha",
-            "lora_targets": "--lora-targets", "quantize": "--quantize",
-            "double_quant": "--double-quant"}
+def check_compatible(*args):
+    """validate.check_compatible's refusal as a CheckpointError: this run cannot continue it."""
+    try:
+        validate.check_compatible(*args)
+    except ValueError as e:
+        raise CheckpointError(str(e))
 
 
-def _as_flag(flag, value):  # ("--lora-rank", 8): "--lora-rank 8"; ("--lora", False): "--no-lora"
-    if isinstance(value, bool):
-        return flag if value else f"--no-{flag[2:]}"
-    return f"{flag} {value}"
-
-
-def check_compatible(header, model_args, vocab_meta, path, config=None, shapes=None):
-    """A checkpoint of another model, vocabulary, LoRA or quantization setting cannot continue
-    this run: one line naming the difference and what to change."""
-    theirs = header.get("model_args", {})
-    diff = [f"{k} {theirs.get(k)} vs {v}" for k, v in model_args.items()
-            if k != "dropout" and theirs.get(k) != v]
-    if diff:
-        raise CheckpointError(f"{path} is for another model ({', '.join(diff)} here): "
-                              f"use the same model flags or another --out-dir")
-    if vocab_meta is not None and \
-            header.get("meta", {}).get("vocab_size") != vocab_meta.get("vocab_size"):
-        raise CheckpointError(f"{path} was trained on another vocabulary: use its data set")
-    saved = header.get("config", {})
-    for key, flag in SETTINGS.items() if config is not None else ():
-        mine, old = config.get(key), saved.get(key)
-        if key == "lora_targets" and config.get("lora") and saved.get("lora"):
-            mine, old = ",".join(parse_targets(mine)), ",".join(parse_targets(old))
-        if key != "lora" and not (config.get("lora") or saved.get("lora")):
-            continue  # no LoRA on either side: its settings are unused
-        if mine != old:
-            old, mine = _as_flag(flag, old), _as_flag(flag, mine)
-            raise CheckpointError(f"{path} was saved with {old}, this run has {mine}: pass "
-                                  f"{old} to resume it, or use another --out-dir")
-    for name, shape in (shapes or {}).items():
-        if header["shapes"].get(name) != shape:
-            raise CheckpointError(f"{path}: {name} is {header['shapes'].get(name)} there and "
-                                  f"{shape} here: another model or LoRA setting")
-    extra = set(header.get("shapes", {})) - set(shapes or header.get("shapes", {}))
-    if extra:
-        raise CheckpointError(f"{path} holds {sorted(extra)[0]}, which this model lacks")
-
-
-@torch.no_grad()
-def restore(path, zero, model, scaler, config, model_args, vocab_meta):
-    """Load a checkpoint into a freshly built run (any stage, any world size). Every rank reads
-    only what it owns. Returns (iteration to continue from, a note to print or None). The
-    scaler is restored only when the precision is the same as when it was saved."""
-    reader = Reader(path)
-    h = reader.header
-    shapes = model.stored_shapes()
-    check_compatible(h, model_args, vocab_meta, path, config, shapes)
-    # each piece this rank owns, as stored (padded vocabulary rows are not: they stay zero)
+def _read_owned(reader, zero, shapes):
+    """Each piece this rank owns, as stored (padded vocabulary rows are not: they stay zero):
+    ([(segment, {key: tensor})], [(frozen values, tensor)])."""
     trainable, frozen = [], []
     for s in zero.segments:
         lo, hi = _stored(shapes, s.name, s.lo, s.hi)
@@ -416,7 +401,27 @@ def restore(path, zero, model, scaler, config, model_args, vocab_meta):
         lo, hi = _stored(shapes, name, lo, hi)
         if lo < hi:
             frozen.append((values, reader.read(name, "value", lo, hi)))
-    rng = reader.rng(zero.rank) if h["world_size"] == zero.world_size else None
+    return trainable, frozen
+
+
+@torch.no_grad()
+def restore(path, zero, model, scaler, config, model_args, vocab_meta):
+    """Load a checkpoint into a freshly built run (any stage, any world size). Every rank reads
+    only what it owns. Returns (iteration to continue from, a note to print or None). The
+    scaler is restored only when the precision is the same as when it was saved."""
+    shapes, error = model.stored_shapes(), None
+    try:
+        reader = Reader(path)
+        h = reader.header
+        check_compatible(h, model_args, vocab_meta, path, config, shapes)
+        trainable, frozen = _read_owned(reader, zero, shapes)
+        rng = reader.rng(zero.rank) if h["world_size"] == zero.world_size else None
+    except CheckpointError as e:
+        error = str(e)
+    # a rank reads its own shards: one bad file stops every rank, with its line
+    errors = [e for e in _all_gather_object(error, zero.world_size) if e]
+    if errors:
+        raise CheckpointError(errors[0])
     # everything is read: only now is the run changed
     for s, saved in trainable:
         n, state = len(saved["master"]), zero.opt.state[s.master]

@@ -12,6 +12,7 @@ and every checkpoint.
 """
 import argparse
 import ast
+import math
 import os
 from dataclasses import dataclass, field, fields
 
@@ -21,7 +22,12 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 class ConfigError(Exception):
-    """Bad input from the user: printed as one line, never a traceback."""
+    """Bad input from the user: printed as one line, never a traceback; under torchrun by rank
+    0 alone, the same on every rank, unless rank_local (only this rank can see the problem)."""
+
+    def __init__(self, message, rank_local=False):
+        super().__init__(message)
+        self.rank_local = rank_local
 
 
 def opt(default, help):
@@ -205,18 +211,16 @@ def check_config(cfg):
                               f"{', '.join(str(a) for a in allowed if a != '')}")
     if cfg.loss_scale not in ("auto", "dynamic", "none"):
         try:
-            if float(cfg.loss_scale) <= 0:
+            if not 0 < float(cfg.loss_scale) < math.inf:  # nan fails this too
                 raise ValueError
         except ValueError:
             raise ConfigError(f"--loss-scale {cfg.loss_scale}: use dynamic, none or a "
                               "positive number")
+    check_ranges(cfg)
     for name in ("batch_size", "grad_accum", "max_iters", "eval_interval", "eval_iters",
                  "log_interval", "keep_last"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("bucket_mb", "min_loss_scale"):
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     if cfg.save_interval < 0 or cfg.batch_tokens < 0:
         raise ConfigError("--save-interval and --batch-tokens must not be negative")
     if (cfg.quantize or cfg.double_quant) and not cfg.lora:
@@ -230,6 +234,28 @@ def check_config(cfg):
             raise ConfigError(str(e))
         if cfg.lora_rank < 1:
             raise ConfigError("--lora-rank must be at least 1")
+
+
+# each number's allowed range, [lo, hi) or [lo, hi] (closed): a NaN or an infinity is never in it
+RANGES = {"learning_rate": ("(", 0, math.inf), "min_lr": ("[", 0, math.inf),
+          "weight_decay": ("[", 0, math.inf), "beta1": ("[", 0, 1), "beta2": ("[", 0, 1),
+          "grad_clip": ("[", 0, math.inf), "dropout": ("[", 0, 1),
+          "lora_dropout": ("[", 0, 1), "lora_alpha": ("(", 0, math.inf),
+          "bucket_mb": ("(", 0, math.inf), "min_loss_scale": ("(", 0, math.inf),
+          "peak_tflops": ("[", 0, math.inf), "warmup_iters": ("[", 0, math.inf),
+          "lr_decay_iters": ("[", 0, math.inf)}
+
+
+def check_ranges(cfg):
+    """Every number within its range: a negative learning rate is a traceback deep in AdamW, an
+    infinite one saves NaN weights, --grad-clip -1 turns clipping silently off."""
+    for name, (bracket, lo, hi) in RANGES.items():
+        value = getattr(cfg, name)
+        low_ok = value > lo if bracket == "(" else value >= lo
+        if not (math.isfinite(value) and low_ok and value < hi):
+            spelled = "a positive number" if bracket == "(" and hi == math.inf else \
+                "a number >= 0" if hi == math.inf else f"in [{lo}, {hi})"
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be {spelled}")
 
 
 def grad_accum_for(cfg, world_size):

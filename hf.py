@@ -31,6 +31,7 @@ from safetensors import safe_open
 from lora import fingerprint_tensors  # lora.py's definition of a base's name
 from model import GPTConfig
 from tensorfile import replace_atomically, write_safetensors
+from validate import check_hf_types, check_model_args
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -53,6 +54,10 @@ def _one_line(e):
 def gpt2_config_to_model_args(cfg):
     """A config.json dict -> GPTConfig kwargs; HFError for any GPT-2 variant model.py can't run."""
     get = lambda k, default: default if cfg.get(k) is None else cfg[k]
+    try:  # "1e-5" or 2.0 is another program's config, not a GPT-2 we can read
+        check_hf_types(cfg)
+    except ValueError as e:
+        raise HFError(f"config.json: {e}") from None
     if cfg.get("model_type") != "gpt2":
         raise HFError(f"model_type {cfg.get('model_type')!r} is not gpt2")
     act = get("activation_function", "gelu_new")
@@ -72,9 +77,9 @@ def gpt2_config_to_model_args(cfg):
     args = dict(block_size=get("n_positions", 1024), vocab_size=get("vocab_size", 50257),
                 n_layer=get("n_layer", 12), n_head=get("n_head", 12), n_embd=n_embd,
                 dropout=float(get("resid_pdrop", 0.0)), bias=True)  # GPT-2 uses 0.1 everywhere
-    try:
-        GPTConfig(**args)
-    except (TypeError, ValueError) as e:
+    try:  # sizes within validate.BOUNDS: 10^5 layers is one line now, not minutes of building
+        check_model_args(args)
+    except ValueError as e:
         raise HFError(f"config.json: {_one_line(e)}") from None
     return args
 
@@ -155,6 +160,16 @@ def _folder_and_files(path):
             raise HFError(f"{path}: unreadable shard index ({_one_line(e)})") from None
         return folder, [os.path.join(folder, s) for s in shards]
     return folder, [path]
+
+
+def check_weights(source, cache_dir=None):
+    """read_config, and every weights file's tensor names and shapes against it, from the
+    files' headers alone: before a model is built at the size config.json claims."""
+    model_args = read_config(source, cache_dir)
+    _, files = _folder_and_files(locate(source, cache_dir))
+    with ExitStack() as stack:
+        _read_plan(files, model_args, stack)
+    return model_args
 
 
 def read_config(source, cache_dir=None):

@@ -223,23 +223,27 @@ def fingerprint_tensors(named_tensors):
     return h.hexdigest()[:16]
 
 
-def save_adapter(path, lora_tensors, settings, fingerprint):
-    """A safetensors file (adapter.safetensors): the LoRA tensors, with the settings (JSON) and
-    the base's fingerprint as its metadata. Written atomically (tensorfile.py): a crash leaves
-    the old file or the new one, never half of one."""
+def save_adapter(path, lora_tensors, settings, fingerprint, vocab=None):
+    """A safetensors file (adapter.safetensors): the LoRA tensors, with the settings (JSON),
+    the base's fingerprint and the vocabulary's identity (validate.vocab_id) as its metadata.
+    Written atomically (tensorfile.py): a crash leaves the old file or the new one."""
     settings = {k: settings[k] for k in ("rank", "alpha", "dropout", "targets")}
     settings["targets"] = list(settings["targets"])
     header = {k: (t.dtype, tuple(t.shape)) for k, t in lora_tensors.items()}
+    meta = {"settings": json.dumps(settings), "base_fingerprint": fingerprint}
     write_safetensors(path, header, iter(lora_tensors.items()),
-                      metadata={"settings": json.dumps(settings), "base_fingerprint": fingerprint})
+                      metadata=meta if vocab is None else dict(meta, vocab=vocab))
 
 
 @torch.no_grad()
-def load_adapter(model, path):
+def load_adapter(model, path, vocab=None):
     """Load an adapter file into model and return its settings. A model without LoRA gets
-    apply_lora with the file's settings; one with LoRA must have the same settings. The base
-    fingerprint and every name and shape must match, else AdapterError. Load before ZeRO wraps
-    the model: under ZeRO-3 its LoRA parameters are shards."""
+    apply_lora with the file's settings (checked first against their types, ranges and the
+    file's tensors); one with LoRA must have the same settings. The base fingerprint, the
+    vocabulary (vocab: the model's validate.vocab_id, when known) and every name and shape must
+    match, else AdapterError. Load before ZeRO wraps the model: under ZeRO-3 its LoRA parameters
+    are shards."""
+    import validate  # validate.py imports this module
     try:  # safetensors: tensors and strings only, nothing that could run code
         with safe_open(path, framework="pt") as f:
             meta = f.metadata()
@@ -248,6 +252,14 @@ def load_adapter(model, path):
     except Exception as e:
         message = f"{path}: not a readable adapter file ({type(e).__name__}: {e})"
         raise AdapterError(message.splitlines()[0])
+    try:  # before apply_lora makes modules of them: a rank of 10^9 is 256 GB
+        validate.check_adapter(settings, {k: list(t.shape) for k, t in lora.items()},
+                               model.config.n_embd)
+    except ValueError as e:
+        raise AdapterError(f"{path}: {e}")
+    if vocab is not None and meta.get("vocab", vocab) != vocab:
+        raise AdapterError(f"{path} was trained on vocabulary {meta['vocab']}, this model reads "
+                           f"{vocab}: the same ids would mean other tokens")
     base = base_fingerprint(model)
     if fp != base:
         raise AdapterError(f"{path} was trained on base {fp}, this model is base {base}")

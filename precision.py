@@ -15,7 +15,9 @@ Dynamic loss scaling (Sec. 3.2), as torch.amp.GradScaler does it, bit for bit: s
 a step whose gradients hold an inf/NaN is skipped and the scale halved; after growth_interval clean
 steps in a row it doubles (never to inf). Like DeepSpeed we keep a floor, min_scale: a step that
 overflows at the floor would need a smaller scale, which no longer rescues fp16's range; the loss
-itself is non-finite (a NaN, most likely), and `exhausted` says so.
+itself is non-finite (a NaN, most likely), and `exhausted` says so. A fixed scale (bf16, fp32, or
+--loss-scale VALUE) cannot back off: FIXED_GIVE_UP skipped steps in a row exhaust it too, else a
+run whose every step overflows would end "successfully" with its weights never changed.
 
 Under ZeRO each rank holds only a slice of the gradients, so the found-inf flag is all-reduced
 (MAX) before the decision: all ranks skip together. A rank that skipped alone would diverge, or hang
@@ -79,6 +81,7 @@ class GradScaler:
 
     Per step: loss -> scale(loss) -> backward; found_inf = unscale_(fp32 grads); clip; the
     optimizer step, skipped where found_inf; update(found_inf)."""
+    FIXED_GIVE_UP = 10  # a fixed scale: this many skipped steps in a row set `exhausted`
 
     def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, dynamic=True, min_scale=1.0, device="cpu", group=None):
@@ -90,6 +93,7 @@ class GradScaler:
         self._scale = torch.full((), init_scale, dtype=torch.float32, device=device)
         self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)  # clean steps
         self.exhausted = torch.zeros((), dtype=torch.bool, device=device)  # overflowed at floor
+        self._skips = torch.zeros((), dtype=torch.int32, device=device)  # overflows in a row
 
     def scale(self, loss):
         # loss must be fp32 (the model upcasts logits before the cross-entropy): 2^16 overflows fp16
@@ -118,9 +122,11 @@ class GradScaler:
     def update(self, found_inf):
         """Adapt the scale after a step: torch's _amp_update_scale_, written out with tensors.
         Products are taken in fp64 and rounded to fp32 once, as torch's kernel does."""
-        if not self.dynamic:
-            return
         overflow = found_inf > 0
+        if not self.dynamic:  # a fixed scale cannot back off: FIXED_GIVE_UP overflows in a row
+            self._skips.copy_(torch.where(overflow, self._skips + 1, 0))  # and it always will
+            self.exhausted |= self._skips >= self.FIXED_GIVE_UP
+            return
         self.exhausted |= overflow & (self._scale <= self.min_scale)
         tracker = torch.where(overflow, 0, self._growth_tracker + 1)
         grow = tracker == self.growth_interval

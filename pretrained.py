@@ -14,7 +14,6 @@ Out: the checkpoint is rebuilt as it trained (LoRA, a quantized base), its quant
 dequantized; the adapter is either merged in (W0 + B·A·alpha/r) or written beside the base in
 PEFT's format. Every check comes before the first byte is written.
 """
-import argparse
 import json
 import os
 import sys
@@ -22,14 +21,15 @@ import sys
 import torch
 
 import hf
-from checkpoint import CheckpointError, Reader
-from configurator import ConfigError
+from checkpoint import CheckpointError, Reader, check_compatible
+from configurator import ConfigError, OneLineParser
 from hf import HFError
 from lora import adapter_state, apply_lora, merge_lora, parse_targets
 from model import GPT, GPTConfig
 from precision import DTYPES
 from quant import dequantize_base, quantize_base
 from tensorfile import write_safetensors
+from validate import check_adapter
 
 # the model flags a Hugging Face config.json sets (block_size too, which may be smaller)
 SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "bias", "block_size")
@@ -69,7 +69,7 @@ def hf_flags(cfg):
                           "meta.pt) nor a Hugging Face GPT-2 folder (config.json + weights)")
     try:
         source = hf.locate(path)
-        model_args = hf.read_config(source)
+        model_args = hf.check_weights(source)  # config.json and the weights' headers agree
     except HFError as e:
         raise ConfigError(f"--init-from {e}")
     for name in SHAPE_FLAGS:
@@ -124,19 +124,33 @@ class ExportError(Exception):
     """Bad input to the export: one line, nothing written."""
 
 
-def rebuild(reader):
+def rebuild(reader, weights=None):
     """The model a checkpoint trained (LoRA and a quantized base where its flags say so), on
-    the CPU, holding the checkpoint's tensors: fp32 masters of what trained, frozen ones as
-    they were saved."""
+    the CPU, holding the checkpoint's tensors (weights: reader.weights(), if read already):
+    fp32 masters of what trained, frozen ones as they were saved. The header is checked against
+    the tensors (every element read, its checksum compared) before the model is built at the
+    size it claims, and the model's names and shapes against the header's: nothing else is
+    exported."""
     h = reader.header
-    cfg, model = h.get("config", {}), GPT(GPTConfig(**h["model_args"]))
+    model_args, cfg = reader.model_args(), h["config"]
+    weights = reader.weights() if weights is None else weights
+    model = GPT(GPTConfig(**model_args))
     if cfg.get("lora"):
-        apply_lora(model, cfg["lora_rank"], cfg["lora_alpha"], cfg["lora_dropout"],
-                   parse_targets(cfg["lora_targets"]))
+        try:
+            settings = dict(rank=cfg["lora_rank"], alpha=cfg["lora_alpha"],
+                            dropout=cfg["lora_dropout"],
+                            targets=list(parse_targets(cfg["lora_targets"])))
+            check_adapter(settings, {}, model_args["n_embd"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ExportError(f"{reader.path}: its LoRA flags are not valid ({e})")
+        apply_lora(model, **settings)
         if cfg.get("quantize"):
-            quantize_base(model, cfg["quantize"], cfg["double_quant"])
+            if cfg["quantize"] not in ("int8", "nf4"):
+                raise ExportError(f"{reader.path}: --quantize {cfg['quantize']!r} is not ours")
+            quantize_base(model, cfg["quantize"], bool(cfg.get("double_quant")))
+    check_compatible(h, model_args, None, reader.path, None, model.stored_shapes())
     try:
-        model.load_weights(reader.weights())
+        model.load_weights(weights)
     except ValueError as e:
         raise ExportError(f"{reader.path} does not fit its own model config: {e}")
     return model
@@ -166,10 +180,11 @@ def export(ckpt, to, out, dtype=None, merge=False):
     if to == "safetensors" and dtype:
         raise ExportError("--dtype is for --to hf: --to safetensors keeps the checkpoint's dtypes")
     check_writable(out, to)
-    model_args = reader.header["model_args"]
+    model_args = reader.model_args()
+    weights = reader.weights()
+    model = rebuild(reader, weights)  # every check before the first byte is written
     if to == "safetensors" and not merge:  # as the checkpoint holds them; load_weights reads it
-        return write_weights(reader.weights(), model_args, out)
-    model = rebuild(reader)
+        return write_weights(weights, model_args, out)
     quantized = dequantize_base(model)  # QLoRA: the base the adapter trained on, as plain fp32
     adapter = adapter_state(model.state_dict()) if lora else None
     if merge:
@@ -203,8 +218,8 @@ def write_weights(weights, model_args, out):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="checkpoint.py", description="Export a checkpoint's "
-                                "weights: a Hugging Face GPT-2 folder, or plain safetensors.")
+    p = OneLineParser(prog="checkpoint.py", description="Export a checkpoint's weights: a "
+                      "Hugging Face GPT-2 folder, or plain safetensors.")  # one-line errors
     p.add_argument("ckpt", metavar="CKPT", help="a checkpoint folder (either format)")
     p.add_argument("--to", required=True, choices=["hf", "safetensors"],
                    help="hf: config.json + model.safetensors (+ adapter/ for LoRA); "
@@ -213,10 +228,10 @@ def main(argv=None):
     p.add_argument("--dtype", choices=list(DTYPES), help="--to hf: the weights' dtype (fp32)")
     p.add_argument("--merge", action="store_true",
                    help="fold a LoRA adapter into the weights (a quantized base dequantized)")
-    args = p.parse_args(argv)
     try:
+        args = p.parse_args(argv)
         lines = export(args.ckpt, args.to, args.out, args.dtype, args.merge)
-    except (CheckpointError, ExportError, HFError) as e:
+    except (CheckpointError, ExportError, HFError, ConfigError) as e:
         print(f"checkpoint.py: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a vanished folder: the temporary files are gone

@@ -24,10 +24,12 @@ import torch
 
 import hf
 from checkpoint import CheckpointError, Reader, list_checkpoints
+from configurator import ConfigError, OneLineParser
 from data.prepare import DataError, get_codec
 from lora import AdapterError, load_adapter, merge_lora
 from model import GPT, GPTConfig
 from precision import resolve_dtype
+from validate import check_model_args, vocab_id
 
 
 class SampleError(Exception):
@@ -35,9 +37,9 @@ class SampleError(Exception):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="sample.py",
-                                description="Generate text from a checkpoint of train.py.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(prog="sample.py",  # a usage error is one line, not argparse's usage block
+                      description="Generate text from a checkpoint of train.py.",
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # where the model comes from: a run's newest checkpoint, a given one, or Hugging Face
     p.add_argument("--out-dir", default="out",
                    help="use the newest checkpoint in train.py's --out-dir")
@@ -88,7 +90,7 @@ def load_checkpoint(path):
     if os.path.isdir(path):
         try:
             reader = Reader(path)
-            return {"model": reader.weights(), "model_args": reader.header["model_args"],
+            return {"model_args": reader.model_args(), "model": reader.weights(),
                     "meta": reader.header["meta"]}
         except CheckpointError as e:
             raise SampleError(str(e))
@@ -138,13 +140,15 @@ def sample(args):
     hf_folder = os.path.isfile(os.path.join(path, "config.json"))  # checkpoint.py --to hf wrote it
     ckpt = load_hf(args.init_from or path) if args.init_from or hf_folder else load_checkpoint(path)
     try:
+        check_model_args(ckpt["model_args"])  # sizes within bounds before anything is built
         model = GPT(GPTConfig(**ckpt["model_args"]))
         model.load_weights(ckpt["model"])  # strict: every name and shape must match model.py
     except (TypeError, ValueError, RuntimeError) as e:
         raise SampleError("checkpoint does not fit model.py: " + " ".join(str(e).split()))
     # base + adapter, merged: W0 + B·A·alpha/r, so sampling costs what the base costs
     if args.adapter:
-        load_adapter(model, args.adapter)  # checks the base fingerprint and every shape
+        # checks the base fingerprint, the vocabulary and every shape
+        load_adapter(model, args.adapter, vocab_id(ckpt["meta"]))
         merge_lora(model)
     model.eval().to(device=device, dtype=dtype)  # eval: no dropout
 
@@ -171,10 +175,10 @@ def sample(args):
 
 
 def main(argv=None):
-    """Returns the exit status: 0, or 2 after a one-line error (argparse exits 2 itself)."""
+    """Returns the exit status: 0, or 2 after a one-line error."""
     try:
         sample(parse_args(argv))
-    except (SampleError, DataError, AdapterError) as e:
+    except (SampleError, DataError, AdapterError, ConfigError) as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -19,7 +19,6 @@ the AdamW step, skipped on an inf/NaN; publish the new weights; adapt the loss s
 that are not logged nothing waits for the device.
 """
 import gc
-import json
 import math
 import os
 import signal
@@ -33,7 +32,9 @@ import torch.distributed as dist
 
 import checkpoint
 import pretrained
+import rundir
 from checkpoint import CheckpointError
+from collectives import Traffic, all_reduce_sum
 from configurator import ConfigError, grad_accum_for, parse_args
 from data.loader import Batches, estimate_loss, load_data
 from lora import adapter_state, apply_lora, base_fingerprint, save_adapter
@@ -41,7 +42,8 @@ from memory import model_state_report
 from model import GPT, GPTConfig, peak_flops, saved_activation_bytes
 from precision import DTYPES, GradScaler, grad_zero_frac, resolve_dtype, set_tf32
 from quant import quantize_base
-from collectives import Traffic, all_reduce_sum
+from rundir import RunDirError
+from validate import vocab_id
 from zero import ZeRO, replica_digest, traffic_formula
 from zero3 import ZeRO3
 
@@ -53,10 +55,12 @@ def init_distributed(cfg):
                                     (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
-        raise ConfigError("--device cuda but no CUDA device is visible: use --device cpu")
+        raise ConfigError("--device cuda but no CUDA device is visible: use --device cpu",
+                          rank_local=True)
     if use_cuda and local_rank >= torch.cuda.device_count():
         raise ConfigError(f"rank {rank} wants cuda:{local_rank}, but {torch.cuda.device_count()} "
-                          "GPU(s) are visible: one process per GPU, or --device cpu")
+                          "GPU(s) are visible: one process per GPU, or --device cpu",
+                          rank_local=True)
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -144,26 +148,24 @@ def compile_model(model):
     model.head = torch.compile(model.head)
 
 
-class Metrics:
-    """OUT_DIR/metrics.jsonl, one JSON object per row, written by rank 0 only. On resume the
-    rows before the checkpoint are kept: the steps after it are about to be redone."""
-
-    def __init__(self, out_dir, start_it, enabled):
-        self.file = None
-        if enabled:
-            os.makedirs(out_dir, exist_ok=True)
-            path = os.path.join(out_dir, "metrics.jsonl")
-            kept = [line for line in open(path) if json.loads(line).get("iter", -1) < start_it] \
-                if start_it and os.path.exists(path) else []
-            self.file = open(path, "w")
-            self.file.writelines(kept)
-
-    def log(self, row):
-        if self.file:  # NaN / inf become null: metrics.jsonl stays valid JSON for every reader
-            row = {k: None if isinstance(v, float) and not math.isfinite(v) else v
-                   for k, v in row.items()}
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
+def open_run(cfg, start_it, rank, world_size, print0):
+    """Make out_dir this run's (rank 0 takes its lock; every rank learns a refusal) and open
+    metrics.jsonl: before the run's first write, after every check of the resume."""
+    error = note = None
+    if rank == 0:
+        try:
+            note = rundir.take_lock(cfg.out_dir)
+        except (RunDirError, OSError) as e:
+            error = f"{e}" if isinstance(e, RunDirError) else f"cannot write {cfg.out_dir}: {e}"
+    if world_size > 1:
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0)
+        error = shared[0]
+    if error:
+        raise RunDirError(error)
+    if note:
+        print0(note)
+    return rundir.Metrics(cfg.out_dir, start_it, rank == 0, print0)
 
 
 def agree(flag, device, world_size):
@@ -176,6 +178,7 @@ def agree(flag, device, world_size):
 
 # ----------------------------------------------------------------------------------------------
 
+@rundir.releasing_locks  # out_dir's lock is released however the run ends
 def main(argv=None):
     cfg = parse_args(argv)
     rank, world_size, device = init_distributed(cfg)
@@ -217,7 +220,7 @@ def main(argv=None):
         print0(f"the run is already at iteration {start_it} (--max-iters {cfg.max_iters}): "
                "nothing to train; raise --max-iters to go on")
         return finish(model, zero, world_size)
-    metrics = Metrics(cfg.out_dir, start_it, rank == 0)
+    metrics = open_run(cfg, start_it, rank, world_size, print0)  # one writer per out-dir
     if ckpts:
         metrics.log({"event": "resume", "from": ckpts[-1], "iter": start_it, "note": note})
     line, row = model_state_report(zero, world_size)  # measured vs the paper, per rank
@@ -284,16 +287,26 @@ def main(argv=None):
         it += 1
         saving = cfg.save_interval and it % cfg.save_interval == 0 and it < cfg.max_iters
         if (logging or saving) and scaler.exhausted.item():
-            raise ConfigError(f"by step {it - 1} the loss is non-finite at any scale, even the "
-                              f"minimum {cfg.min_loss_scale:g} (a NaN, not an overflow): stopped "
-                              "without saving; lower --learning-rate or find the NaN and resume")
+            raise ConfigError(exhausted(cfg, scaler, it))
         if saving or stopped:
             save(cfg, it, zero, model, scaler, header, print0)
         if stopped:
             print0(f"stopped by a signal after iteration {it}: resume with --resume")
             break
     wrap_up(cfg, it, zero, model, scaler, header, metrics, stopped, print0)
+    rundir.release_locks()  # before finish's barrier: the run has written its last byte
     finish(model, zero, world_size)
+
+
+def exhausted(cfg, scaler, it):
+    """Why a run whose steps all overflow stops (without saving)."""
+    if scaler.dynamic:
+        return (f"by step {it - 1} the loss is non-finite at any scale, even the minimum "
+                f"{cfg.min_loss_scale:g} (a NaN, not an overflow): stopped without saving; "
+                "lower --learning-rate or find the NaN and resume")
+    return (f"{scaler.FIXED_GIVE_UP} steps in a row, up to step {it - 1}, overflowed at the "
+            f"fixed loss scale {scaler.get_scale():g}, which cannot back off: stopped without "
+            "saving; use --loss-scale dynamic (or a smaller value), or find the NaN")
 
 
 def log_step(step, clock, cfg, model, zero, scaler, metrics, print0):
@@ -346,7 +359,8 @@ def wrap_up(cfg, it, zero, model, scaler, header, metrics, stopped, print0):
         full = checkpoint.state_dict(zero, model)
         if zero.rank == 0:
             path = os.path.join(cfg.out_dir, "adapter.safetensors")
-            save_adapter(path, adapter_state(full), model.lora_settings, model.base_id)
+            save_adapter(path, adapter_state(full), model.lora_settings, model.base_id,
+                         vocab_id(header["meta"]))
             print0(f"saved {path} ({os.path.getsize(path) / 1024:.1f} KiB)")
 
 
@@ -365,8 +379,9 @@ def finish(model, zero, world_size):
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, CheckpointError) as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
+    except (ConfigError, CheckpointError, RunDirError) as e:
+        if int(os.environ.get("RANK", 0)) == 0 or getattr(e, "rank_local", False):
+            print(f"train.py: error: {e}", file=sys.stderr)  # one rank speaks for all
         sys.exit(2)
     finally:  # an error after init: leave no communicator behind (NCCL warns, may hang)
         if dist.is_initialized():

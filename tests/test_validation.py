@@ -1,0 +1,372 @@
+"""Nothing silently wrong, nothing lost: every file and flag is checked before it is used.
+
+One test per kind of bad input: another vocabulary of the same size, flipped or missing tensor
+bytes, two runs on one folder, a cut-off metrics.jsonl, configs, adapters and headers that
+claim absurd sizes, edited exports, flags out of range, and the wording of the refusals. Runs
+are tiny and in-process (train.main); a CLI's one-line form is checked by calling its main."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import checkpoint
+import hf
+import lora
+import pretrained
+import rundir
+import sample
+import validate
+from checkpoint import CheckpointError, Reader, list_checkpoints
+from configurator import ConfigError, parse_args
+from conftest import ROOT, TEXT, free_port, make_zero
+from data.prepare import prepare
+from lora import AdapterError
+from model import GPT, GPTConfig
+from precision import GradScaler
+from rundir import RunDirError
+from tensorfile import write_safetensors
+from train import main
+
+TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size",
+        "32", "--batch-size", "4", "--eval-iters", "1", "--eval-interval", "1000",
+        "--log-interval", "1", "--warmup-iters", "1", "--learning-rate", "3e-3",
+        "--lr-decay-iters", "12", "--dataset", "tiny", "--max-iters", "2", "--save-interval", "1"]
+
+
+@pytest.fixture(scope="module")
+def runs(data_root, tmp_path_factory):
+    """Two finished runs, each with ckpt-0000001 and ckpt-0000002: consolidated, and a sharded
+    LoRA run (which also wrote an adapter)."""
+    root = tmp_path_factory.mktemp("runs")
+    main(TINY + ["--data-root", data_root, "--out-dir", str(root / "cons")])
+    main(TINY + ["--data-root", data_root, "--out-dir", str(root / "shard"), "--lora",
+                 "--ckpt-format", "sharded"])
+    return root
+
+
+def copy_run(runs, name, tmp_path):
+    out = tmp_path / name
+    shutil.copytree(runs / name, out)
+    return out
+
+
+def resume(data_root, out, *extra):
+    main(TINY + ["--data-root", data_root, "--out-dir", str(out), "--resume", "--max-iters", "3"]
+         + (["--lora", "--ckpt-format", "sharded"] if out.name == "shard" else []) + list(extra))
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. the vocabulary itself, not its size
+
+def test_1_another_vocabulary_of_the_same_size_is_refused(data_root, runs, tmp_path):
+    other = tmp_path / "data"
+    (other).mkdir()
+    text = (TEXT * 100)[:40000]
+    assert "z" in text and "~" not in text
+    (other / "input.txt").write_text(text.replace("z", "~"))  # 'z' -> '~': as many characters
+    prepare(input_path=str(other / "input.txt"), name="tiny", out_root=str(other))
+    out = copy_run(runs, "cons", tmp_path)
+    with pytest.raises(CheckpointError, match="another vocabulary"):
+        resume(str(other), out)
+    with pytest.raises(CheckpointError, match="another vocabulary"):
+        main(TINY + ["--data-root", str(other), "--init-from", str(list_checkpoints(out)[-1]),
+                     "--out-dir", str(tmp_path / "new")])
+    # --input into the base's vocabulary keeps working: its text is encoded in the base's ids
+    (tmp_path / "notes.txt").write_text(TEXT[:3000])
+    main(TINY + ["--data-root", str(other), "--init-from", str(list_checkpoints(out)[-1]),
+                 "--input", str(tmp_path / "notes.txt"), "--out-dir", str(tmp_path / "tuned"),
+                 "--max-iters", "1"])
+    assert list_checkpoints(tmp_path / "tuned")
+    # the adapter names its vocabulary; loading it onto a model of another one is refused
+    adapter = str(runs / "shard" / "adapter.safetensors")
+    meta = Reader(list_checkpoints(runs / "shard")[-1]).header["meta"]
+    with safe_open(adapter, framework="pt") as f:
+        assert f.metadata()["vocab"] == validate.vocab_id(meta)
+    model = GPT(GPTConfig(**Reader(list_checkpoints(runs / "cons")[-1]).header["model_args"]))
+    with pytest.raises(AdapterError, match="vocabulary"):
+        lora.load_adapter(model, adapter, vocab="char:0123456789abcdef")
+
+
+# ----------------------------------------------------------------------------------------------
+# 2-3. every byte checked, every element from the file
+
+def flip_bytes_of(path, tensor):
+    """Flip 4 bytes in the middle of a tensor's record inside a torch.save file."""
+    data = bytearray(open(path, "rb").read())
+    raw = tensor.contiguous().numpy().tobytes()
+    at = data.find(raw[:256])
+    assert at > 0
+    for i in range(at + 400, at + 404):
+        data[i] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def test_2_flipped_tensor_bytes_fail_their_checksum(data_root, runs, tmp_path):
+    name = "transformer.wte.weight"
+    for run, file in (("cons", "ckpt.pt"), ("shard", "shard-00000.pt")):
+        out = copy_run(runs, run, tmp_path)
+        path = os.path.join(list_checkpoints(out)[-1], file)
+        saved = torch.load(path, weights_only=True)
+        t = saved["tensors"][name]["master"] if run == "cons" else \
+            saved["pieces"][name]["value"]
+        flip_bytes_of(path, t)
+        with pytest.raises(CheckpointError, match=r"fails its checksum.*resume from .*ckpt-0000001"):
+            resume(data_root, out)
+
+
+def test_3_a_tensor_shorter_than_its_shape_is_refused(data_root, runs, tmp_path):
+    out = copy_run(runs, "cons", tmp_path)
+    path = os.path.join(list_checkpoints(out)[-1], "ckpt.pt")
+    h = torch.load(path, weights_only=True)
+    name = "transformer.h.0.mlp.c_fc.weight"  # 4,096 elements
+    h["tensors"][name]["master"] = h["tensors"][name]["master"].reshape(-1)[:100].clone()
+    torch.save(h, path)
+    with pytest.raises(CheckpointError, match="holds 100 elements, its shape .* says 4096"):
+        resume(data_root, out)
+    out = copy_run(runs, "shard", tmp_path)  # a shard's piece cut short
+    path = os.path.join(list_checkpoints(out)[-1], "shard-00000.pt")
+    shard = torch.load(path, weights_only=True)
+    piece = shard["pieces"][name]
+    piece["value"] = piece["value"][:100].clone()
+    torch.save(shard, path)
+    with pytest.raises(CheckpointError, match="holds value of .100,. elements, not 4096"):
+        resume(data_root, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4-5. one writer per folder; a log that survives
+
+def write_lock(out, pid):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "lock"), "w") as f:
+        json.dump({"pid": pid, "host": socket.gethostname()}, f)
+
+
+def test_4_one_writer_per_out_dir(data_root, runs, tmp_path, capsys):
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        out = copy_run(runs, "cons", tmp_path)
+        before = sorted(os.listdir(out))
+        write_lock(out, other.pid)  # a live run holds the folder
+        with pytest.raises(RunDirError, match=f"in use by the run of pid {other.pid}"):
+            resume(data_root, out)
+        assert sorted(os.listdir(out)) == sorted(before + ["lock"])  # nothing written
+        # its save in progress is not "stale"; a dead run's is cleared
+        for name, pid in (("ckpt-0000007.tmp", other.pid), ("ckpt-0000008.tmp", 1 << 22)):
+            os.makedirs(out / name)
+            with open(out / name / "owner.json", "w") as f:
+                json.dump({"pid": pid, "host": socket.gethostname()}, f)
+        os.makedirs(out / "ckpt-0000009.tmp")  # crashed before naming its owner
+        rundir.clear_stale_saves(str(out))
+        assert sorted(n for n in os.listdir(out) if n.endswith(".tmp")) == ["ckpt-0000007.tmp"]
+    finally:
+        other.kill()
+        other.wait()
+    write_lock(out, other.pid)  # now dead: taken over with a note, released at the end
+    resume(data_root, out)
+    assert f"took over {out / 'lock'} from pid {other.pid}" in capsys.readouterr().out
+    assert not os.path.exists(out / "lock") and max(map(str, list_checkpoints(out))).endswith("3")
+
+
+def test_5_metrics_jsonl_survives_a_cut_line_and_a_full_disk(data_root, runs, tmp_path, capsys):
+    out = copy_run(runs, "cons", tmp_path)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"iter": 2, "loss": 3.8')  # a write cut short by a crash
+    resume(data_root, out)
+    assert "is not JSON (a write cut short" in capsys.readouterr().out
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]  # every line parses
+    assert rows[-1]["event"] == "end"
+    full = tmp_path / "full"
+    full.mkdir()
+    os.symlink("/dev/full", full / "metrics.jsonl")  # every write: No space left on device
+    main(TINY + ["--data-root", data_root, "--out-dir", str(full)])
+    printed = capsys.readouterr().out
+    assert printed.count("cannot write") == 1 and "No space left on device" in printed
+    assert [os.path.basename(c) for c in list_checkpoints(full)] == ["ckpt-0000001",
+                                                                    "ckpt-0000002"]
+
+
+# ----------------------------------------------------------------------------------------------
+# 6-9. sizes validated before anything is allocated
+
+def quick(fn, error, match):
+    """fn() raises error matching match, in well under a second."""
+    t0 = time.time()
+    with pytest.raises(error, match=match):
+        fn()
+    assert time.time() - t0 < 1.0
+
+
+HF_ARGS = dict(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=32, dropout=0.0,
+               bias=True)
+
+
+def test_6_hf_configs_are_checked_before_the_model_is_built(tmp_path):
+    folder = str(tmp_path / "hf")
+    hf.save_hf(GPT(GPTConfig(**HF_ARGS)).state_dict(), HF_ARGS, folder)
+    good = json.load(open(os.path.join(folder, "config.json")))
+    edits = [({"n_layer": 10**5}, "n_layer is 100000"), ({"n_embd": 10**6}, "n_embd is 1000000"),
+             ({"n_layer": 2.0}, "n_layer is 2.0, not an integer"),
+             ({"resid_pdrop": "x"}, "resid_pdrop is 'x', not a number"),
+             ({"layer_norm_epsilon": "1e-5"}, "layer_norm_epsilon is '1e-5'"),
+             ({"vocab_size": 50257.0}, "vocab_size is 50257.0")]
+    for edit, message in edits:
+        json.dump({**good, **edit}, open(os.path.join(folder, "config.json"), "w"))
+        quick(lambda: hf.read_config(folder), hf.HFError, message)
+    # a config that does not fit its weights: refused from the headers, before any model exists
+    json.dump({**good, "n_layer": 3}, open(os.path.join(folder, "config.json"), "w"))
+    cfg = parse_args(["--init-from", folder, "--device", "cpu"])
+    quick(lambda: pretrained.open_init(cfg), ConfigError, "h.2.ln_1.weight is missing")
+
+
+def adapter_file(tmp_path, settings=None, vocab=None):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**HF_ARGS))
+    lora.apply_lora(model, rank=4, targets=("q", "v"))
+    path = str(tmp_path / "adapter.safetensors")
+    lora.save_adapter(path, lora.adapter_state(model.state_dict()), model.lora_settings,
+                      lora.base_fingerprint(model), *([vocab] if vocab else []))
+    if settings is not None:  # the same tensors under edited settings
+        with safe_open(path, framework="pt") as f:
+            tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        meta["settings"] = json.dumps(settings)
+        del meta["format"]
+        write_safetensors(path, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()},
+                          iter(tensors.items()), meta)
+    return path
+
+
+def test_7_adapter_settings_are_checked_before_apply_lora(tmp_path):
+    ok = {"rank": 4, "alpha": 1.0, "dropout": 0.0, "targets": ["q", "v"]}
+    edits = [({"rank": 0}, "rank 0"), ({"targets": ["q", "x"]}, "targets"),
+             ({"extra": 1}, "settings .* are not"), ({"alpha": "2"}, "alpha '2'"),
+             ({"rank": 10**9}, "rank 1000000000")]
+    for edit, message in edits:
+        path = adapter_file(tmp_path, {**ok, **edit})
+        torch.manual_seed(0)
+        fresh = GPT(GPTConfig(**HF_ARGS))  # the adapter's own base
+        quick(lambda: lora.load_adapter(fresh, path), AdapterError, message)
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(**HF_ARGS))
+    lora.load_adapter(base, adapter_file(tmp_path, ok, vocab="char:x"), vocab="char:x")  # fits
+
+
+def test_8_edited_checkpoint_headers_are_one_line(runs, tmp_path):
+    out = copy_run(runs, "shard", tmp_path)
+    path = list_checkpoints(out)[-1]
+    meta = os.path.join(path, "meta.pt")
+    good = torch.load(meta, weights_only=True)
+    name = "transformer.h.0.attn.c_attn.lora_A"
+    lo, hi = good["layout"][0][name]
+    scaler = {k: v for k, v in good["scaler"].items() if k != "scale"}
+    edits = [({"layout": [{**good["layout"][0], name: (lo + 8, hi + 8)}]}, "do not cover"),
+             ({"adam_step": "7"}, "adam_step is '7'"), ({"scaler": scaler}, "loss scaler"),
+             ({"iter": -3}, "iter -3"), ({"adam_step": -7}, "adam_step -7"),
+             ({"world_size": 5}, "world_size 5 but a layout of 1 ranks"),
+             ({"shapes": {**good["shapes"], "../../..": [4]}}, "'../../..'")]
+    for edit, message in edits:
+        torch.save({**good, **edit}, meta)
+        quick(lambda: Reader(path), CheckpointError, message)
+
+
+def test_9_exports_check_model_args_and_write_only_the_models_names(runs, tmp_path, capsys):
+    out = copy_run(runs, "cons", tmp_path)
+    path = list_checkpoints(out)[-1]
+    ckpt = os.path.join(path, "ckpt.pt")
+    good = torch.load(ckpt, weights_only=True)
+    target = str(tmp_path / "w.safetensors")
+
+    def refused(header, message):
+        torch.save(header, ckpt)
+        t0 = time.time()
+        assert pretrained.main([path, "--to", "safetensors", target]) == 2
+        assert time.time() - t0 < 1.0 and not os.path.exists(target)
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+
+    refused({**good, "model_args": {**good["model_args"], "n_layer": 10**5}}, "n_layer is 100000")
+    refused({**good, "model_args": {**good["model_args"], "n_layer": 3}}, "n_layer 3, the tensors")
+    extra = torch.zeros(4)  # a consistent header that names a tensor no GPT has
+    refused({**good, "shapes": {**good["shapes"], "evil.weight": [4]},
+             "tensors": {**good["tensors"], "evil.weight": {"master": extra}},
+             "crc": {**good["crc"], "evil.weight": {"master": validate.crc(extra)}}},
+            "holds evil.weight, which this model lacks")
+    torch.save(good, ckpt)
+    assert pretrained.main([path, "--to", "safetensors", target]) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# 10-11. flags in range; a run that cannot step stops; NaN weights are never saved
+
+BAD_FLAGS = [("--learning-rate", "-1"), ("--learning-rate", "nan"), ("--learning-rate", "inf"),
+             ("--lora-dropout", "2"), ("--beta1", "1.5"), ("--beta2", "-0.1"),
+             ("--bucket-mb", "nan"), ("--loss-scale", "nan"), ("--loss-scale", "inf"),
+             ("--lora-alpha", "0"), ("--lora-alpha", "-4"), ("--weight-decay", "-1"),
+             ("--grad-clip", "-1"), ("--warmup-iters", "-1"), ("--lr-decay-iters", "-1"),
+             ("--min-lr", "-1"), ("--peak-tflops", "-5"), ("--min-loss-scale", "nan"),
+             ("--dropout", "inf")]
+
+
+@pytest.mark.parametrize("flag, value", BAD_FLAGS)
+def test_10_11_flags_out_of_range_are_one_line(flag, value):
+    with pytest.raises(ConfigError, match=f"^{flag} "):
+        parse_args(["--lora", flag, value])
+
+
+def test_11_a_fixed_scale_that_always_overflows_stops_and_nan_is_never_saved(data_root,
+                                                                              tmp_path):
+    out = tmp_path / "fp16"
+    with pytest.raises(ConfigError, match="overflowed at the fixed loss scale 1e\\+09"):
+        main(TINY + ["--data-root", data_root, "--out-dir", str(out), "--fp16", "--loss-scale",
+                     "1e9", "--max-iters", "20", "--save-interval", "15"])
+    assert list_checkpoints(out) == []
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**HF_ARGS))
+    zero = make_zero(model, 1, rank=0, world_size=1)
+    with torch.no_grad():
+        zero.segments[0].master[3] = float("inf")
+    header = {"config": {}, "model_args": HF_ARGS, "meta": {"vocab_size": 50}}
+    with pytest.raises(CheckpointError, match="master weights hold inf/NaN"):
+        checkpoint.save(str(tmp_path / "nan"), 1, zero, model, GradScaler(), header,
+                        "consolidated", 1)
+    assert list_checkpoints(tmp_path / "nan") == []
+
+
+# ----------------------------------------------------------------------------------------------
+# 12. the refusals' wording
+
+def test_12_empty_values_are_spelled_out():
+    assert validate.as_flag("--quantize", "") == "no --quantize"
+    assert validate.as_flag("--lora", None) == "no --lora"
+    header = {"model_args": {}, "shapes": {}, "config": {"lora": True, "quantize": "",
+                                                          "lora_targets": "q,v"}}
+    config = {"lora": True, "quantize": "nf4", "lora_targets": "q,v"}
+    with pytest.raises(ValueError, match="saved with no --quantize, this run has --quantize "
+                                         "nf4: drop --quantize to resume"):
+        validate.check_compatible(header, {}, None, "ckpt", config)
+
+
+def test_12_every_cli_usage_error_is_one_line(capsys):
+    for cli, argv in ((pretrained, ["ckpt", "--to", "bogus", "out"]),
+                      (sample, ["--num-samples", "0"])):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "usage" not in err, err
+
+
+def test_12_under_torchrun_one_rank_prints_a_refusal(data_root, runs, tmp_path):
+    out = copy_run(runs, "cons", tmp_path)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={free_port()}", "train.py"] + TINY +
+                       ["--data-root", data_root, "--out-dir", str(out), "--resume",
+                        "--n-embd", "48"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode != 0
+    assert r.stderr.count("train.py: error:") == 1 and "another model" in r.stderr, r.stderr

@@ -1,0 +1,326 @@
+"""
+What a file claims is checked before anything is built from it or copied out of it.
+
+A checkpoint header, a Hugging Face config.json or an adapter's metadata is data from disk: it
+may be cut short, edited or written by another program. Each check here is cheap (types,
+ranges, sums over the header) and runs before the claim is used to allocate memory, build a
+model or copy elements, so a file that claims 10^5 layers or a LoRA rank of 10^9 is one line at
+once, not minutes of work and a 256 GB allocation. Every function raises ValueError with the
+line to print; the caller puts its own file name and error class in front.
+
+Also here: the checksum of a tensor's bytes (crc32, about 7 GB/s on one CPU core: small beside
+writing the bytes) and the identity of a vocabulary (two character sets of 65 characters are
+not the same vocabulary).
+"""
+import hashlib
+import math
+import re
+import zlib
+from dataclasses import fields
+
+import torch
+
+from lora import TARGETS, parse_targets
+from model import GPTConfig
+
+# the largest model a config or header may describe: GPT-2 xl is 48 x 1600 over 1024 positions
+# and 50257 tokens; these leave ample room and still build in seconds, never minutes
+BOUNDS = {"n_layer": 1024, "n_head": 1024, "n_embd": 65536, "block_size": 2**20,
+          "vocab_size": 2**20, "pad_vocab": 2**16}
+NAME = re.compile(r"[A-Za-z_]\w*(\.\w+)*")  # model.py's tensor names: transformer.h.0.ln_1.weight
+
+
+def is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def crc(t):
+    """crc32 of a tensor's bytes as they lie in memory (or in a memory-mapped file)."""
+    t = t.detach().contiguous().reshape(-1)
+    return zlib.crc32(t.view(torch.uint8).numpy()) if t.numel() else 0
+
+
+def vocab_id(meta):
+    """A vocabulary's identity: the tokenizer's name for GPT-2 BPE, a hash of the characters in
+    id order for a character vocabulary ('3' replaced by '~' is another vocabulary)."""
+    if not isinstance(meta, dict):
+        return None
+    if meta.get("tokenizer") == "char" and meta.get("itos") is not None:
+        chars = "".join(meta["itos"])
+        return "char:" + hashlib.sha256(chars.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{meta.get('tokenizer')}:{meta.get('vocab_size')}"
+
+
+# ----------------------------------------------------------------------------------------------
+# model shapes
+
+def check_model_args(args):
+    """GPTConfig keyword arguments from a file: the right keys and types, within BOUNDS."""
+    if not isinstance(args, dict):
+        raise ValueError(f"model_args is {type(args).__name__}, not a dict")
+    known = {f.name for f in fields(GPTConfig)}
+    extra = sorted(set(args) - known)
+    if extra:
+        raise ValueError(f"model_args has an unknown key {extra[0]!r}")
+    for name, limit in BOUNDS.items():
+        value = args.get(name, 1)
+        if not is_int(value) or not 1 <= value <= limit:
+            raise ValueError(f"model_args {name} is {value!r}: want an integer in [1, {limit}]")
+    if not is_number(args.get("dropout", 0.0)) or not isinstance(args.get("bias", True), bool):
+        raise ValueError(f"model_args dropout {args.get('dropout')!r} / bias "
+                         f"{args.get('bias')!r}: want a number and true / false")
+    try:
+        GPTConfig(**args)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"model_args: {e}")
+
+
+def check_shapes_fit(args, shapes):
+    """The model a header's model_args describe must be the one its shapes hold: as many blocks,
+    that width, context and vocabulary (so the model can be built at the size of the file)."""
+    blocks = {int(m.group(1)) for m in map(re.compile(r"transformer\.h\.(\d+)\.").match, shapes)
+              if m}
+    if blocks != set(range(args["n_layer"])):
+        raise ValueError(f"model_args say n_layer {args['n_layer']}, the tensors hold "
+                         f"{len(blocks)} blocks")
+    want = {"transformer.wpe.weight": [args["block_size"], args["n_embd"]],
+            "transformer.wte.weight": [args["vocab_size"], args["n_embd"]]}
+    for name, shape in want.items():
+        if shapes.get(name) != shape:
+            raise ValueError(f"model_args say {name} is {shape}, the tensors say "
+                             f"{shapes.get(name)}")
+
+
+def check_hf_types(cfg):
+    """A Hugging Face config.json's numbers: integers where GPT-2 has them, finite numbers."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"it holds {type(cfg).__name__}, not an object")
+    ints = ("n_layer", "n_head", "n_embd", "n_positions", "n_ctx", "vocab_size", "n_inner")
+    floats = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon")
+    for keys, ok, want in ((ints, is_int, "an integer"), (floats, is_number, "a number")):
+        bad = [k for k in keys if cfg.get(k) is not None and not ok(cfg[k])]
+        if bad:
+            raise ValueError(f"{bad[0]} is {cfg[bad[0]]!r}, not {want}")
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoint headers (checkpoint.Reader calls these before reading any tensor)
+
+SCALER = {"scale": "number", "growth_factor": "number", "backoff_factor": "number",
+          "growth_interval": "int", "_growth_tracker": "int", "dynamic": "bool",
+          "min_scale": "number"}
+
+
+def _check_scaler(s):
+    if not isinstance(s, dict) or set(s) != set(SCALER):
+        raise ValueError(f"the loss scaler state has keys {sorted(s) if isinstance(s, dict) else s}"
+                         f", not {sorted(SCALER)}")
+    kinds = {"number": is_number, "int": is_int, "bool": lambda x: isinstance(x, bool)}
+    for key, kind in SCALER.items():
+        if not kinds[kind](s[key]) or (kind != "bool" and s[key] < 0):
+            raise ValueError(f"the loss scaler's {key} is {s[key]!r}: want a {kind} >= 0")
+    if s["scale"] <= 0:
+        raise ValueError(f"the loss scale is {s['scale']!r}: want a positive number")
+
+
+def check_header(h):
+    """meta.pt / ckpt.pt's header: types, ranges, and (sharded) a layout whose pieces tile each
+    tensor exactly once and name only its tensors, one layout per rank of world_size."""
+    for key, ok, want in (("iter", is_int, "an integer"), ("adam_step", is_int, "an integer"),
+                          ("world_size", is_int, "an integer"), ("stage", is_int, "0-3"),
+                          ("save_id", lambda x: isinstance(x, str), "a string")):
+        if key not in h or not ok(h[key]):
+            raise ValueError(f"{key} is {h.get(key)!r}: want {want}")
+    if h["iter"] < 0 or h["adam_step"] < 0 or h["world_size"] < 1 or h["stage"] not in range(4):
+        raise ValueError(f"iter {h['iter']}, adam_step {h['adam_step']}, world_size "
+                         f"{h['world_size']}, stage {h['stage']}: out of range")
+    for key in ("config", "model_args", "meta", "shapes"):
+        if not isinstance(h.get(key), dict):
+            raise ValueError(f"{key} is {type(h.get(key)).__name__}, not a dict")
+    _check_scaler(h.get("scaler"))
+    shapes = h["shapes"]
+    for name, shape in shapes.items():
+        if not isinstance(name, str) or not NAME.fullmatch(name) or not isinstance(shape, list) \
+                or not all(is_int(n) and n >= 0 for n in shape):
+            raise ValueError(f"tensor {name!r} has shape {shape!r}: want a name of model.py's "
+                             "kind and a list of sizes")
+    if not isinstance(h.get("frozen"), list) or not set(h["frozen"]) <= set(shapes):
+        raise ValueError("frozen names tensors the checkpoint does not hold")
+    check_model_args(h["model_args"])  # check_shapes_fit comes where a model is built from it
+    if h["format"] == "consolidated":
+        for key in ("tensors", "crc"):
+            if not isinstance(h.get(key), dict) or set(h[key]) != set(shapes):
+                raise ValueError(f"{key} does not list exactly the tensors of shapes")
+        if not isinstance(h.get("rng"), list) or len(h["rng"]) != h["world_size"]:
+            raise ValueError(f"world_size {h['world_size']} but "
+                             f"{len(h['rng']) if isinstance(h.get('rng'), list) else 'no'} "
+                             "RNG states")
+    else:
+        _check_layout(h["layout"] if "layout" in h else None, shapes, h["world_size"])
+
+
+def _check_layout(layout, shapes, world_size):
+    if not isinstance(layout, list) or len(layout) != world_size:
+        raise ValueError(f"world_size {world_size} but a layout of "
+                         f"{len(layout) if isinstance(layout, list) else 'no'} ranks")
+    pieces = {name: [] for name in shapes}
+    for r, ranges in enumerate(layout):
+        if not isinstance(ranges, dict):
+            raise ValueError(f"rank {r}'s layout is not a dict")
+        for name, span in ranges.items():
+            if name not in pieces or not isinstance(span, (tuple, list)) or len(span) != 2 \
+                    or not all(is_int(x) for x in span):
+                raise ValueError(f"rank {r}'s layout has {name!r}: {span!r}")
+            pieces[name].append(tuple(span))
+    for name, spans in pieces.items():  # sorted, each piece must start where the last ended
+        end, numel = 0, math.prod(shapes[name])
+        for lo, hi in sorted(spans):
+            if lo != end or hi <= lo:
+                break
+            end = hi
+        if end != numel or len(spans) != len(set(spans)):
+            raise ValueError(f"the layout's pieces of {name} do not cover [0, {numel}) exactly "
+                             f"once: {sorted(spans)[:4]}")
+
+
+def check_entry(h, name, key, verified):
+    """ckpt.pt's tensor `key` of `name`, as many elements as the header's shape says (a tensor
+    cut short would leave the rest at fresh init) and bytes that match their crc32 (checked once
+    per tensor: `verified` holds the (name, key) pairs done)."""
+    entry, crcs, numel = h["tensors"][name], h["crc"][name], math.prod(h["shapes"][name])
+    t = entry.get(key) if isinstance(entry, dict) else None
+    if not isinstance(t, torch.Tensor) or t.numel() != numel:
+        got = f"{t.numel()} elements" if isinstance(t, torch.Tensor) else "nothing"
+        raise ValueError(f"{key} of {name} holds {got}, its shape {h['shapes'][name]} says "
+                         f"{numel}")
+    if not isinstance(crcs, dict) or not is_int(crcs.get(key)):
+        raise ValueError(f"{key} of {name} has no checksum")
+    if (name, key) not in verified:
+        _check_crc(t, crcs[key], name, key)
+        verified.add((name, key))
+    return t
+
+
+def _check_crc(t, want, name, key):
+    if crc(t) != want:
+        raise ValueError(f"{key} of {name} fails its checksum (crc32 {crc(t):08x}, saved "
+                         f"{want:08x}): its bytes changed")
+
+
+def check_shard(shard, layout, frozen):
+    """A shard file's pieces against its rank's layout in meta.pt."""
+    pieces = shard.get("pieces")
+    if not isinstance(pieces, dict) or set(pieces) != set(layout):
+        raise ValueError("it holds other tensors than meta.pt's layout says")
+    for name, piece in pieces.items():
+        keys = ("value",) if name in frozen else ("master", "exp_avg", "exp_avg_sq")
+        check_piece(piece, name, layout[name], keys)
+
+
+def check_rng(state):
+    """One rank's saved RNG states (checkpoint.rng_state's layout), before any is set."""
+    ok = isinstance(state, dict) and isinstance(state.get("torch"), bytes) and \
+        isinstance(state.get("numpy"), (list, tuple)) and len(state["numpy"]) == 5 and \
+        isinstance(state.get("python"), (list, tuple))
+    if not ok:
+        raise ValueError("its RNG states are not the ones a save writes")
+
+
+def check_piece(piece, name, span, keys):
+    """One shard's piece of a tensor against its layout span: lo, hi and each key's length."""
+    if not isinstance(piece, dict) or (piece.get("lo"), piece.get("hi")) != tuple(span):
+        raise ValueError(f"the piece of {name} is not the layout's [{span[0]}, {span[1]})")
+    crcs = piece.get("crc")
+    for key in keys:
+        t = piece.get(key)
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or len(t) != span[1] - span[0]:
+            raise ValueError(f"the piece of {name} holds {key} of "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else t!r} "
+                             f"elements, not {span[1] - span[0]}")
+        if not isinstance(crcs, dict) or not is_int(crcs.get(key)):
+            raise ValueError(f"the piece of {name} has no checksum of its {key}")
+        _check_crc(t, crcs[key], name, key)
+
+
+# ----------------------------------------------------------------------------------------------
+# adapters (lora.load_adapter calls this before apply_lora)
+
+def check_adapter(settings, tensors, n_embd):
+    """An adapter's settings (rank, alpha, dropout, targets) against their types and ranges, and
+    its tensors' shapes against that rank, before any LoRA module is made from them: a rank is
+    at most the model's width (a larger one cannot lower any rank)."""
+    keys = {"rank", "alpha", "dropout", "targets"}
+    if not isinstance(settings, dict) or set(settings) != keys:
+        got = sorted(settings) if isinstance(settings, dict) else settings
+        raise ValueError(f"its settings {got} are not {sorted(keys)}")
+    r, alpha, dropout, targets = (settings[k] for k in ("rank", "alpha", "dropout", "targets"))
+    if not is_int(r) or not 1 <= r <= n_embd:
+        raise ValueError(f"rank {r!r}: want an integer in [1, {n_embd}] (the model's width)")
+    if not is_number(alpha) or alpha <= 0 or not is_number(dropout) or not 0 <= dropout < 1:
+        raise ValueError(f"alpha {alpha!r}, dropout {dropout!r}: want alpha > 0, "
+                         "dropout in [0, 1)")
+    if not isinstance(targets, list) or not targets or not set(targets) <= set(TARGETS) \
+            or not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"targets {targets!r}: want a list of {', '.join(TARGETS)}")
+    for name, shape in tensors.items():
+        a_ok, b_ok = name.endswith(".lora_A"), name.endswith(".lora_B")
+        if len(shape) != 2 or not ((a_ok and shape[0] % r == 0) or (b_ok and shape[1] == r)):
+            raise ValueError(f"LoRA tensor {name} {list(shape)}: shapes differ from what its "
+                             f"settings (rank {r}) make")
+
+
+# ----------------------------------------------------------------------------------------------
+# resuming: the same model, vocabulary and settings
+
+# the run flags that change which tensors exist or what they mean: they must match to resume
+SETTINGS = {"lora": "--lora", "lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha",
+            "lora_targets": "--lora-targets", "quantize": "--quantize",
+            "double_quant": "--double-quant"}
+
+
+def as_flag(flag, value):
+    """("--lora-rank", 8): "--lora-rank 8"; ("--lora", False): "--no-lora"; an empty value
+    ("" or None): "no --quantize", never "--quantize " with nothing after it."""
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    if value is None or value == "":
+        return f"no {flag}"
+    return f"{flag} {value}"
+
+
+def check_compatible(header, model_args, vocab_meta, path, config=None, shapes=None):
+    """A checkpoint of another model, vocabulary, LoRA or quantization setting cannot continue
+    this run: one line naming the difference and what to change."""
+    theirs = header.get("model_args", {})
+    diff = [f"{k} {theirs.get(k)} vs {v}" for k, v in model_args.items()
+            if k != "dropout" and theirs.get(k) != v]
+    if diff:
+        raise ValueError(f"{path} is for another model ({', '.join(diff)} here): "
+                         f"use the same model flags or another --out-dir")
+    old_vocab, new_vocab = vocab_id(header.get("meta")), vocab_id(vocab_meta)
+    if vocab_meta is not None and old_vocab != new_vocab:
+        raise ValueError(f"{path} was trained on another vocabulary ({old_vocab}, the data is "
+                         f"{new_vocab}): the same ids would mean other tokens; use its data set")
+    saved = header.get("config", {})
+    for key, flag in SETTINGS.items() if config is not None else ():
+        mine, old = config.get(key), saved.get(key)
+        if key == "lora_targets" and config.get("lora") and saved.get("lora"):
+            mine, old = ",".join(parse_targets(mine)), ",".join(parse_targets(old))
+        if key != "lora" and not (config.get("lora") or saved.get("lora")):
+            continue  # no LoRA on either side: its settings are unused
+        if mine != old:
+            old, mine = as_flag(flag, old), as_flag(flag, mine)
+            fix = f"drop {flag}" if old.startswith("no ") else f"pass {old}"
+            raise ValueError(f"{path} was saved with {old}, this run has {mine}: {fix} to "
+                             "resume it, or use another --out-dir")
+    for name, shape in (shapes or {}).items():
+        if header["shapes"].get(name) != shape:
+            raise ValueError(f"{path}: {name} is {header['shapes'].get(name)} there and "
+                             f"{shape} here: another model or LoRA setting")
+    extra = set(header.get("shapes", {})) - set(shapes or header.get("shapes", {}))
+    if extra:
+        raise ValueError(f"{path} holds {sorted(extra)[0]}, which this model lacks")
