@@ -34,20 +34,20 @@ import random
 import shutil
 import sys
 import uuid
-from contextlib import contextmanager
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+import optim
 import rundir
 import validate
-from collectives import Traffic, all_gather_params
+from collectives import all_gather_object
+from pieces import full_tensors, optimizer_header, owned_pieces, state_keys, stored
 from rundir import list_checkpoints
 from tensorfile import torch_save
 from validate import crc
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class CheckpointError(Exception):
@@ -87,92 +87,8 @@ def set_rng_state(state):
         torch.cuda.set_rng_state(as_tensor(state["cuda"]))
 
 
-def _all_gather_object(obj, world_size):
-    out = [obj] * world_size
-    if world_size > 1:
-        dist.all_gather_object(out, obj)
-    return out
-
-
 # ----------------------------------------------------------------------------------------------
-# what a rank owns, streamed
-
-def _stored(shapes, name, lo, hi):
-    """[lo, hi) of a flattened tensor, cut to what the checkpoint stores of it."""
-    return lo, min(hi, int(np.prod(shapes[name])))
-
-
-def owned_pieces(zero, shapes):
-    """This rank's pieces: {name: {"lo", "hi", "master", "exp_avg", "exp_avg_sq"}} for trainable
-    tensors and {name: {"lo", "hi", "value"}} for frozen ones, copied to the host. Up to stage 2
-    the frozen tensors are whole on every rank: rank 0 owns them."""
-    out = {}
-    for s in zero.segments:
-        lo, hi = _stored(shapes, s.name, s.lo, s.hi)
-        if lo < hi:
-            state, n = zero.opt.state[s.master], hi - lo
-            out[s.name] = {"lo": lo, "hi": hi, "master": s.master[:n].detach().cpu().clone(),
-                           **{k: state[k][:n].cpu().clone() for k in MOMENTS}}
-    if zero.stage == 3 or zero.rank == 0:
-        for name, lo, hi, values in zero.frozen_pieces():
-            lo, stop = _stored(shapes, name, lo, hi)
-            if lo < stop:
-                out[name] = {"lo": lo, "hi": stop, "value": values[:stop - lo].cpu().clone()}
-    return out
-
-
-@contextmanager
-def _gathered(zero, b, owned):
-    """Every rank's `owned` piece of bucket b (hi - lo elements, any dtype) all-gathered into one
-    full flat tensor (a collective), counted in zero.gathered_bytes while it exists."""
-    full = torch.empty(b.numel, dtype=owned.dtype, device=owned.device)
-    nbytes = full.numel() * full.element_size()
-    zero.gathered_bytes += nbytes
-    zero.peak_gathered_bytes = max(zero.peak_gathered_bytes, zero.gathered_bytes)
-    try:
-        if zero.stage == 0:  # every rank owns everything
-            full.copy_(owned)
-        else:
-            work = all_gather_params(full, owned, Traffic(), zero.world_size, zero.gather_group)
-            if work is not None:
-                work.wait()
-        yield full
-    finally:
-        zero.gathered_bytes -= nbytes
-
-
-def full_tensors(zero, shapes, keys=("master",) + MOMENTS):
-    """Every tensor whole (as model.stored_shapes() says), by name, on rank 0's host ({} on the
-    other ranks): {name: {key: tensor}}, owned_pieces' keys. A collective: buckets are gathered
-    one at a time, each on the host before the next is gathered."""
-    out = {}
-
-    def host(name, flat):  # the stored part of a tensor, on the host
-        return flat[:int(np.prod(shapes[name]))].view(shapes[name]).cpu().clone()
-
-    for b in zero.buckets:
-        for key in keys:
-            owned = torch.zeros(b.hi - b.lo, dtype=torch.float32, device=zero.device)
-            for s in b.segments:
-                src = s.master if key == "master" else zero.opt.state[s.master][key]
-                owned[s.start:s.start + s.hi - s.lo] = src
-            with _gathered(zero, b, owned) as full:
-                if zero.rank == 0:
-                    for p, offset in zip(b.params, b.offsets):
-                        name = zero.names[id(p)]
-                        out.setdefault(name, {})[key] = host(name, full[offset:offset + p.numel()])
-    frozen = [b for u in zero.all_units for b in u.buckets if b.frozen] if zero.stage == 3 else []
-    for b in frozen:  # ZeRO-3's frozen buckets: their shards gathered the same way
-        with _gathered(zero, b, b.shard) as full:
-            if zero.rank == 0:
-                for t, offset in zip(b.params, b.offsets):
-                    name = zero.names[id(t)]
-                    out[name] = {"value": host(name, full[offset:offset + t.numel()])}
-    if zero.stage < 3 and zero.rank == 0:
-        for t in zero.frozen:
-            out[zero.names[id(t)]] = {"value": host(zero.names[id(t)], t.detach().reshape(-1))}
-    return out
-
+# the whole state, and saving it
 
 def state_dict(zero, model):
     """What model.state_dict() would give if no rank held a shard: its names, order and shapes
@@ -200,11 +116,10 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
     tmp = final + ".tmp"
     # the collectives first (gathers, metadata), then the writes: a rank whose write fails
     # cannot leave the others waiting in a collective
-    save_id = _all_gather_object(uuid.uuid4().hex, world_size)[0]
+    save_id = all_gather_object(uuid.uuid4().hex, world_size)[0]
     shapes = model.stored_shapes()
     trainable = {zero.names[id(p)] for b in zero.buckets for p in b.params}
-    adam_step = int(zero.opt.state[zero.segments[0].master]["step"].item()) \
-        if zero.segments else 0
+    opt_header = optimizer_header(zero)
     # a diverged run (inf / NaN master weights) is never saved over the last good checkpoint
     if _any_rank(not all(s.master.isfinite().all() for s in zero.segments), zero):
         previous = list_checkpoints(out_dir)
@@ -214,19 +129,19 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
     common = dict(header, iter=it, save_id=save_id, world_size=world_size, stage=zero.stage,
                   scaler=scaler.state_dict(), shapes=shapes,
                   frozen=[name for name in shapes if name not in trainable],
-                  adam_step=max(_all_gather_object(adam_step, world_size)))
+                  **opt_header)
     if fmt == "sharded":
         pieces = owned_pieces(zero, shapes)
         for piece in pieces.values():  # each piece's checksums beside it: a rank checks its own
             piece["crc"] = {k: crc(t) for k, t in piece.items() if k not in ("lo", "hi")}
-        layout = _all_gather_object({n: (v["lo"], v["hi"]) for n, v in pieces.items()}, world_size)
+        layout = all_gather_object({n: (v["lo"], v["hi"]) for n, v in pieces.items()}, world_size)
         files = {f"shard-{rank:05d}.pt": {"save_id": save_id, "rank": rank, "pieces": pieces,
                                           "rng": rng_state()}}
         if rank == 0:
             files["meta.pt"] = dict(common, format="sharded", layout=layout)
     else:
-        tensors = full_tensors(zero, shapes)
-        rngs = _all_gather_object(rng_state(), world_size)
+        tensors = full_tensors(zero, shapes, ("master",) + tuple(opt_header["state_keys"]))
+        rngs = all_gather_object(rng_state(), world_size)
         crcs = {name: {k: crc(t) for k, t in entry.items()} for name, entry in tensors.items()}
         files = {"ckpt.pt": dict(common, format="consolidated", tensors=tensors, crc=crcs,
                                  rng=rngs)} if rank == 0 else {}
@@ -280,7 +195,7 @@ def _barrier(world_size):
 
 class Reader:
     """Reads either format. read(name, key, lo, hi) returns elements [lo, hi) of a flattened
-    tensor's "master", "exp_avg", "exp_avg_sq" (trainable) or "value" (frozen), assembled from
+    tensor's "master", its optimizer state keys (trainable) or "value" (frozen), assembled from
     whatever pieces were written; only the files that hold them are opened (`opened`)."""
 
     def __init__(self, path):
@@ -321,7 +236,7 @@ class Reader:
                                       "than its meta.pt: the folder was edited; use another")
             # every piece's length and crc32, before any element is copied
             self._checked(file, validate.check_shard, shard, self.header["layout"][r],
-                          self.header["frozen"])
+                          self.header["frozen"], self.header["state_keys"])
             self.shards[r] = shard
         return self.shards[r]
 
@@ -392,13 +307,17 @@ def _read_owned(reader, zero, shapes):
     """Each piece this rank owns, as stored (padded vocabulary rows are not: they stay zero):
     ([(segment, {key: tensor})], [(frozen values, tensor)])."""
     trainable, frozen = [], []
+    if zero.segments and state_keys(zero) != tuple(reader.header["state_keys"]):
+        raise CheckpointError(f"{reader.path} holds optimizer state {reader.header['state_keys']}"
+                              f", this run's {zero.optimizer} keeps {list(state_keys(zero))}: "
+                              "the same --optimizer and torch are needed to resume")
     for s in zero.segments:
-        lo, hi = _stored(shapes, s.name, s.lo, s.hi)
+        lo, hi = stored(shapes, s.name, s.lo, s.hi)
         if lo < hi:
-            keys = ("master",) + MOMENTS
+            keys = ("master",) + tuple(reader.header["state_keys"])
             trainable.append((s, {k: reader.read(s.name, k, lo, hi) for k in keys}))
     for name, lo, hi, values in zero.frozen_pieces():
-        lo, hi = _stored(shapes, name, lo, hi)
+        lo, hi = stored(shapes, name, lo, hi)
         if lo < hi:
             frozen.append((values, reader.read(name, "value", lo, hi)))
     return trainable, frozen
@@ -419,17 +338,16 @@ def restore(path, zero, model, scaler, config, model_args, vocab_meta):
     except CheckpointError as e:
         error = str(e)
     # a rank reads its own shards: one bad file stops every rank, with its line
-    errors = [e for e in _all_gather_object(error, zero.world_size) if e]
+    errors = [e for e in all_gather_object(error, zero.world_size) if e]
     if errors:
         raise CheckpointError(errors[0])
     # everything is read: only now is the run changed
     for s, saved in trainable:
         n, state = len(saved["master"]), zero.opt.state[s.master]
         s.master[:n].copy_(saved["master"])
-        for k in MOMENTS:
+        for k in state_keys(zero):
             state[k][:n].copy_(saved[k])
-    for s in zero.segments:
-        zero.opt.state[s.master]["step"].fill_(h["adam_step"])
+    optim.set_step_count(zero.opt, [s.master for s in zero.segments], h["opt_step"])
     for values, saved in frozen:
         values[:len(saved)].copy_(saved)
     zero.publish()

@@ -63,6 +63,14 @@ def all_gather_params(flat, shard, traffic, world_size, group=None):
     return _all_gather(flat, shard, group=group, async_op=True)
 
 
+def all_gather_object(obj, world_size):
+    """Every rank's picklable obj, in rank order (metadata: layouts, ids, errors; not traffic)."""
+    out = [obj] * world_size
+    if world_size > 1:
+        dist.all_gather_object(out, obj)
+    return out
+
+
 def all_reduce_sum(x, world_size, group=None):
     """A few bytes of control traffic (norms, counts), not counted as model traffic."""
     if world_size > 1:

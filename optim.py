@@ -94,3 +94,10 @@ def step_count(opt, param):
     """The optimizer's step count for param (AdamW's "step"), or None if it keeps none."""
     t = opt.state[param].get("step")
     return None if t is None else int(t.item())
+
+
+def set_step_count(opt, params, step):
+    """A resumed step count (AdamW's bias correction needs it), where the optimizer keeps one."""
+    for p in params:
+        if "step" in opt.state[p]:
+            opt.state[p]["step"].fill_(step)

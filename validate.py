@@ -130,13 +130,16 @@ def _check_scaler(s):
 def check_header(h):
     """meta.pt / ckpt.pt's header: types, ranges, and (sharded) a layout whose pieces tile each
     tensor exactly once and name only its tensors, one layout per rank of world_size."""
-    for key, ok, want in (("iter", is_int, "an integer"), ("adam_step", is_int, "an integer"),
+    keys = lambda x: isinstance(x, list) and all(isinstance(k, str) for k in x)
+    for key, ok, want in (("iter", is_int, "an integer"), ("opt_step", is_int, "an integer"),
                           ("world_size", is_int, "an integer"), ("stage", is_int, "0-3"),
-                          ("save_id", lambda x: isinstance(x, str), "a string")):
+                          ("save_id", lambda x: isinstance(x, str), "a string"),
+                          ("optimizer", lambda x: isinstance(x, str), "a name"),
+                          ("state_keys", keys, "a list of names")):
         if key not in h or not ok(h[key]):
             raise ValueError(f"{key} is {h.get(key)!r}: want {want}")
-    if h["iter"] < 0 or h["adam_step"] < 0 or h["world_size"] < 1 or h["stage"] not in range(4):
-        raise ValueError(f"iter {h['iter']}, adam_step {h['adam_step']}, world_size "
+    if h["iter"] < 0 or h["opt_step"] < 0 or h["world_size"] < 1 or h["stage"] not in range(4):
+        raise ValueError(f"iter {h['iter']}, opt_step {h['opt_step']}, world_size "
                          f"{h['world_size']}, stage {h['stage']}: out of range")
     for key in ("config", "model_args", "meta", "shapes"):
         if not isinstance(h.get(key), dict):
@@ -211,13 +214,13 @@ def _check_crc(t, want, name, key):
                          f"{want:08x}): its bytes changed")
 
 
-def check_shard(shard, layout, frozen):
+def check_shard(shard, layout, frozen, state_keys):
     """A shard file's pieces against its rank's layout in meta.pt."""
     pieces = shard.get("pieces")
     if not isinstance(pieces, dict) or set(pieces) != set(layout):
         raise ValueError("it holds other tensors than meta.pt's layout says")
     for name, piece in pieces.items():
-        keys = ("value",) if name in frozen else ("master", "exp_avg", "exp_avg_sq")
+        keys = ("value",) if name in frozen else ("master", *state_keys)
         check_piece(piece, name, layout[name], keys)
 
 
@@ -306,6 +309,12 @@ def check_compatible(header, model_args, vocab_meta, path, config=None, shapes=N
         raise ValueError(f"{path} was trained on another vocabulary ({old_vocab}, the data is "
                          f"{new_vocab}): the same ids would mean other tokens; use its data set")
     saved = header.get("config", {})
+    if config is not None and header.get("optimizer") != config.get("optimizer",
+                                                                     header.get("optimizer")):
+        raise ValueError(f"{path} was trained with --optimizer {header.get('optimizer')}, this run "
+                         f"has --optimizer {config.get('optimizer')}: its state would not carry "
+                         f"over; pass --optimizer {header.get('optimizer')} to resume it, or use "
+                         "another --out-dir")
     for key, flag in SETTINGS.items() if config is not None else ():
         mine, old = config.get(key), saved.get(key)
         if key == "lora_targets" and config.get("lora") and saved.get("lora"):

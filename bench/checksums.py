@@ -23,6 +23,7 @@ if __package__ in (None, ""):  # run as a script: import from the repository roo
 import torch
 
 import checkpoint
+import pieces
 import validate
 from bench.common import Stopwatch, command, parser, report, table
 from model import GPT, GPTConfig
@@ -76,7 +77,7 @@ def main(argv=None):
                                                      None))
             best[label, "save"] = min(t, best.get((label, "save"), t))
             best[label, "restore"] = min(r, best.get((label, "restore"), r))
-    state = checkpoint.full_tensors(zero, model.stored_shapes())
+    state = pieces.full_tensors(zero, model.stored_shapes(), ("master",) + pieces.state_keys(zero))
     alone = timed(lambda: [validate.crc(t) for e in state.values() for t in e.values()])
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
     if not args.out:

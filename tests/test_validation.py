@@ -267,8 +267,8 @@ def test_8_edited_checkpoint_headers_are_one_line(runs, tmp_path):
     lo, hi = good["layout"][0][name]
     scaler = {k: v for k, v in good["scaler"].items() if k != "scale"}
     edits = [({"layout": [{**good["layout"][0], name: (lo + 8, hi + 8)}]}, "do not cover"),
-             ({"adam_step": "7"}, "adam_step is '7'"), ({"scaler": scaler}, "loss scaler"),
-             ({"iter": -3}, "iter -3"), ({"adam_step": -7}, "adam_step -7"),
+             ({"opt_step": "7"}, "opt_step is '7'"), ({"scaler": scaler}, "loss scaler"),
+             ({"iter": -3}, "iter -3"), ({"opt_step": -7}, "opt_step -7"),
              ({"world_size": 5}, "world_size 5 but a layout of 1 ranks"),
              ({"shapes": {**good["shapes"], "../../..": [4]}}, "'../../..'")]
     for edit, message in edits:

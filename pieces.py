@@ -1,0 +1,106 @@
+"""
+What each rank owns of the model state, and the whole of it assembled one bucket at a time:
+the pieces a checkpoint is written from (checkpoint.py) and read back into.
+
+A piece is a (tensor name, element range) of a flattened tensor, with its values: the fp32
+master weight and every optimizer state tensor by its key (trainable), or the value (frozen).
+Nothing here knows a world size: the same pieces rebuild any stage on any number of ranks.
+"""
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+import optim
+from collectives import Traffic, all_gather_object, all_gather_params
+
+def stored(shapes, name, lo, hi):
+    """[lo, hi) of a flattened tensor, cut to what the checkpoint stores of it."""
+    return lo, min(hi, int(np.prod(shapes[name])))
+
+
+def owned_pieces(zero, shapes):
+    """This rank's pieces: {name: {"lo", "hi", "master", and each optimizer state key}} for trainable
+    tensors and {name: {"lo", "hi", "value"}} for frozen ones, copied to the host. Up to stage 2
+    the frozen tensors are whole on every rank: rank 0 owns them."""
+    out = {}
+    for s in zero.segments:
+        lo, hi = stored(shapes, s.name, s.lo, s.hi)
+        if lo < hi:
+            state, n = zero.opt.state[s.master], hi - lo
+            out[s.name] = {"lo": lo, "hi": hi, "master": s.master[:n].detach().cpu().clone(),
+                           **{k: state[k][:n].cpu().clone() for k in state_keys(zero)}}
+    if zero.stage == 3 or zero.rank == 0:
+        for name, lo, hi, values in zero.frozen_pieces():
+            lo, stop = stored(shapes, name, lo, hi)
+            if lo < stop:
+                out[name] = {"lo": lo, "hi": stop, "value": values[:stop - lo].cpu().clone()}
+    return out
+
+
+@contextmanager
+def _gathered(zero, b, owned):
+    """Every rank's `owned` piece of bucket b (hi - lo elements, any dtype) all-gathered into one
+    full flat tensor (a collective), counted in zero.gathered_bytes while it exists."""
+    full = torch.empty(b.numel, dtype=owned.dtype, device=owned.device)
+    nbytes = full.numel() * full.element_size()
+    zero.gathered_bytes += nbytes
+    zero.peak_gathered_bytes = max(zero.peak_gathered_bytes, zero.gathered_bytes)
+    try:
+        if zero.stage == 0:  # every rank owns everything
+            full.copy_(owned)
+        else:
+            work = all_gather_params(full, owned, Traffic(), zero.world_size, zero.gather_group)
+            if work is not None:
+                work.wait()
+        yield full
+    finally:
+        zero.gathered_bytes -= nbytes
+
+
+def state_keys(zero):
+    """The optimizer's per-element state keys (AdamW: exp_avg, exp_avg_sq; SGD: momentum_buffer;
+    Lion: exp_avg), as it made them: a checkpoint saves each, by key."""
+    return tuple(optim.state_keys(zero.opt, zero.segments[0].master)) if zero.segments else ()
+
+
+def optimizer_header(zero):
+    """The optimizer's name, per-element state keys and step count, agreed by every rank (a
+    rank that owns nothing but padding has neither keys nor a count)."""
+    count = optim.step_count(zero.opt, zero.segments[0].master) if zero.segments else None
+    every = all_gather_object((state_keys(zero), count), zero.world_size)
+    return {"optimizer": zero.optimizer, "state_keys": list(next((k for k, _ in every if k), ())),
+            "opt_step": max((c for _, c in every if c is not None), default=0)}
+
+
+def full_tensors(zero, shapes, keys):
+    """Every tensor whole (as model.stored_shapes() says), by name, on rank 0's host ({} on the
+    other ranks): {name: {key: tensor}}, owned_pieces' keys. A collective: buckets are gathered
+    one at a time, each on the host before the next is gathered."""
+    out = {}
+
+    def host(name, flat):  # the stored part of a tensor, on the host
+        return flat[:int(np.prod(shapes[name]))].view(shapes[name]).cpu().clone()
+
+    for b in zero.buckets:
+        for key in keys:
+            owned = torch.zeros(b.hi - b.lo, dtype=torch.float32, device=zero.device)
+            for s in b.segments:
+                src = s.master if key == "master" else zero.opt.state[s.master][key]
+                owned[s.start:s.start + s.hi - s.lo] = src
+            with _gathered(zero, b, owned) as full:
+                if zero.rank == 0:
+                    for p, offset in zip(b.params, b.offsets):
+                        name = zero.names[id(p)]
+                        out.setdefault(name, {})[key] = host(name, full[offset:offset + p.numel()])
+    frozen = [b for u in zero.all_units for b in u.buckets if b.frozen] if zero.stage == 3 else []
+    for b in frozen:  # ZeRO-3's frozen buckets: their shards gathered the same way
+        with _gathered(zero, b, b.shard) as full:
+            if zero.rank == 0:
+                for t, offset in zip(b.params, b.offsets):
+                    name = zero.names[id(t)]
+                    out[name] = {"value": host(name, full[offset:offset + t.numel()])}
+    if zero.stage < 3 and zero.rank == 0:
+        for t in zero.frozen:
+            out[zero.names[id(t)]] = {"value": host(zero.names[id(t)], t.detach().reshape(-1))}
+    return out
