@@ -287,7 +287,7 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
                   "traffic)")] if N > 1 else []
         plans += [(z, True, 0, None, "+ activation checkpointing: each block keeps only its input"),
                   (z, True, 8, None, "+ LoRA on q,v, r=8: only the adapters train, no gradients "
-                   f"or Adam moments for the base{sharded}"),
+                   f"or optimizer state for the base{sharded}"),
                   (z, True, 8, "nf4", "+ QLoRA: the frozen base weights in 4-bit NF4")]
     for stage, ckpt, r, quant, why in plans:
         run = dict(stage=stage, grad_ckpt=ckpt, lora_rank=r, quantize=quant)
@@ -385,7 +385,7 @@ def print_estimate(e, cfg, gpu):
     st, act = e["state"], e["activations"]
     rows = [("weights", st["params"], "working weights (+ the frozen base)"),
             ("gradients", st["grads"], ""), ("fp32 master weights", st["master"], "16-bit only"),
-            ("Adam moments", st["optimizer"], "fp32 exp_avg, exp_avg_sq"),
+            ("optimizer state", st["optimizer"], "fp32 (AdamW: exp_avg, exp_avg_sq)"),
             ("model state", st["total"], "= ZeRO.state_bytes() at start-up"),
             ("activations", act["total"],
              f"{cfg.n_layer} layers x {fmt(act['per_layer'])} + the rest, below"),

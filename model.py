@@ -175,7 +175,7 @@ class GPT(nn.Module):
         embeddings, where the model has them, are left out by default, as the 6N FLOPs formula
         wants (a lookup, no matmul)."""
         n = sum(p.numel() for p in self.parameters())  # .parameters() already deduplicates
-        wpe = getattr(self.transformer, "wpe", None)
+        wpe = dict(self.named_modules()).get("transformer.wpe")  # a fork may have none
         if non_embedding and wpe is not None:
             n -= wpe.weight.numel()
         return n

@@ -20,8 +20,8 @@ def stored(shapes, name, lo, hi):
 
 
 def owned_pieces(zero, shapes):
-    """This rank's pieces: {name: {"lo", "hi", "master", and each optimizer state key}} for trainable
-    tensors and {name: {"lo", "hi", "value"}} for frozen ones, copied to the host. Up to stage 2
+    """This rank's pieces, copied to the host: {name: {"lo", "hi", "master", each optimizer state
+    key}} for trainable tensors and {name: {"lo", "hi", "value"}} for frozen ones. Up to stage 2
     the frozen tensors are whole on every rank: rank 0 owns them."""
     out = {}
     for s in zero.segments:

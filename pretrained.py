@@ -180,6 +180,10 @@ def export(ckpt, to, out, dtype=None, merge=False):
     if to == "safetensors" and dtype:
         raise ExportError("--dtype is for --to hf: --to safetensors keeps the checkpoint's dtypes")
     check_writable(out, to)
+    arch = reader.header.get("model_args", {}).get("arch")
+    if arch != GPT.ARCH:  # hf.py writes GPT-2's layout (Conv1D, the tied head, wpe)
+        raise ExportError(f"{ckpt} holds a {arch!r} model: the export writes GPT-2's "
+                          f"architecture only ({GPT.ARCH!r})")
     model_args = reader.model_args()
     weights = reader.weights()
     model = rebuild(reader, weights)  # every check before the first byte is written
