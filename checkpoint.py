@@ -32,7 +32,6 @@ and the batches), every rank's RNG states, the flags and model config.
 import os
 import random
 import shutil
-import sys
 import uuid
 
 import numpy as np
@@ -361,8 +360,3 @@ def restore(path, zero, model, scaler, config, model_args, vocab_meta):
     if rng is not None:  # the same ranks again: dropout continues exactly
         set_rng_state(rng)
     return h["iter"], note
-
-
-if __name__ == "__main__":  # the export: pretrained.py (Hugging Face, PEFT, safetensors)
-    import pretrained
-    sys.exit(pretrained.main())

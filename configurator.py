@@ -89,8 +89,9 @@ class TrainConfig:
     beta1: float = opt(0.9, "AdamW's and Lion's beta1; SGD's momentum")
     beta2: float = opt(0.99, "AdamW's and Lion's beta2")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = off")
-    warmup_iters: int = opt(100, "linear warmup steps")
-    lr_decay_iters: int = opt(2000, "steps of cosine decay (usually = max_iters)")
+    warmup_iters: int = opt(100, "linear warmup steps (with --max-iters alone: at most a "
+                                 "tenth of them)")
+    lr_decay_iters: int = opt(2000, "steps of cosine decay; follows --max-iters unless set")
     min_lr: float = opt(1e-4, "learning rate at the end of the decay")
     # system
     device: str = opt("auto", "auto | cpu | cuda")
@@ -157,20 +158,42 @@ class OneLineParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+# --help groups the flags as TrainConfig's sections above: the first field of each
+SECTIONS = {"out_dir": "I/O", "lora": "LoRA and a quantized frozen base", "n_layer": "model",
+            "batch_size": "batch", "optimizer": "the optimizer and its schedule",
+            "device": "system: precision, parallelism, memory"}
+CHOICES = {"dtype": ("fp32", "bf16", "fp16"), "device": ("auto", "cpu", "cuda"),
+           "zero": (0, 1, 2, 3), "ckpt_format": ("consolidated", "sharded"),
+           "quantize": ("", "int8", "nf4"), "reduce_dtype": ("auto", "fp32", "bf16", "fp16"),
+           "optimizer": ("adamw", "sgd", "lion")}
+
+
 def make_parser(description="Train a GPT with nanoZeRO."):
-    """Every TrainConfig field as a flag (memory.py adds its own flags to the same parser)."""
+    """Every TrainConfig field as a flag, grouped by section, its help ending in the default a
+    run gets without a preset (memory.py adds its own flags to the same parser). The flags'
+    own defaults stay None: a preset then fills what no flag set."""
     p = OneLineParser(description=description, allow_abbrev=False)
-    p.add_argument("--config", help="a preset from config/, e.g. config/shakespeare_char.py")
+    p.add_argument("--config", help="a preset from config/, e.g. config/shakespeare_char.py; "
+                   "its values replace these defaults, explicit flags win over both")
+    group = p
     for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
+        if f.name in SECTIONS:
+            group = p.add_argument_group(SECTIONS[f.name])
+        flag, shown = "--" + f.name.replace("_", "-"), f.default
+        help = f"{f.metadata['help']} (default: {'none' if shown == '' else shown})"
         if f.type is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                           help=f.metadata["help"])
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                               help=help)
+        elif f.name in CHOICES:
+            names = "|".join(str(c) for c in CHOICES[f.name] if c != "")
+            group.add_argument(flag, type=f.type, default=None, metavar=f"{{{names}}}",
+                               help=help)
         else:
-            p.add_argument(flag, type=f.type, default=None, metavar=f.type.__name__.upper(),
-                           help=f.metadata["help"])
-    p.add_argument("--bf16", action="store_true", help="shortcut for --dtype bf16")
-    p.add_argument("--fp16", action="store_true", help="shortcut for --dtype fp16")
+            group.add_argument(flag, type=f.type, default=None, metavar=f.type.__name__.upper(),
+                               help=help)
+        if f.name == "dtype":
+            group.add_argument("--bf16", action="store_true", help="shortcut for --dtype bf16")
+            group.add_argument("--fp16", action="store_true", help="shortcut for --dtype fp16")
     return p
 
 
@@ -190,6 +213,12 @@ def config_from(args):
             if args.dtype not in (None, short):
                 raise ConfigError(f"--{short} conflicts with --dtype {args.dtype}: pick one")
             values["dtype"] = short
+    # a short run decays over its own length: --lr-decay-iters follows --max-iters unless a
+    # preset or a flag sets it, and warm-up is cut to fit inside it
+    if "lr_decay_iters" not in values and "max_iters" in values:
+        values["lr_decay_iters"] = values["max_iters"]
+        if "warmup_iters" not in values:
+            values["warmup_iters"] = min(TrainConfig.warmup_iters, values["max_iters"] // 10)
     cfg = TrainConfig(**values)
     # the fields a preset or a flag set: --init-from a Hugging Face model takes the model's
     # shape from its config.json, and must know a flag that contradicts it from a default
@@ -200,12 +229,7 @@ def config_from(args):
 
 def check_config(cfg):
     """Cross-field checks that need no data, model or process group."""
-    choices = {"dtype": ("fp32", "bf16", "fp16"), "device": ("auto", "cpu", "cuda"),
-               "zero": (0, 1, 2, 3), "ckpt_format": ("consolidated", "sharded"),
-               "quantize": ("", "int8", "nf4"),
-               "reduce_dtype": ("auto", "fp32", "bf16", "fp16"),
-               "optimizer": ("adamw", "sgd", "lion")}
-    for name, allowed in choices.items():
+    for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: use "
                               f"{', '.join(str(a) for a in allowed if a != '')}")

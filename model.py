@@ -277,7 +277,7 @@ class GPT(nn.Module):
 
 @contextmanager
 def saved_activation_bytes(model, out):
-    """What memory.activation_bytes() predicts, measured: adds to out[0] the bytes autograd
+    """What activations.activation_bytes() predicts, measured: adds to out[0] the bytes autograd
     keeps for backward during the enclosed forward, every saved tensor's storage once, weights
     left out. Under activation checkpointing autograd saves almost nothing inside a block; what
     the checkpoint keeps is the block's input, which the pre-hooks count. Exact on any device:

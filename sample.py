@@ -2,7 +2,7 @@
 Generate text from a checkpoint that train.py wrote, or from a Hugging Face GPT-2.
 
     python sample.py                                    # newest checkpoint in out/: 3 samples
-    python sample.py --out-dir out-shakespeare-char-cpu --start "ROMEO:" --num-samples 5
+    python sample.py --start "ROMEO:" --num-samples 5          # after `python train.py`
     python sample.py --ckpt out/ckpt-0002000 --start FILE:prompt.txt --device cuda --dtype bf16
     python sample.py --init-from gpt2 --start "Hello,"  # or ./gpt2, or a folder checkpoint.py
                                                         # --to hf wrote (also as --ckpt FOLDER)
@@ -82,8 +82,13 @@ def parse_args(argv=None):
 
 
 def find_checkpoint(out_dir):
+    """The newest ckpt-NNNNNNN folder train.py wrote in out_dir."""
     ckpts = list_checkpoints(out_dir)
-    return ckpts[-1] if ckpts else os.path.join(out_dir, "ckpt.pt")
+    if not ckpts:
+        raise SampleError(f"no checkpoint in {out_dir} (train.py writes ckpt-NNNNNNN folders "
+                          f"there): train one first, e.g. `python train.py --out-dir {out_dir}`,"
+                          " or pass --ckpt PATH")
+    return ckpts[-1]
 
 
 def load_checkpoint(path):
@@ -91,7 +96,7 @@ def load_checkpoint(path):
         try:
             reader = Reader(path)
             return {"model_args": reader.model_args(), "model": reader.weights(),
-                    "meta": reader.header["meta"]}
+                    "meta": reader.header["meta"], "iter": reader.header["iter"]}
         except CheckpointError as e:
             raise SampleError(str(e))
     if not os.path.isfile(path):
@@ -136,8 +141,8 @@ def sample(args):
         dtype = resolve_dtype(args.dtype, device)
     except ValueError as e:
         raise SampleError(str(e))
-    path = args.ckpt or find_checkpoint(args.out_dir)
-    hf_folder = os.path.isfile(os.path.join(path, "config.json"))  # checkpoint.py --to hf wrote it
+    path = args.ckpt or (None if args.init_from else find_checkpoint(args.out_dir))
+    hf_folder = path is not None and os.path.isfile(os.path.join(path, "config.json"))
     ckpt = load_hf(args.init_from or path) if args.init_from or hf_folder else load_checkpoint(path)
     try:
         check_model_args(ckpt["model_args"])  # sizes within bounds before anything is built
@@ -151,6 +156,10 @@ def sample(args):
         load_adapter(model, args.adapter, vocab_id(ckpt["meta"]))
         merge_lora(model)
     model.eval().to(device=device, dtype=dtype)  # eval: no dropout
+    what = args.init_from or path
+    print(f"sampling from {what}" + (f" (iteration {ckpt['iter']})" if "iter" in ckpt else "")
+          + (f" + {args.adapter}" if args.adapter else "") + f", on {device.type}, {args.dtype}",
+          file=sys.stderr)
 
     start = args.start
     if start.startswith("FILE:"):

@@ -38,7 +38,7 @@ from collectives import Traffic, all_reduce_sum
 from configurator import ConfigError, grad_accum_for, parse_args
 from data.loader import Batches, estimate_loss, load_data
 from lora import adapter_state, apply_lora, base_fingerprint, save_adapter
-from memory import model_state_report
+from footprint import model_state_report
 from model import GPT, GPTConfig, peak_flops, saved_activation_bytes
 from precision import DTYPES, GradScaler, grad_zero_frac, resolve_dtype, set_tf32
 from quant import quantize_base
@@ -240,6 +240,7 @@ def main(argv=None):
     while True:
         if it % cfg.eval_interval == 0 or it == cfg.max_iters:
             t0 = time.time()
+            print0(f"step {it}: evaluating on {cfg.eval_iters} batches of each split ...")
             losses = estimate_loss(model, train, val, cfg, rank, world_size, device)
             print0(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             metrics.log({"iter": it, "train_loss": losses["train"], "val_loss": losses["val"]})
@@ -328,10 +329,19 @@ def log_step(step, clock, cfg, model, zero, scaler, metrics, print0):
            else None, "comm_elements": zero.traffic.elements, "comm_bytes": zero.traffic.bytes,
            "comm_theory_elements": traffic_formula(zero.psi, cfg.zero, world_size,
                                                    step["grad_accum"], zero.frozen_numel)}
-    print0(f"iter {it}: loss {row['loss']:.4f}, lr {row['lr']:.2e}, {row['ms']:.1f} ms, "
-           f"{tps:,.0f} tok/s" + (f", mfu {clock['mfu'] * 100:.2f}%" if clock["mfu"] else "")
+    eta = (cfg.max_iters - it - 1) * dt  # at this interval's pace
+    print0(f"iter {it}/{cfg.max_iters}: loss {row['loss']:.4f}, lr {row['lr']:.2e}, "
+           f"{row['ms']:.1f} ms, {tps:,.0f} tok/s"
+           + (f", mfu {clock['mfu'] * 100:.2f}%" if clock["mfu"] else "")
+           + f", ETA {int(eta // 60)}m{int(eta % 60):02d}s"
            + (f", inf/NaN gradient: step skipped (loss scale now {row['loss_scale']:g})"
               if row["skipped"] else ""))
+    if not clock.get("traffic_shown") and world_size > 1:  # the lecture's number, measured
+        clock["traffic_shown"] = True
+        psi, theory = zero.psi, row["comm_theory_elements"]
+        print0(f"traffic per step and rank: {row['comm_elements'] / psi:.2f}Ψ measured "
+               f"({row['comm_bytes'] / 2**20:.2f} MiB), {theory / psi:.2f}Ψ in the ZeRO paper"
+               f" (Ψ = {psi:,})")
     metrics.log(row)
 
 

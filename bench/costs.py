@@ -37,7 +37,7 @@ from bench.common import (OurRun, PlainRun, Stopwatch, adamw, adamw_settings, co
                           time_block)
 from configurator import TrainConfig, load_preset
 from lora import parse_targets
-from memory import estimate
+from footprint import estimate
 from model import GPT, peak_flops
 from precision import DTYPES, set_tf32
 from train import model_config

@@ -95,7 +95,7 @@ def test_cost_rows_compare_with_memory_py_and_pair_ratios():
     """The table's judgements: an estimate equal to the measurement reads "exact", one a byte off
     says so; a time ratio is the median of per-round ratios (a slow round of both cancels), and a
     target is judged on that ratio."""
-    from memory import estimate
+    from footprint import estimate
     from train import model_config
     cfg, vocab = costs.costs_config(), 65
     gpt = model_config(cfg, vocab)

@@ -14,7 +14,8 @@ import torch
 import llama
 from checkpoint import CheckpointError, Reader, list_checkpoints
 from conftest import make_zero, run_distributed, run_train
-from memory import activation_bytes, estimate
+from activations import activation_bytes
+from footprint import estimate
 from model import GPTConfig, saved_activation_bytes
 
 CFG = dict(arch="llama", block_size=16, vocab_size=40, n_layer=2, n_head=2, n_embd=32,
@@ -68,9 +69,9 @@ def test_the_fork_trains_through_every_stage_lora_qlora_and_a_resharded_resume(d
     assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
     assert any(r.get("mfu") for r in rows)  # num_params took no position embedding it lacks
     # the export writes GPT-2's layout: a Llama checkpoint is one line, not a missing tensor
-    import pretrained
-    with pytest.raises(pretrained.ExportError, match="GPT-2's architecture only"):
-        pretrained.export(list_checkpoints(tmp_path / "one")[-1], "hf", str(tmp_path / "hf"))
+    import export
+    with pytest.raises(export.ExportError, match="GPT-2's architecture only"):
+        export.export(list_checkpoints(tmp_path / "one")[-1], "hf", str(tmp_path / "hf"))
     # the GPT-2 of model.py cannot continue a Llama run: the architecture differs
     import train
     with pytest.raises(CheckpointError, match="arch llama vs gpt2"):

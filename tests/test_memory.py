@@ -12,8 +12,9 @@ import lora
 import memory
 from configurator import parse_args
 from conftest import make_zero, run_distributed
-from memory import (activation_bytes, advise, bucket_sizes, estimate, main, model_state_bytes,
-                    param_count, param_numels)
+from activations import activation_bytes
+from footprint import bucket_sizes, estimate, model_state_bytes, param_count, param_numels
+from memory import advise, main
 from model import GPT, GPTConfig, saved_activation_bytes
 from zero import zero_formula
 

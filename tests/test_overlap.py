@@ -5,18 +5,17 @@ reduce precision for every stage, and the publish / prefetch gathers overlapping
 gloo frees a collective's buffers early and one process copies locally, so these tests watch
 the engine itself: they wrap the collectives' work handles and count the ones not yet waited
 for, and count the process groups made."""
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 import collectives
-import memory
+import footprint
 import zero as zero_module
-from conftest import make_zero, run_distributed, zero_step
+from conftest import make_zero, run_distributed
 from data.loader import get_batch
 from precision import GradScaler
-from test_zero import B, CFG, DATA, LR, SEED, T, make_model
+from test_zero import B, DATA, LR, SEED, T, make_model
 
 
 class Watched:
@@ -68,7 +67,7 @@ def _bounded(rank, world_size):
         assert max(n for n, _ in seen) <= zero_module.MAX_IN_FLIGHT, (stage, seen)
         if stage >= 2:  # memory.py's term for them bounds what was held
             sizes = [b.numel for b in zero.buckets]
-            allowed = memory.reduce_in_flight_bytes(sizes, stage, world_size, "bf16")
+            allowed = footprint.reduce_in_flight_bytes(sizes, stage, world_size, "bf16")
             assert 0 < max(nbytes for _, nbytes in seen) <= allowed, (seen, allowed)
         mp.undo()
     mp.undo()

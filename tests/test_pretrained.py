@@ -1,5 +1,5 @@
 """Real models in and out, end to end: a Hugging Face GPT-2 -> train.py (ZeRO-3, LoRA, QLoRA) ->
-checkpoint.py --to hf -> transformers / peft give our logits (fp32, to 1e-5); and the bad input of
+export.py --to hf -> transformers / peft give our logits (fp32, to 1e-5); and the bad input of
 each step is one line that writes nothing.
 
 Offline: the GPT-2 is tiny and random (transformers builds it here; GPT-2's 50257-token vocabulary
@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 import hf
 import lora
+import export as export_cli
 import pretrained
 import sample
 from checkpoint import Reader, list_checkpoints
@@ -74,7 +75,7 @@ def train(gpt2, out, extra, nproc):
 
 
 def export(capsys, *argv):
-    rc = pretrained.main([str(a) for a in argv])
+    rc = export_cli.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -145,7 +146,7 @@ def test_qlora_merge_exports_plain_weights(gpt2, tmp_path, capsys):
     rc, out, err = export(capsys, ckpt, "--to", "hf", tmp_path / "hf", "--merge")
     assert rc == 0 and "merged" in out and "dequantized" in out, err
     assert not os.path.exists(tmp_path / "hf" / "adapter")
-    trained = pretrained.rebuild(Reader(ckpt))  # quantized base + LoRA, as it trained
+    trained = export_cli.rebuild(Reader(ckpt))  # quantized base + LoRA, as it trained
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     torch.testing.assert_close(theirs(loaded), ours(trained), atol=1e-5, rtol=0)
 
@@ -154,7 +155,7 @@ def test_qlora_merge_exports_plain_weights(gpt2, tmp_path, capsys):
     with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
         weights = {k: f.get_tensor(k) for k in f.keys()}
     assert weights["transformer.h.0.attn.c_attn.weight.codes"].dtype == torch.uint8
-    again = pretrained.rebuild(Reader(ckpt))
+    again = export_cli.rebuild(Reader(ckpt))
     again.load_weights(weights)
     assert torch.equal(ours(again), ours(trained))
 
@@ -252,8 +253,8 @@ def test_bad_export(gpt2, data_root, tmp_path, capsys):
     for argv, words in cases:
         rc, out, err = export(capsys, *argv)
         assert rc == 2 and out == "" and err.count("\n") == 1 and words in err, err
-    # the command line itself: checkpoint.py hands the export to pretrained.py
-    r = subprocess.run([sys.executable, "checkpoint.py", ckpt, "--to", "hf", str(tmp_path / "o"),
+    # the command line itself: python export.py
+    r = subprocess.run([sys.executable, "export.py", ckpt, "--to", "hf", str(tmp_path / "o"),
                         "--merge"], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 2 and r.stderr.startswith("checkpoint.py: error:"), r.stderr

@@ -97,7 +97,8 @@ def test_missing_checkpoint_cli(tmp_path):
     """The real command line: exit status 2 and one line, no traceback."""
     r = subprocess.run([sys.executable, "sample.py", "--out-dir", str(tmp_path / "nowhere")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert_one_line_error(r.returncode, r.stdout, r.stderr, "no checkpoint at", "python train.py --out-dir")
+    assert_one_line_error(r.returncode, r.stdout, r.stderr, "no checkpoint in", "ckpt-NNNNNNN",
+                          "python train.py --out-dir")
 
 
 def test_errors_in_process(ckpt, tmp_path, capsys):

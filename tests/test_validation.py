@@ -19,6 +19,7 @@ from safetensors import safe_open
 import checkpoint
 import hf
 import lora
+import export
 import pretrained
 import rundir
 import sample
@@ -286,7 +287,7 @@ def test_9_exports_check_model_args_and_write_only_the_models_names(runs, tmp_pa
     def refused(header, message):
         torch.save(header, ckpt)
         t0 = time.time()
-        assert pretrained.main([path, "--to", "safetensors", target]) == 2
+        assert export.main([path, "--to", "safetensors", target]) == 2
         assert time.time() - t0 < 1.0 and not os.path.exists(target)
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
@@ -299,7 +300,7 @@ def test_9_exports_check_model_args_and_write_only_the_models_names(runs, tmp_pa
              "crc": {**good["crc"], "evil.weight": {"master": validate.crc(extra)}}},
             "holds evil.weight, which this model lacks")
     torch.save(good, ckpt)
-    assert pretrained.main([path, "--to", "safetensors", target]) == 0
+    assert export.main([path, "--to", "safetensors", target]) == 0
 
 
 # ----------------------------------------------------------------------------------------------
