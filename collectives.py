@@ -16,7 +16,7 @@ Two rules come with a handle: wait() before reading the output, and know that th
 the input and output alive until wait() (NCCL stashes them) -- so a caller that launches many
 and waits late holds all of their buffers at once (zero.py bounds that: MAX_IN_FLIGHT).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -36,6 +36,7 @@ class Traffic:
     bytes_intra: int = 0  # of `bytes`, on groups inside one node
     bytes_inter: int = 0  # ... and on groups that span nodes
     node_size: int = 0  # ranks per node (0: every rank in one node)
+    by: dict = field(default_factory=dict)  # "all_gather/inter" -> bytes, and so on
 
     @property
     def elements(self):
@@ -45,10 +46,11 @@ class Traffic:
         """Add one collective: `kind` is the field its elements go to."""
         setattr(self, kind, getattr(self, kind) + elements)
         self.bytes += nbytes
-        if self.node_size == 0 or len({r // self.node_size for r in _ranks(group)}) == 1:
-            self.bytes_intra += nbytes
-        else:
-            self.bytes_inter += nbytes
+        intra = self.node_size == 0 or len({r // self.node_size for r in _ranks(group)}) == 1
+        link = "intra" if intra else "inter"
+        setattr(self, "bytes_" + link, getattr(self, "bytes_" + link) + nbytes)
+        key = f"{kind}/{link}"
+        self.by[key] = self.by.get(key, 0) + nbytes
 
 
 _group_ranks = {}  # group -> its global ranks, asked once

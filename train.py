@@ -322,7 +322,8 @@ def log_step(step, clock, cfg, model, zero, scaler, metrics, print0):
            "comm_theory_elements": traffic_formula(zero.psi, cfg.zero, world_size,
                                                    step["grad_accum"], zero.frozen_numel),
            "comm_bytes_intra": t.bytes_intra, "comm_bytes_inter": t.bytes_inter,
-           "comm_theory_bytes_intra": theory["intra"], "comm_theory_bytes_inter": theory["inter"]}
+           "comm_theory_bytes_intra": theory["intra"], "comm_theory_bytes_inter": theory["inter"],
+           "comm_by": t.by}  # bytes by collective and link
     if first and world_size > 1:  # the bytes of one step by link, beside the paper's volumes
         print0(f"traffic per step: {t.bytes_intra / 2**20:.2f} MiB inside nodes, "
                f"{t.bytes_inter / 2**20:.2f} MiB between nodes of {t.node_size or world_size} "
