@@ -31,6 +31,7 @@ from lora import apply_lora, parse_targets
 from model import GPT, GPTConfig
 from buckets import plan_buckets
 from zero import MAX_IN_FLIGHT, zero_formula
+from zeropp import parse_zeropp, working_bytes
 
 # stored bytes per quantized weight, as quant.py stores nf4 by default: two 4-bit codes per byte
 # and an fp32 absmax per block of 64 (4.5 bits). Not modelled: --double-quant, where quant.py
@@ -156,7 +157,7 @@ def shape_for(psi, vocab=50257, block=2048):
 
 def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_ckpt=False,
              lora_rank=0, lora_targets=("q", "v"), quantize=None, psi=None, bucket_mb=25.0, rank=0,
-             prefetch=True, fp32_grad_accum=False, device="cuda"):
+             prefetch=True, fp32_grad_accum=False, device="cuda", zeropp=(), node_size=0):
     """Everything one GPU holds. psi overrides the parameter count of cfg (then cfg only shapes the
     activations). Peak: model state + the larger of the forward/backward working set and the
     optimizer step's fp32 copy of this rank's gradient slice (16-bit only). The working set: the
@@ -186,6 +187,8 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
         else:
             block_bytes = E * math.ceil(block / N) * N
         gathered = E * math.ceil(root / N) * N + (2 if prefetch else 1) * block_bytes
+        if zeropp and buckets:  # ZeRO++'s second shards and code buffers (zeropp.py)
+            gathered += working_bytes(buckets[1:], N, node_size or N, E, zeropp)
     # stages 2-3 reduce from full-size temporaries; without the real buckets, buckets of the cap
     cap = int(bucket_mb * 2**20 / E) if stage == 2 else 12 * h * h + 13 * h
     sizes = buckets or [min(trainable, cap)] * 2
@@ -362,7 +365,8 @@ def print_estimate(e, cfg, gpu):
             ("model state", st["total"], "= ZeRO.state_bytes() at start-up"),
             ("activations", act["total"],
              f"{cfg.n_layer} layers x {fmt(act['per_layer'])} + the rest, below"),
-            ("ZeRO-3 gathered units", e["gathered"], "root + a block (+ the prefetched one)"),
+            ("ZeRO-3 gathered units", e["gathered"], "root + a block (+ the prefetched one)"
+             " (+ ZeRO++'s second shards and codes)"),
             ("loss head, transient", e["head"], "the logits' gradient + a chunk (loss.py)"),
             ("reductions in flight", e["in_flight"], "stages 2-3: two buckets' temporaries"),
             ("step: fp32 grad slice", e["step"], "in the optimizer step, activations freed"),
@@ -395,7 +399,8 @@ def main(argv=None):
     accum = grad_accum_for(replace(tc, batch_size=batch, block_size=cfg.block_size), a.world_size)
     e = estimate(cfg, a.world_size, tc.zero, tc.dtype, batch, cfg.block_size, tc.grad_ckpt, r,
                  targets, tc.quantize or None, psi, tc.bucket_mb,
-                 fp32_grad_accum=tc.fp32_grad_accum and accum > 1)
+                 fp32_grad_accum=tc.fp32_grad_accum and accum > 1,
+                 zeropp=parse_zeropp(tc.zeropp), node_size=tc.node_size)
     extras = ((", --grad-ckpt" if tc.grad_ckpt else "") + (f", LoRA r={r} on {tc.lora_targets}"
               if r else "") + (f", {tc.quantize} base" if tc.quantize else ""))
     print(f"GPT: {e['psi']:,} parameters (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, "

@@ -276,3 +276,21 @@ def link_theory(zero, zeropp, qgz_bits, grad_accum=1):
     out = expected_by_link(zero.psi, zero.world_size, node_size, parse_zeropp(zeropp),
                            qgz_bits=qgz_bits, dtype_bytes=e, reduce_bytes=g)
     return {link: round(v * grad_accum) for link, v in out.items()}
+
+
+def working_bytes(block_numels, world_size, node_size, dtype_bytes, parts):
+    """What ZeRO++ gathers beyond ZeRO-3's root and blocks (memory.py's estimate; held to the
+    measured peak by the tests): hpZ's second shards, 1/k of every block's padded buffer, all
+    kept at the end of the forward (2Ψ/k in 16 bits); qwZ's code buffers while a gather is in
+    flight, this rank's codes and every rank's (N + 1 rows): one block's at a time, as the
+    block in use has landed before the next is prefetched. An upper bound: the second shards
+    are all there only once the last block's forward is done."""
+    N, out = world_size, 0
+    padded = [-(-n // N) * N for n in block_numels]
+    if "hpz" in parts:
+        out += sum(dtype_bytes * n // node_size for n in padded)
+    if "qwz" in parts and N > 1 and padded:
+        S = max(padded) // N
+        row = -(-S // QWZ_BLOCK) * (QWZ_BLOCK + 4)  # int8 codes (padded) + fp32 scales
+        out += (N + 1) * row
+    return out

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 import configurator
+import memory
+import zeropp
 import train
 from collectives import Traffic, all_gather_params
 from conftest import run_distributed, run_train, zero_step
@@ -156,6 +158,10 @@ def check_bytes_by_link(rank, world_size):
     assert inter[(("hpz",), 4)] < 0.7 * plain  # no backward gather crosses nodes
 
 
+def est_blocks():
+    return memory.bucket_sizes(memory.param_numels(GPTConfig(**CFG)), 3, "bf16")[1:]
+
+
 def check_memory(rank, world_size):
     """The start-up state equals ZeRO-3's; after a forward, hpZ holds 1/k of every block's
     16-bit weights more (2Ψ/k), counted in weight_bytes() and the peak gathered bytes."""
@@ -172,6 +178,12 @@ def check_memory(rank, world_size):
     assert zero.peak_gathered_bytes >= second + gathered
     zero.backward(loss)
     assert zero.weight_bytes() == plain.weight_bytes() and zero.gathered_bytes == 0
+    # memory.py's working set: ZeRO-3's root and two blocks, every second shard, one block's
+    # codes in flight: an upper bound, within one second shard of the measured peak
+    est = memory.estimate(GPTConfig(**CFG), world_size, 3, "bf16", zeropp=ALL, node_size=2)
+    one = zeropp.working_bytes(est_blocks()[:1], world_size, 2, 2, ("hpz",))
+    assert est["gathered"] - one <= zero.peak_gathered_bytes <= est["gathered"], \
+        (est["gathered"], zero.peak_gathered_bytes, one)
 
 
 def check_lora_and_fp16(rank, world_size):
