@@ -242,8 +242,8 @@ def expected_bytes(psi, world_size, node_size, parts=(), qgz_bits=4, dtype_bytes
     e, g = dtype_bytes, reduce_bytes or dtype_bytes
     q8 = psi * (1 + 4 / QWZ_BLOCK)  # int8 codes + an fp32 scale per block
     out = {("forward gather", world): q8 if "qwz" in parts else e * psi}
-    if "hpz" in parts:
-        out[("backward gather", "intra")] = e * psi
+    if "hpz" in parts:  # a node of one rank re-gathers by a local copy
+        out[("backward gather", "intra")] = e * psi if k > 1 else 0
     else:
         out[("backward gather", world)] = q8 if "qwz" in parts else e * psi
     if "qgz" in parts:

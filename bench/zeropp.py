@@ -128,7 +128,8 @@ def tables(found, seeds, args):
                        expected_bytes(psi, RANKS, NODE, ("qwz", "hpz", "qgz")).items())
     numbers = (f"Ψ = {psi:,} (the CPU demo model), {args.dtype}, 4 ranks as 2 nodes x 2, one "
                f"micro-step a step; bytes of one step of one rank, as collectives.Traffic counts "
-               f"them. Expected (zeropp.expected_bytes, the paper's volumes in our counting) for all three with int4: {theory}.\n\n"
+               f"them. Expected for all three with int4 (zeropp.expected_bytes: the paper's "
+               f"volumes, counted as we count): {theory}.\n\n"
                f"**Estimate, not a measurement**: the measured bytes per parameter scaled to "
                f"each model, on {GPUS_PER_NODE} GPUs a node at {NVLINK_GBS:.0f} GB/s NVLink "
                f"per GPU, the node's cross-node bytes ({GPUS_PER_NODE} GPUs' worth) through one "
