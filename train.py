@@ -325,9 +325,10 @@ def log_step(step, clock, cfg, model, zero, scaler, metrics, print0):
            "comm_theory_bytes_intra": theory["intra"], "comm_theory_bytes_inter": theory["inter"],
            "comm_by": t.by}  # bytes by collective and link
     if first and world_size > 1:  # the bytes of one step by link, beside the paper's volumes
-        print0(f"traffic per step: {t.bytes_intra / 2**20:.2f} MiB inside nodes, "
-               f"{t.bytes_inter / 2**20:.2f} MiB between them, {t.node_size or world_size} "
-               f"ranks a node (theory {theory['intra'] / 2**20:.2f} | {theory['inter'] / 2**20:.2f})")
+        mib = lambda n: "?" if n is None else f"{n / 2**20:.2f}"  # no theory below stage 3
+        print0(f"traffic per step: {mib(t.bytes_intra)} MiB inside nodes, "
+               f"{mib(t.bytes_inter)} MiB between them, {t.node_size or world_size} ranks a "
+               f"node (theory {mib(theory['intra'])} | {mib(theory['inter'])})")
     print0(f"iter {it}: loss {row['loss']:.4f}, lr {row['lr']:.2e}, {row['ms']:.1f} ms, "
            f"{tps:,.0f} tok/s" + (f", mfu {clock['mfu'] * 100:.2f}%" if clock["mfu"] else "")
            + (f", inf/NaN gradient: step skipped (loss scale now {row['loss_scale']:g})"
