@@ -273,8 +273,22 @@ def link_theory(zero, zeropp, qgz_bits, grad_accum=1):
     node_size = zero.traffic.node_size or zero.world_size
     e = torch.tensor([], dtype=zero.dtype).element_size()
     g = torch.tensor([], dtype=zero.reduce_dtype).element_size()
-    out = expected_by_link(zero.psi, zero.world_size, node_size, parse_zeropp(zeropp),
-                           qgz_bits=qgz_bits, dtype_bytes=e, reduce_bytes=g)
+    parts = parse_zeropp(zeropp)
+    out = expected_by_link(zero.psi, zero.world_size, node_size, parts, qgz_bits=qgz_bits,
+                           dtype_bytes=e, reduce_bytes=g)
+    world = "inter" if zero.world_size > node_size else "intra"
+    for unit in zero.all_units:  # a frozen base: gathered in forward and (not the root) backward
+        for b in (b for b in unit.buckets if b.frozen):
+            raw = b.numel * b.flat.element_size()
+            codes = "qwz" in parts and b.flat.dtype == zero.dtype and \
+                all(isinstance(t, torch.nn.Parameter) for t in b.params)
+            out[world] += b.numel * (1 + 4 / QWZ_BLOCK) if codes else raw
+            if unit.root:
+                continue
+            if "hpz" in parts:
+                out["intra"] += raw if node_size > 1 else 0
+            else:
+                out[world] += b.numel * (1 + 4 / QWZ_BLOCK) if codes else raw
     return {link: round(v * grad_accum) for link, v in out.items()}
 
 
