@@ -57,9 +57,9 @@ _group_ranks = {}  # group -> its global ranks, asked once
 
 
 def _ranks(group):
+    group = dist.group.WORLD if group is None else group  # a re-init: a new default group
     if group not in _group_ranks:
-        _group_ranks[group] = (range(dist.get_world_size()) if group is None
-                               else dist.get_process_group_ranks(group))
+        _group_ranks[group] = dist.get_process_group_ranks(group)
     return _group_ranks[group]
 
 
