@@ -290,3 +290,17 @@ def test_a_node_size_that_does_not_divide_the_world_is_one_line():
     cfg = configurator.parse_args(["--zero", "3", "--zeropp", "hpz", "--node-size", "3"])
     with pytest.raises(configurator.ConfigError, match="does not divide the world size 2"):
         train.build(cfg, 65, torch.device("cpu"), torch.float32, 0, 2)
+
+
+def test_bench_tables_from_measured_bytes():
+    """bench.zeropp's tables from made-up runs: the ratio to ZeRO-3 is of inter-node bytes, and
+    the cluster estimate is labelled as one."""
+    from types import SimpleNamespace
+    from bench import zeropp as bench
+    psi = 1000
+    by = {"ZeRO-3": {"all_gather/inter": 4 * psi, "reduce_scatter/inter": 2 * psi}}
+    found = {(name, 1): (by.get(name, {"all_gather/inter": 600, "all_gather/intra": 2000}),
+                         2.0, 100.0, psi) for name, _, _ in bench.ROWS}
+    body, numbers = bench.tables(found, [1], SimpleNamespace(steps=200, seeds="1", dtype="bf16"))
+    assert "| all (int4) | 1 | 2 | 0 | 0 | 0 | 0.100 | 0.216 |" in body
+    assert "**Estimate, not a measurement**" in numbers
