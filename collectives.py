@@ -5,14 +5,18 @@ makes a process group.
 Traffic is counted in elements, as the ZeRO paper counts it (Rajbhandari et al. 2019, Sec. 7),
 and in bytes, which follow the dtype on the wire (--reduce-dtype for gradients). An all-reduce
 of n elements moves 2n (a reduce-scatter half and an all-gather half), a reduce-scatter or an
-all-gather of an n-element buffer moves n. On one rank there is nothing to move: local copies.
+all-gather of an n-element buffer moves n, an all-to-all its n-element input. On one rank
+there is nothing to move: local copies.
+
+Bytes are split by link: a collective on a group whose ranks all sit in one node (node_size
+consecutive ranks) counts as intra-node, any other as inter-node. node_size 0: one node.
 
 Every collective here is launched asynchronously and returns its work handle (None on one rank).
 Two rules come with a handle: wait() before reading the output, and know that the backend keeps
 the input and output alive until wait() (NCCL stashes them) -- so a caller that launches many
 and waits late holds all of their buffers at once (zero.py bounds that: MAX_IN_FLIGHT).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -27,18 +31,42 @@ class Traffic:
     all_reduce: int = 0
     reduce_scatter: int = 0
     all_gather: int = 0
+    all_to_all: int = 0  # ZeRO++'s quantized gradients (zeropp.py)
     bytes: int = 0
+    bytes_intra: int = 0  # of `bytes`, on groups inside one node
+    bytes_inter: int = 0  # ... and on groups that span nodes
+    node_size: int = 0  # ranks per node (0: every rank in one node)
+    by: dict = field(default_factory=dict)  # "all_gather/inter" -> bytes, and so on
 
     @property
     def elements(self):
-        return self.all_reduce + self.reduce_scatter + self.all_gather
+        return self.all_reduce + self.reduce_scatter + self.all_gather + self.all_to_all
+
+    def count(self, kind, elements, nbytes, group=None):
+        """Add one collective: `kind` is the field its elements go to."""
+        setattr(self, kind, getattr(self, kind) + elements)
+        self.bytes += nbytes
+        intra = self.node_size == 0 or len({r // self.node_size for r in _ranks(group)}) == 1
+        link = "intra" if intra else "inter"
+        setattr(self, "bytes_" + link, getattr(self, "bytes_" + link) + nbytes)
+        key = f"{kind}/{link}"
+        self.by[key] = self.by.get(key, 0) + nbytes
+
+
+_group_ranks = {}  # group -> its global ranks, asked once
+
+
+def _ranks(group):
+    group = dist.group.WORLD if group is None else group  # a re-init: a new default group
+    if group not in _group_ranks:
+        _group_ranks[group] = dist.get_process_group_ranks(group)
+    return _group_ranks[group]
 
 
 def all_reduce_grads(flat, traffic, world_size, group=None):
     if world_size == 1:
         return None
-    traffic.all_reduce += 2 * flat.numel()
-    traffic.bytes += 2 * flat.numel() * flat.element_size()
+    traffic.count("all_reduce", 2 * flat.numel(), 2 * flat.numel() * flat.element_size(), group)
     # SUM and an explicit division elsewhere, never ReduceOp.AVG (not supported on gloo)
     return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
@@ -47,8 +75,7 @@ def reduce_scatter_grads(shard, flat, traffic, world_size, group=None):
     if world_size == 1:
         shard.copy_(flat)
         return None
-    traffic.reduce_scatter += flat.numel()
-    traffic.bytes += flat.numel() * flat.element_size()
+    traffic.count("reduce_scatter", flat.numel(), flat.numel() * flat.element_size(), group)
     # gloo has no native reduce-scatter: it runs an all-reduce and keeps one slice, so on CPU
     # this half costs what a whole all-reduce costs. NCCL's ring does only the reduce half.
     return _reduce_scatter(shard, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -58,8 +85,7 @@ def all_gather_params(flat, shard, traffic, world_size, group=None):
     if world_size == 1:
         flat.copy_(shard)
         return None
-    traffic.all_gather += flat.numel()
-    traffic.bytes += flat.numel() * flat.element_size()
+    traffic.count("all_gather", flat.numel(), flat.numel() * flat.element_size(), group)
     return _all_gather(flat, shard, group=group, async_op=True)
 
 
@@ -69,6 +95,17 @@ def all_gather_object(obj, world_size):
     if world_size > 1:
         dist.all_gather_object(out, obj)
     return out
+
+
+def all_to_all(out, inp, traffic, group_size, group=None):
+    """Chunk i of inp (inp.numel() / group_size elements) goes to the group's i-th rank, which
+    puts it at chunk [this rank] of its out. gloo runs it on CPU tensors of any dtype (int8
+    and uint8 codes included, checked on torch 2.13)."""
+    if group_size == 1:
+        out.copy_(inp)
+        return None
+    traffic.count("all_to_all", inp.numel(), inp.numel() * inp.element_size(), group)
+    return dist.all_to_all_single(out, inp, group=group, async_op=True)
 
 
 def all_reduce_sum(x, world_size, group=None):
@@ -104,3 +141,29 @@ def gather_group(group, device, world_size):
         backend = "nccl" if device.type == "cuda" else dist.get_backend(group)
         _gather_groups[key] = dist.new_group(ranks=ranks, backend=backend)
     return _gather_groups[key]
+
+
+# ----------------------------------------------------------------------------------------------
+# Node groups (ZeRO++'s hierarchy, zeropp.py). Ranks r = node * k + local, k ranks per node.
+# Every rank must call dist.new_group for every subgroup, in the same order, even for the
+# groups it is not in: so all of them are made at once, once per process.
+
+_node_groups = {}  # (the default group, world size, k) -> (this rank's node group, cross group)
+
+
+def node_groups(world_size, node_size, rank):
+    """(the group of this rank's node, the group of the ranks with its local rank on every
+    node). A group of one rank, or the whole world, is None: nothing to make."""
+    key = (dist.group.WORLD, world_size, node_size)
+    if key not in _node_groups:
+        k, nodes = node_size, world_size // node_size
+        mine = [None, None]
+        if 1 < k < world_size:
+            for m in range(nodes):
+                g = dist.new_group(ranks=list(range(m * k, (m + 1) * k)))
+                mine[0] = g if rank // k == m else mine[0]
+            for j in range(k):
+                g = dist.new_group(ranks=list(range(j, world_size, k)))
+                mine[1] = g if rank % k == j else mine[1]
+        _node_groups[key] = tuple(mine)
+    return _node_groups[key]

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from lora import parse_targets
+from zeropp import parse_zeropp
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -108,6 +109,11 @@ class TrainConfig:
     zero: int = opt(0, "ZeRO stage: 0 data parallel, 1 shard optimizer, 2 +gradients, "
                        "3 +parameters")
     prefetch: bool = opt(True, "ZeRO-3: gather the next unit while this one computes")
+    zeropp: str = opt("", "ZeRO++ on stage 3 (zeropp.py), any of qwz,hpz,qgz: int8 weight "
+                          "gathers, a node-local second shard, quantized gradients")
+    node_size: int = opt(0, "ranks per node, for ZeRO++ and the traffic by link "
+                            "(0 = torchrun's LOCAL_WORLD_SIZE, else all ranks)")
+    qgz_bits: int = opt(4, "ZeRO++ qgz: 4 | 8 bits per gradient element on the wire")
     grad_ckpt: bool = opt(False, "activation checkpointing: recompute each block in backward")
     compile: bool = opt(False, "torch.compile each block's forward and the loss head")
     bucket_mb: float = opt(25.0, "gradient bucket size in MiB for overlapped communication")
@@ -251,6 +257,15 @@ def check_config(cfg):
         raise ConfigError("--quantize stores a frozen base: it needs --lora")
     if cfg.double_quant and cfg.quantize != "nf4":
         raise ConfigError("--double-quant quantizes nf4's block scales: it needs --quantize nf4")
+    if cfg.zeropp:
+        try:
+            parse_zeropp(cfg.zeropp)
+        except ValueError as e:
+            raise ConfigError(str(e))
+        if cfg.zero != 3:
+            raise ConfigError(f"--zeropp {cfg.zeropp} extends ZeRO stage 3: add --zero 3")
+    if cfg.qgz_bits not in (4, 8) or cfg.node_size < 0:
+        raise ConfigError("--qgz-bits is 4 or 8, --node-size at least 0")
     if cfg.lora:
         try:
             parse_targets(cfg.lora_targets)

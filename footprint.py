@@ -22,6 +22,7 @@ from buckets import plan_buckets
 from lora import apply_lora
 from model import GPT
 from zero import MAX_IN_FLIGHT, zero_formula
+from zeropp import working_bytes
 
 # stored bytes per quantized weight, as quant.py stores nf4 by default: two 4-bit codes per byte
 # and an fp32 absmax per block of 64 (4.5 bits). Not modelled: --double-quant, where quant.py
@@ -158,7 +159,8 @@ def model_state_report(zero, world_size):
 
 def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_ckpt=False,
              lora_rank=0, lora_targets=("q", "v"), quantize=None, psi=None, bucket_mb=25.0, rank=0,
-             prefetch=True, fp32_grad_accum=False, device="cuda", optimizer="adamw", build=None):
+             prefetch=True, fp32_grad_accum=False, device="cuda", optimizer="adamw", build=None,
+             zeropp=(), node_size=0):
     """Everything one GPU holds, counted on the model cfg describes (model.py's GPT, or
     build(cfg)'s, built shapes-only). psi overrides its parameter count (then cfg only shapes
     the activations). Peak: model state + the larger of the forward/backward working set and the
@@ -192,6 +194,8 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
         else:
             block_bytes = E * math.ceil(block / N) * N
         gathered = E * math.ceil(root / N) * N + (2 if prefetch else 1) * block_bytes
+        if zeropp and buckets:  # ZeRO++'s second shards and code buffers (zeropp.py)
+            gathered += working_bytes(buckets[1:], N, node_size or N, E, zeropp)
     # stages 2-3 reduce from full-size temporaries; without the real buckets, buckets of the cap
     cap = int(bucket_mb * 2**20 / E) if stage == 2 else 12 * h * h + 13 * h
     sizes = buckets or [min(trainable, cap)] * 2

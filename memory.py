@@ -21,6 +21,7 @@ from configurator import ConfigError, config_from, grad_accum_for, load_preset, 
 from footprint import estimate
 from lora import parse_targets
 from model import GPTConfig
+from zeropp import parse_zeropp
 
 HEADROOM = 0.10  # fraction of the GPU kept free for what the estimate leaves out
 GB = 1e9
@@ -239,7 +240,8 @@ def print_estimate(e, cfg, gpu):
             ("model state", st["total"], "= ZeRO.state_bytes() at start-up"),
             ("activations", act["total"],
              f"{cfg.n_layer} layers x {fmt(act['per_layer'])} + the rest, below"),
-            ("ZeRO-3 gathered units", e["gathered"], "root + a block (+ the prefetched one)"),
+            ("ZeRO-3 gathered units", e["gathered"], "root + a block (+ the prefetched one)"
+             " (+ ZeRO++'s second shards and codes)"),
             ("loss head, transient", e["head"], "the logits' gradient + a chunk (loss.py)"),
             ("reductions in flight", e["in_flight"], "stages 2-3: two buckets' temporaries"),
             ("step: fp32 grad slice", e["step"], "in the optimizer step, activations freed"),
@@ -277,7 +279,8 @@ def main(argv=None):
     accum = grad_accum_for(replace(tc, batch_size=batch, block_size=cfg.block_size), a.world_size)
     e = estimate(cfg, a.world_size, tc.zero, tc.dtype, batch, cfg.block_size, tc.grad_ckpt, r,
                  targets, tc.quantize or None, psi, tc.bucket_mb,
-                 fp32_grad_accum=tc.fp32_grad_accum and accum > 1)
+                 fp32_grad_accum=tc.fp32_grad_accum and accum > 1,
+                 zeropp=parse_zeropp(tc.zeropp), node_size=tc.node_size)
     extras = ((", --grad-ckpt" if tc.grad_ckpt else "") + (f", LoRA r={r} on {tc.lora_targets}"
               if r else "") + (f", {tc.quantize} base" if tc.quantize else ""))
     print(f"GPT: {e['psi']:,} parameters (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, "

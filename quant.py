@@ -48,10 +48,21 @@ def nf4_code():
     return (v.sort().values / v.max()).float()  # (16,), [7] == 0
 
 
+def absmax_quantize(x, qmax=127):
+    """Symmetric absmax quantization of each row (the last dim) to integers in [-qmax, qmax]:
+    x ~= q * scale, scale = absmax / qmax, so |x - q * scale| <= scale / 2 = absmax / (2 qmax).
+    Returns (q int8, scale fp32 with the last dim dropped). A row holding an inf or a NaN gets
+    a non-finite scale, so it decodes to inf / NaN again (0 * inf is NaN): an overflow check
+    after dequantization still sees it. The one source of blockwise codes: LLM.int8()'s rows
+    here, ZeRO++'s blocks in zeropp.py (qmax 127 for int8, 7 for int4)."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / qmax
+    q = torch.round(x.float() / scale).clamp(-qmax, qmax).nan_to_num(0.0)
+    return q.to(torch.int8), scale.squeeze(-1)
+
+
 def _absmax_int8(x):
     """Symmetric absmax quantization of each row to [-127, 127]: x ~= q * scale."""
-    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
-    return torch.round(x / scale).to(torch.int8), scale.squeeze(-1)
+    return absmax_quantize(x, 127)
 
 
 def _log_codes(absmax, group=256):

@@ -46,6 +46,7 @@ from rundir import RunDirError
 from validate import vocab_id
 from zero import ZeRO, replica_digest, traffic_formula
 from zero3 import ZeRO3
+from zeropp import ZeROpp, default_node_size, link_theory, parse_zeropp
 
 
 def init_distributed(cfg):
@@ -121,8 +122,14 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, in
             quantize_base(model, cfg.quantize, cfg.double_quant)
     if cfg.compile:  # each block's whole forward, and the loss head: see compile_model
         compile_model(model)
-    Engine = ZeRO3 if cfg.zero == 3 else ZeRO
+    node_size = cfg.node_size or default_node_size(world_size)  # ranks per node
+    if world_size % node_size:
+        raise ConfigError(f"--node-size {node_size} does not divide the world size {world_size}")
+    Engine = ZeROpp if cfg.zeropp else ZeRO3 if cfg.zero == 3 else ZeRO
     extra = {"prefetch": cfg.prefetch} if cfg.zero == 3 else {}
+    if cfg.zeropp:
+        extra.update(zeropp=parse_zeropp(cfg.zeropp), node_size=node_size,
+                     qgz_bits=cfg.qgz_bits)
     zero = Engine(model, cfg.zero, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
                   weight_decay=cfg.weight_decay, bucket_mb=cfg.bucket_mb, rank=rank,
                   world_size=world_size, fp32_grad_accum=cfg.fp32_grad_accum and grad_accum > 1
@@ -134,6 +141,7 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, in
     fixed = 1.0 if scale == "none" else None if scale == "dynamic" else float(scale)
     scaler = GradScaler(init_scale=fixed or 2.0**16, dynamic=fixed is None,
                         min_scale=cfg.min_loss_scale, device=device)
+    zero.traffic.node_size = node_size  # bytes by link (collectives.Traffic)
     torch.manual_seed(cfg.seed + rank)  # dropout: different masks on different ranks
     return model, zero, scaler
 
@@ -249,7 +257,7 @@ def main(argv=None):
             break
         lr = get_lr(it, cfg)
         logging = it % cfg.log_interval == 0 or it == cfg.max_iters - 1
-        zero.traffic = Traffic()  # count this step's collectives
+        zero.traffic = Traffic(node_size=zero.traffic.node_size)  # this step's collectives
         loss_sum = torch.zeros((), device=device)
         # -- forward and backward, micro-step by micro-step -----------------------------------
         for micro in range(grad_accum):
@@ -320,7 +328,9 @@ def log_step(step, clock, cfg, model, zero, scaler, metrics, print0):
     mfu = model.estimate_mfu(tps / world_size, step["peak"]) if clock["warm"] else None
     if mfu is not None:  # a running average, as nanoGPT keeps it; None without a known peak
         clock["mfu"] = mfu if clock["mfu"] is None else 0.9 * clock["mfu"] + 0.1 * mfu
+    first = not clock["warm"]
     clock.update(t=time.time(), it=it + 1, warm=True)
+    t, theory = zero.traffic, link_theory(zero, cfg.zeropp, cfg.qgz_bits, step["grad_accum"])
     row = {"iter": it, "loss": all_reduce_sum(step["loss_sum"], world_size).item() / world_size,
            "lr": step["lr"], "ms": dt * 1000, "tokens_per_sec": tps, "mfu": clock["mfu"],
            "loss_scale": scaler.get_scale(), "skipped": bool(step["found_inf"].item()),
@@ -328,7 +338,10 @@ def log_step(step, clock, cfg, model, zero, scaler, metrics, print0):
            "cuda_max_mem": torch.cuda.max_memory_allocated(device) if device.type == "cuda"
            else None, "comm_elements": zero.traffic.elements, "comm_bytes": zero.traffic.bytes,
            "comm_theory_elements": traffic_formula(zero.psi, cfg.zero, world_size,
-                                                   step["grad_accum"], zero.frozen_numel)}
+                                                   step["grad_accum"], zero.frozen_numel),
+           "comm_bytes_intra": t.bytes_intra, "comm_bytes_inter": t.bytes_inter,
+           "comm_theory_bytes_intra": theory["intra"], "comm_theory_bytes_inter": theory["inter"],
+           "comm_by": t.by}  # bytes by collective and link
     eta = (cfg.max_iters - it - 1) * dt  # at this interval's pace
     print0(f"iter {it}/{cfg.max_iters}: loss {row['loss']:.4f}, lr {row['lr']:.2e}, "
            f"{row['ms']:.1f} ms, {tps:,.0f} tok/s"
@@ -336,12 +349,14 @@ def log_step(step, clock, cfg, model, zero, scaler, metrics, print0):
            + f", ETA {int(eta // 60)}m{int(eta % 60):02d}s"
            + (f", inf/NaN gradient: step skipped (loss scale now {row['loss_scale']:g})"
               if row["skipped"] else ""))
-    if not clock.get("traffic_shown") and world_size > 1:  # the lecture's number, measured
-        clock["traffic_shown"] = True
-        psi, theory = zero.psi, row["comm_theory_elements"]
+    if first and world_size > 1:  # the lecture's numbers, measured, beside the paper's
+        psi, mib = zero.psi, (lambda n: "?" if n is None else f"{n / 2**20:.2f}")
         print0(f"traffic per step and rank: {row['comm_elements'] / psi:.2f}Ψ measured "
-               f"({row['comm_bytes'] / 2**20:.2f} MiB), {theory / psi:.2f}Ψ in the ZeRO paper"
-               f" (Ψ = {psi:,})")
+               f"({mib(row['comm_bytes'])} MiB), {row['comm_theory_elements'] / psi:.2f}Ψ in "
+               f"the ZeRO paper (Ψ = {psi:,})")
+        print0(f"  by link: {mib(t.bytes_intra)} MiB inside nodes, {mib(t.bytes_inter)} MiB "
+               f"between them, {t.node_size or world_size} ranks a node (theory "
+               f"{mib(theory['intra'])} | {mib(theory['inter'])})")
     metrics.log(row)
 
 

@@ -124,14 +124,19 @@ class ZeRO3(ZeRO):
                 b.allocate()
                 self.gathered_bytes += b.flat.numel() * b.flat.element_size()
                 self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-                b.arriving = all_gather_params(b.flat, b.shard, self.traffic, self.world_size,
-                                               self.gather_group)
+                b.arriving = self._launch_gather(b)
                 b.gathered = b.arriving is None  # one rank: a local copy, already there
         if wait:
             for b in unit.buckets:
                 if b.arriving is not None:
                     b.arriving.wait()
                     b.arriving, b.gathered = None, True
+
+    def _launch_gather(self, b):
+        """(2) and (5): the all-gather of b's shards into its full buffer (zeropp.py changes
+        where it comes from and in what codes). Returns its work handle, None when done."""
+        return all_gather_params(b.flat, b.shard, self.traffic, self.world_size,
+                                 self.gather_group)
 
     def _free(self, buckets):
         for b in buckets:
