@@ -50,12 +50,21 @@ def test_max_iters_alone_sets_the_decay_and_presets_keep_theirs():
     assert cfg.lr_decay_iters == 600000  # the preset sets its own schedule
 
 
-def test_two_ranks_print_the_traffic_beside_the_paper(data_root, tmp_path, capfd):
+def console_to_file(main, argv):
+    """Each rank's console into OUT_DIR/console-RANK.txt (forked ranks write to the fork
+    server's own stdout, which pytest's capture does not see)."""
+    import contextlib
+    path = os.path.join(argv[argv.index("--out-dir") + 1], f"console-{os.environ['RANK']}.txt")
+    with open(path, "w") as f, contextlib.redirect_stdout(f):
+        main(argv)
+
+
+def test_two_ranks_print_the_traffic_beside_the_paper(data_root, tmp_path):
     run_train(["--device", "cpu", "--data-root", data_root, "--dataset", "tiny", "--n-layer", "1",
                "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--batch-size", "2",
                "--max-iters", "2", "--eval-iters", "1", "--log-interval", "1", "--zero", "2",
-               "--out-dir", str(tmp_path)], 2)
-    out = capfd.readouterr().out
+               "--out-dir", str(tmp_path)], 2, console_to_file)
+    out = "".join(open(tmp_path / f"console-{r}.txt").read() for r in range(2))
     assert out.count("traffic per step and rank") == 1  # once, by rank 0
     assert "Ψ measured" in out and "in the ZeRO paper" in out
 

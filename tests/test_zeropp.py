@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import configurator
-import memory
+import footprint
 import zeropp
 import train
 from collectives import Traffic, all_gather_params
@@ -161,7 +161,7 @@ def check_bytes_by_link(rank, world_size):
 
 
 def est_blocks():
-    return memory.bucket_sizes(memory.param_numels(GPTConfig(**CFG)), 3, "bf16")[1:]
+    return footprint.bucket_sizes(footprint.param_numels(GPTConfig(**CFG)), 3, "bf16")[1:]
 
 
 def check_memory(rank, world_size):
@@ -182,7 +182,7 @@ def check_memory(rank, world_size):
     assert zero.weight_bytes() == plain.weight_bytes() and zero.gathered_bytes == 0
     # memory.py's working set: ZeRO-3's root and two blocks, every second shard, one block's
     # codes in flight: an upper bound, within one second shard of the measured peak
-    est = memory.estimate(GPTConfig(**CFG), world_size, 3, "bf16", zeropp=ALL, node_size=2)
+    est = footprint.estimate(GPTConfig(**CFG), world_size, 3, "bf16", zeropp=ALL, node_size=2)
     one = zeropp.working_bytes(est_blocks()[:1], world_size, 2, 2, ("hpz",))
     assert est["gathered"] - one <= zero.peak_gathered_bytes <= est["gathered"], \
         (est["gathered"], zero.peak_gathered_bytes, one)
