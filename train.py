@@ -354,9 +354,10 @@ def log_step(step, clock, cfg, model, zero, scaler, metrics, print0):
         print0(f"traffic per step and rank: {row['comm_elements'] / psi:.2f}Ψ measured "
                f"({mib(row['comm_bytes'])} MiB), {row['comm_theory_elements'] / psi:.2f}Ψ in "
                f"the ZeRO paper (Ψ = {psi:,})")
-        print0(f"  by link: {mib(t.bytes_intra)} MiB inside nodes, {mib(t.bytes_inter)} MiB "
-               f"between them, {t.node_size or world_size} ranks a node (theory "
-               f"{mib(theory['intra'])} | {mib(theory['inter'])})")
+        if theory["intra"] is not None:  # ZeRO-3 and ZeRO++: the volumes by link
+            print0(f"  by link: {mib(t.bytes_intra)} MiB inside nodes, {mib(t.bytes_inter)} "
+                   f"MiB between them, {t.node_size or world_size} ranks a node (theory "
+                   f"{mib(theory['intra'])} | {mib(theory['inter'])})")
     metrics.log(row)
 
 

@@ -76,7 +76,8 @@ def run_ours(steps, out_dir, compile=False):
     """Our train.py on the same recipe (config/shakespeare_char_cpu.py is it), logging every
     step as nanoGPT does here: {iter: (loss, ms)}."""
     rows = run_train(["--config", "config/shakespeare_char_cpu.py", "--device", "cpu",
-                      "--log-interval", "1", "--max-iters", str(steps)]
+                      "--log-interval", "1", "--max-iters", str(steps),
+                      "--lr-decay-iters", "2000"]  # nanoGPT's schedule, as RECIPE sets it
                      + (["--compile"] if compile else []), out_dir)
     return {r["iter"]: (r["loss"], r["ms"]) for r in rows if "ms" in r}
 
