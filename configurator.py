@@ -99,6 +99,11 @@ class TrainConfig:
     zero: int = opt(0, "ZeRO stage: 0 data parallel, 1 shard optimizer, 2 +gradients, "
                        "3 +parameters")
     prefetch: bool = opt(True, "ZeRO-3: gather the next unit while this one computes")
+    fp8: bool = opt(False, "the blocks' linears in FP8 (E4M3 / E5M2 matmuls, fp8.py); "
+                           "needs --bf16")
+    fp8_scaling: str = opt("dynamic", "dynamic (scale from this tensor's amax) | delayed "
+                                      "(from the amax history of the last steps)")
+    fp8_amax_history: int = opt(16, "--fp8-scaling delayed: steps of amax history")
     grad_ckpt: bool = opt(False, "activation checkpointing: recompute each block in backward")
     compile: bool = opt(False, "torch.compile each block's forward and the loss head")
     bucket_mb: float = opt(25.0, "gradient bucket size in MiB for overlapped communication")
@@ -194,7 +199,7 @@ def check_config(cfg):
     """Cross-field checks that need no data, model or process group."""
     choices = {"dtype": ("fp32", "bf16", "fp16"), "device": ("auto", "cpu", "cuda"),
                "zero": (0, 1, 2, 3), "ckpt_format": ("consolidated", "sharded"),
-               "quantize": ("", "int8", "nf4"),
+               "quantize": ("", "int8", "nf4"), "fp8_scaling": ("dynamic", "delayed"),
                "reduce_dtype": ("auto", "fp32", "bf16", "fp16")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
@@ -218,6 +223,12 @@ def check_config(cfg):
         raise ConfigError("--save-interval and --batch-tokens must not be negative")
     if (cfg.quantize or cfg.double_quant) and not cfg.lora:
         raise ConfigError("--quantize stores a frozen base: it needs --lora")
+    if cfg.fp8 and cfg.dtype != "bf16":
+        raise ConfigError(f"--fp8 computes around bf16 working weights: add --bf16 "
+                          f"(not --dtype {cfg.dtype})")
+    if cfg.fp8 and (cfg.quantize or cfg.fp8_amax_history < 1):
+        raise ConfigError("--fp8 needs --fp8-amax-history >= 1 and no --quantize "
+                          "(a quantized base would be quantized twice)")
     if cfg.double_quant and cfg.quantize != "nf4":
         raise ConfigError("--double-quant quantizes nf4's block scales: it needs --quantize nf4")
     if cfg.lora:

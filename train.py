@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import fp8
 import pretrained
 from checkpoint import CheckpointError
 from configurator import ConfigError, grad_accum_for, parse_args
@@ -112,6 +113,12 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, in
                    parse_targets(cfg.lora_targets))
         if cfg.quantize:
             quantize_base(model, cfg.quantize, cfg.double_quant)
+    if cfg.fp8:  # the blocks' four linears compute in FP8 (fp8.py); adapters stay bf16
+        try:
+            fp8.check_available(device)
+            fp8.convert(model, cfg.fp8_scaling, cfg.fp8_amax_history)
+        except (RuntimeError, ValueError) as e:
+            raise ConfigError(str(e))
     if cfg.compile:  # each block's whole forward, and the loss head: see compile_model
         compile_model(model)
     Engine = ZeRO3 if cfg.zero == 3 else ZeRO
@@ -206,6 +213,9 @@ def main(argv=None):
     if ckpts:  # read and check everything before touching any file of the run
         start_it, note = checkpoint.restore(ckpts[-1], zero, model, scaler, asdict(cfg),
                                             asdict(gptconf), meta)
+        fp8_note = fp8.load_state_dict(model, checkpoint.Reader(ckpts[-1]).header.get("fp8"),
+                                       ckpts[-1])  # the amax histories, exactly
+        note = "; ".join(n for n in (note, fp8_note) if n) or None
         print0(f"resumed from {ckpts[-1]} at iteration {start_it}" + (f"; {note}" if note else ""))
     elif cfg.resume:
         print0(f"--resume: no checkpoint in {cfg.out_dir} yet, starting fresh")
@@ -242,6 +252,8 @@ def main(argv=None):
         lr = get_lr(it, cfg)
         logging = it % cfg.log_interval == 0 or it == cfg.max_iters - 1
         zero.traffic = Traffic()  # count this step's collectives
+        if cfg.fp8:  # count the FP8 casts' underflow and saturation on logged steps only
+            fp8.measure(model, logging)
         loss_sum = torch.zeros((), device=device)
         # -- forward and backward, micro-step by micro-step -----------------------------------
         for micro in range(grad_accum):
@@ -270,6 +282,8 @@ def main(argv=None):
         zero.publish(wait=False)  # fp32 master -> weights (stages 1-2: all-gathers, waited
         # for bucket by bucket in the next forward's pre-hooks: they overlap it)
         scaler.update(found_inf)  # halve the scale after an overflow, grow it after a clean run
+        if cfg.fp8:  # delayed scaling: this step's amaxes (MAX over ranks) join the history
+            fp8.end_step(model)
         zero.zero_grad()  # the next step's gradients start from zero
 
         if logging:  # the only steps that wait for the device
@@ -311,6 +325,7 @@ def log_step(step, clock, cfg, model, zero, scaler, metrics, print0):
            else None, "comm_elements": zero.traffic.elements, "comm_bytes": zero.traffic.bytes,
            "comm_theory_elements": traffic_formula(zero.psi, cfg.zero, world_size,
                                                    step["grad_accum"], zero.frozen_numel)}
+    row.update(fp8.read_stats(model))  # --fp8: the casts' underflow and saturation fractions
     print0(f"iter {it}: loss {row['loss']:.4f}, lr {row['lr']:.2e}, {row['ms']:.1f} ms, "
            f"{tps:,.0f} tok/s" + (f", mfu {clock['mfu'] * 100:.2f}%" if clock["mfu"] else "")
            + (f", inf/NaN gradient: step skipped (loss scale now {row['loss_scale']:g})"
@@ -320,6 +335,7 @@ def log_step(step, clock, cfg, model, zero, scaler, metrics, print0):
 
 def save(cfg, it, zero, model, scaler, header, print0):
     zero.wait_published()  # the weights of the last step, not a gather still on its way
+    header = dict(header, fp8=fp8.state_dict(model))  # --fp8: the amax histories, else None
     path = checkpoint.save(cfg.out_dir, it, zero, model, scaler, header, cfg.ckpt_format,
                            cfg.keep_last)
     print0(f"saved {path}")
