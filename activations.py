@@ -7,6 +7,8 @@ per layer s*b*h*(34 + 5*a*s/h) bytes of activations in 16 bits, 2*s*b*h with ful
 model.saved_activation_bytes measures what these formulas predict; tests/test_memory.py holds
 the two equal to the byte on CPU.
 """
+import math
+
 import loss
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "nf4": 0.5}  # bytes per value
@@ -18,7 +20,7 @@ ADAPTER_INPUT = {"q": "c_attn input", "k": "c_attn input", "v": "c_attn input",
 
 
 def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_targets=(),
-                     device="cuda"):
+                     device="cuda", fp8=False):
     """Bytes autograd saves for backward in one micro-step, as {term: bytes} per layer and outside
     the blocks. Korthikanti et al. count 34*s*b*h per layer in 16 bits: 4 (two LayerNorm inputs) +
     11 (attention) + 19 (MLP), 2 of them dropout masks, plus 5*a*s^2*b for the attention matrix,
@@ -58,12 +60,36 @@ def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_
                "lm_head input": 0 if lora else E * bsh,
                "logits (b*s*padded vocab; loss.py)": E * b * s * cfg.padded_vocab,
                "logsumexp per row (fp32)": 4 * b * s, "targets (int64)": 8 * b * s}
+    if fp8 and not grad_ckpt:
+        layer = fp8_terms(layer, b * s, h, lora)
     per_layer = first = sum(layer.values())
     if lora and not grad_ckpt:  # the first layer saves from its first adapter's input on
         start = min(list(layer).index(term) for term in needed)
         first = sum(list(layer.values())[start:])
     return {"layer": layer, "outside": outside, "per_layer": per_layer,
             "total": first + (cfg.n_layer - 1) * per_layer + sum(outside.values())}
+
+
+def fp8_terms(layer, rows, h, lora):
+    """--fp8 (fp8.py): each block linear keeps two fp32 scales and, for its weight's gradient,
+    its input's FP8 cast (1 byte a value, the rows padded to a multiple of 16) instead of the
+    bf16 input; SDPA still keeps its own output. A frozen base (LoRA) keeps no cast, and the
+    first layer's linears in front of the first adapter keep nothing: the scales come first."""
+    M = math.ceil(rows / 16) * 16
+    linear = {"c_attn input": ("c_attn", h), "attention output = c_proj input": ("attn.c_proj", h),
+              "c_fc input": ("c_fc", h), "gelu output = c_proj input": ("mlp.c_proj", 4 * h)}
+    out = {}
+    for term, v in layer.items():
+        name, width = linear.get(term, (None, 0))
+        if name:
+            out[f"{name} FP8 scales (2 fp32)"] = 8
+        if name == "attn.c_proj":
+            out[term], out["attn.c_proj input's FP8 cast"] = v, 0 if lora else M * width
+        elif name:
+            out[term] = v if lora else M * width  # the cast, not the bf16 input
+        else:
+            out[term] = v
+    return out
 
 
 def head_working_bytes(cfg, batch, seq, dtype):

@@ -69,8 +69,8 @@ def scale_of(amax, fmt):
 def cast(t, scale, fmt, stats=None):
     """t * scale in the FP8 format, saturating: a value past the max becomes the max. A plain
     .to() is not to be relied on: torch 2.13 on CPU saturates E4M3 but rounds an E5M2 overflow to
-    inf, and E4M3 "fn" has no inf, older kernels made it NaN. With stats, a (4,) int64 tensor, adds the
-    values the cast turned to zero though they were not (underflow), the ones it clamped
+    inf, and E4M3 "fn" has no inf, older kernels made it NaN. With stats, a (4,) int64 tensor,
+    adds the values the cast turned to zero though they were not (underflow), the ones it clamped
     (saturation), the nonzero ones and all of them."""
     top = torch.finfo(fmt).max
     v = t.float() * scale  # fp32: the scaled value before rounding (a transient copy)

@@ -156,7 +156,7 @@ def shape_for(psi, vocab=50257, block=2048):
 
 def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_ckpt=False,
              lora_rank=0, lora_targets=("q", "v"), quantize=None, psi=None, bucket_mb=25.0, rank=0,
-             prefetch=True, fp32_grad_accum=False, device="cuda"):
+             prefetch=True, fp32_grad_accum=False, device="cuda", fp8=False, fp8_history=16):
     """Everything one GPU holds. psi overrides the parameter count of cfg (then cfg only shapes the
     activations). Peak: model state + the larger of the forward/backward working set and the
     optimizer step's fp32 copy of this rank's gradient slice (16-bit only). The working set: the
@@ -175,7 +175,13 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     fp32_grad_accum = fp32_grad_accum and E != 4
     state = model_state_bytes(trainable, stage, N, dtype, buckets, rank, frozen, quantized,
                               quantize, layout, fp32_grad_accum)
-    acts = activation_bytes(cfg, batch, seq, dtype, grad_ckpt, lora_rank, lora_targets, device)
+    acts = activation_bytes(cfg, batch, seq, dtype, grad_ckpt, lora_rank, lora_targets, device,
+                            fp8)
+    # --fp8: per linear an amax history and cast counters (fp8.FP8Matmul's buffers), and in a
+    # block's backward the largest cast's fp32 copy, FP8 result and transposed copy (6 bytes a
+    # value of the widest input, b*s x 4h): an estimate, not a measurement
+    fp8_state = 4 * L * (12 * (fp8_history + 1) + 96) if fp8 else 0
+    cast = 6 * batch * seq * 4 * h if fp8 else 0
     gathered = 0
     if stage == 3:  # the root and a block gathered (+ the next, prefetched); a frozen base alike
         # the units as bucket_sizes() plans them (root first), else blocks of 12h^2 + 13h
@@ -193,9 +199,11 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     head = head_working_bytes(cfg, batch, seq, dtype)
     # the step's fp32 copy of the owned gradient slice (none when the gradients are fp32 already)
     step = 0 if fp32_grad_accum else state["master"]
-    peak = state["total"] + max(acts["total"] + gathered + max(head, in_flight), step)
+    peak = state["total"] + fp8_state + max(acts["total"] + gathered + max(head, in_flight + cast),
+                                            step)
     return {"psi": total, "trainable": trainable, "state": state, "activations": acts,
             "gathered": gathered, "head": head, "in_flight": in_flight, "step": step,
+            "fp8_state": fp8_state, "fp8_cast": cast,
             "peak": peak}
 
 
@@ -367,6 +375,9 @@ def print_estimate(e, cfg, gpu):
             ("reductions in flight", e["in_flight"], "stages 2-3: two buckets' temporaries"),
             ("step: fp32 grad slice", e["step"], "in the optimizer step, activations freed"),
             ("peak", e["peak"], "state + max(acts + gathered + max(head, in flight), step)")]
+    if e["fp8_state"]:  # --fp8
+        rows[-1:-1] = [("FP8 amax histories", e["fp8_state"], "per linear, with cast counters"),
+                       ("FP8 cast, transient", e["fp8_cast"], "the widest cast (with the in flight)")]
     table([[name, fmt(n), note] for name, n, note in rows], ["per GPU", "bytes", ""])
     print(f"GPU {fmt(gpu)}, {(1 - HEADROOM) * gpu / GB:.2f} GB usable ({HEADROOM:.0%} kept for the "
           "CUDA context, fragmentation, transient buffers): "
@@ -395,9 +406,11 @@ def main(argv=None):
     accum = grad_accum_for(replace(tc, batch_size=batch, block_size=cfg.block_size), a.world_size)
     e = estimate(cfg, a.world_size, tc.zero, tc.dtype, batch, cfg.block_size, tc.grad_ckpt, r,
                  targets, tc.quantize or None, psi, tc.bucket_mb,
-                 fp32_grad_accum=tc.fp32_grad_accum and accum > 1)
+                 fp32_grad_accum=tc.fp32_grad_accum and accum > 1, fp8=tc.fp8,
+                 fp8_history=tc.fp8_amax_history)
     extras = ((", --grad-ckpt" if tc.grad_ckpt else "") + (f", LoRA r={r} on {tc.lora_targets}"
-              if r else "") + (f", {tc.quantize} base" if tc.quantize else ""))
+              if r else "") + (f", {tc.quantize} base" if tc.quantize else "")
+              + (", --fp8" if tc.fp8 else ""))
     print(f"GPT: {e['psi']:,} parameters (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, "
           f"vocab {cfg.vocab_size}, block {cfg.block_size}{', bias' if cfg.bias else ''}), "
           f"{e['trainable']:,} trainable; {tc.dtype}, ZeRO-{tc.zero}, {a.world_size} GPU(s), "

@@ -197,3 +197,27 @@ def test_fp8_resume_is_exact_and_toggling_fp8_says_so(data_root, tmp_path):
                       str(tmp_path / "split")])
     note = [r for r in rows(tmp_path / "split") if r.get("event") == "resume"][-1]["note"]
     assert "trained with --fp8; this run computes in bf16" in note
+
+
+@pytest.mark.parametrize("targets", [(), ("q", "v"), ("attn_out",), ("mlp_proj",)])
+@pytest.mark.parametrize("grad_ckpt", [False, True])
+def test_fp8_activations_are_counted_to_the_byte(targets, grad_ckpt):
+    """activations.py's FP8 terms against what autograd keeps (CPU): each linear's FP8 input
+    cast (rows padded to 16: 3 x 24 = 72 -> 80) and its two scales; a frozen base keeps no cast."""
+    from activations import activation_bytes
+    from lora import apply_lora
+    from model import GPT, GPTConfig, saved_activation_bytes
+    cfg = GPTConfig(block_size=24, vocab_size=50, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
+    torch.manual_seed(0)
+    model = GPT(cfg).bfloat16()
+    model.grad_ckpt = grad_ckpt
+    if targets:
+        apply_lora(model, rank=4, targets=targets)
+    fp8.convert(model)
+    x, y = torch.randint(0, 50, (3, 24)), torch.randint(0, 50, (3, 24))
+    out = [0]
+    with saved_activation_bytes(model, out):
+        model(x, y)
+    est = activation_bytes(cfg, 3, 24, "bf16", grad_ckpt, 4 if targets else 0, targets, "cpu",
+                           fp8=True)
+    assert est["total"] == out[0]
