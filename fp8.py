@@ -118,7 +118,7 @@ class _FP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, owner, training):
         K, N = x.shape[-1], w.shape[0]
-        x2 = _pad_rows(x.reshape(-1, K))  # (M, K), M a multiple of 16
+        x2 = _pad_rows(x.reshape(-1, K)).contiguous()  # (M, K) row-major, M a multiple of 16
         s_x, s_w = owner.scale("x", x2, training), owner.scale("w", w, training)
         x8 = cast(x2, s_x, E4M3, owner.stat("x", training))
         w8 = cast(w, s_w, E4M3, owner.stat("w", training))
@@ -131,7 +131,7 @@ class _FP8Matmul(torch.autograd.Function):
     def backward(ctx, grad):
         x8, w, s_x, s_w = ctx.saved_tensors
         owner, M = ctx.owner, math.prod(ctx.shape[:-1])
-        g2 = _pad_rows(grad.reshape(-1, w.shape[0]))  # (M', N)
+        g2 = _pad_rows(grad.reshape(-1, w.shape[0])).contiguous()  # (M', N); may come strided
         s_g = owner.scale("grad", g2, True)
         g8 = cast(g2, s_g, E5M2, owner.stat("grad", True))
         dx = dw = None

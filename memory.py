@@ -377,7 +377,7 @@ def print_estimate(e, cfg, gpu):
             ("peak", e["peak"], "state + max(acts + gathered + max(head, in flight), step)")]
     if e["fp8_state"]:  # --fp8
         rows[-1:-1] = [("FP8 amax histories", e["fp8_state"], "per linear, with cast counters"),
-                       ("FP8 cast, transient", e["fp8_cast"], "the widest cast (with the in flight)")]
+                       ("FP8 cast, transient", e["fp8_cast"], "the widest cast, in backward")]
     table([[name, fmt(n), note] for name, n, note in rows], ["per GPU", "bytes", ""])
     print(f"GPU {fmt(gpu)}, {(1 - HEADROOM) * gpu / GB:.2f} GB usable ({HEADROOM:.0%} kept for the "
           "CUDA context, fragmentation, transient buffers): "

@@ -169,6 +169,15 @@ class Metrics:
             self.file.flush()
 
 
+def resume(path, zero, model, scaler, cfg, gptconf, meta):
+    """checkpoint.restore, then --fp8's amax histories, exactly (in the checkpoint's header).
+    Returns (iteration to continue from, a note or None)."""
+    start_it, note = checkpoint.restore(path, zero, model, scaler, asdict(cfg), asdict(gptconf),
+                                        meta)
+    fp8_note = fp8.load_state_dict(model, checkpoint.Reader(path).header.get("fp8"), path)
+    return start_it, "; ".join(n for n in (note, fp8_note) if n) or None
+
+
 def agree(flag, device, world_size):
     """True on every rank when it is True on any (one tiny all-reduce)."""
     t = torch.tensor([float(flag)], device=device)
@@ -211,11 +220,7 @@ def main(argv=None):
     header = {"config": asdict(cfg), "model_args": asdict(gptconf), "meta": meta}
     ckpts = checkpoint.list_checkpoints(cfg.out_dir) if cfg.resume else []
     if ckpts:  # read and check everything before touching any file of the run
-        start_it, note = checkpoint.restore(ckpts[-1], zero, model, scaler, asdict(cfg),
-                                            asdict(gptconf), meta)
-        fp8_note = fp8.load_state_dict(model, checkpoint.Reader(ckpts[-1]).header.get("fp8"),
-                                       ckpts[-1])  # the amax histories, exactly
-        note = "; ".join(n for n in (note, fp8_note) if n) or None
+        start_it, note = resume(ckpts[-1], zero, model, scaler, cfg, gptconf, meta)
         print0(f"resumed from {ckpts[-1]} at iteration {start_it}" + (f"; {note}" if note else ""))
     elif cfg.resume:
         print0(f"--resume: no checkpoint in {cfg.out_dir} yet, starting fresh")
@@ -252,8 +257,7 @@ def main(argv=None):
         lr = get_lr(it, cfg)
         logging = it % cfg.log_interval == 0 or it == cfg.max_iters - 1
         zero.traffic = Traffic()  # count this step's collectives
-        if cfg.fp8:  # count the FP8 casts' underflow and saturation on logged steps only
-            fp8.measure(model, logging)
+        fp8.measure(model, logging)  # --fp8: count the casts' underflow, saturation if logged
         loss_sum = torch.zeros((), device=device)
         # -- forward and backward, micro-step by micro-step -----------------------------------
         for micro in range(grad_accum):
@@ -282,8 +286,7 @@ def main(argv=None):
         zero.publish(wait=False)  # fp32 master -> weights (stages 1-2: all-gathers, waited
         # for bucket by bucket in the next forward's pre-hooks: they overlap it)
         scaler.update(found_inf)  # halve the scale after an overflow, grow it after a clean run
-        if cfg.fp8:  # delayed scaling: this step's amaxes (MAX over ranks) join the history
-            fp8.end_step(model)
+        fp8.end_step(model)  # --fp8 delayed: this step's amaxes (MAX over ranks) join the history
         zero.zero_grad()  # the next step's gradients start from zero
 
         if logging:  # the only steps that wait for the device

@@ -8,7 +8,7 @@ of the last logged steps), the val loss at the end, ms/step and tokens/s (median
 logged steps after the first 10), and from metrics.jsonl the casts' underflow (nonzero values
 cast to zero) and saturation (values clamped at the max), averaged over the logged steps, the
 largest saturation beside it. Then one matmul of each of the demo's linear shapes and a 4096
-square (1024 on a CPU): bf16 against FP8 (_scaled_mm alone, and with the three casts), the FP8 speed-up.
+cube (1024 on a CPU): bf16 against FP8 (_scaled_mm alone, and with the casts), the speed-up.
 
 On a CPU, torch emulates FP8 matmuls (no FP8 units): the times say what the emulation costs,
 not what FP8 buys; only a GPU's (Hopper, Ada, Blackwell) speed-up means something.

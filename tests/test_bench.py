@@ -20,7 +20,7 @@ BAD_FLAGS = [("costs", ["--lora", "lora,full"]), ("costs", ["--stages", "0,4"]),
              ("quality", ["--seeds", "1,b"]), ("quality", ["--max-iters", "5"]),
              ("crossover", ["--widths", "130"]), ("gpu", ["--configs", "s1"]),
              ("nanogpt", []), ("plots", ["--costs", "no-such.json"]),
-             ("head", ["--rows", "0"])]
+             ("head", ["--rows", "0"]), ("fp8", ["--steps", "5"]), ("fp8", ["--models", "x"])]
 
 
 def run_main(module, argv):
