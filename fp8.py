@@ -13,7 +13,8 @@ Read top to bottom: the formats, the scaling, the autograd Function with its thr
 the module swap, the step-end bookkeeping (histories, statistics, checkpoints).
 
 What runs in FP8: the four linears of each block (c_attn, attention c_proj, c_fc, MLP c_proj),
-12h^2 of the 12h^2 + 2Vh matmul parameters per token. The embeddings are lookups, not matmuls.
+their 12h^2 weights per layer; attention's own products (q k^T, softmax v) stay in SDPA's bf16
+kernel. The embeddings are lookups, not matmuls.
 The LM head stays bf16: its logits feed the softmax over the whole vocabulary, where a 3-bit
 mantissa would blur the small probabilities, and it is tied to the embedding. LayerNorms and
 the loss are reductions, done in fp32 arithmetic anyway. FP8 exists only inside the matmul:
@@ -106,7 +107,7 @@ def _pad_rows(t):  # (M, K) -> (M rounded up to 16, K); zero rows add nothing to
 
 
 class _FP8Matmul(torch.autograd.Function):
-    """y = x @ w.T with the three matmuls of a linear in FP8 (Micikevicius et al. 2022, Fig. 1):
+    """y = x @ w.T with the three matmuls of a linear in FP8 (Micikevicius et al. 2022):
         forward        y  = x8 @ w8.T          E4M3 x E4M3
         input grad     dx = g8 @ w8            E5M2 x E4M3
         weight grad    dw = g8.T @ x8          E5M2 x E4M3
