@@ -7,10 +7,13 @@ per layer s*b*h*(34 + 5*a*s/h) bytes of activations in 16 bits, 2*s*b*h with ful
 model.saved_activation_bytes measures what these formulas predict; tests/test_memory.py holds
 the two equal to the byte on CPU.
 """
+import math
+
 import torch
 import torch.nn as nn
 
 import loss
+from fp8 import FP8Linear, convert as fp8_convert
 from lora import LoRALinear, apply_lora
 from model import GPT, MLP, CausalSelfAttention, LayerNorm
 from quant import QuantLinear
@@ -18,7 +21,7 @@ from quant import QuantLinear
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "nf4": 0.5}  # bytes per value
 
 def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_targets=(),
-                     device="cuda", build=None):
+                     device="cuda", build=None, fp8=False):
     """Bytes autograd saves for backward in one micro-step of the model cfg describes (model.py's
     GPT, or build(cfg)'s), with LoRA if lora_rank: {"layer": the last block's terms, "outside":
     the rest, "per_layer": the last block's sum, "total"}. A shapes-only copy of the model is
@@ -27,6 +30,8 @@ def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_
         model = (build or GPT)(cfg)
         if lora_rank:
             apply_lora(model, lora_rank, targets=lora_targets)
+        if fp8:  # the block linears' products in FP8 (fp8.py)
+            fp8_convert(model)
     E = BYTES[dtype]
     flow = Flow(batch, seq, E, stat=4 if device == "cuda" else E, live=False)
     outside, blocks = SAVED[type(model)](model, flow, grad_ckpt)
@@ -68,13 +73,20 @@ def trainable(module):
 
 
 def linear(name, m, flow):
-    """nn.Linear, quant.py's QuantLinear, lora.py's LoRALinear: a weight's gradient needs the
-    input, so the input is kept when the weight trains or an adapter's A reads it; the adapter
-    keeps A's output (r wide per adapted slice) for B's gradient."""
+    """nn.Linear, quant.py's QuantLinear, lora.py's LoRALinear, fp8.py's FP8Linear: a weight's
+    gradient needs the input, so the input is kept when the weight trains (in FP8: its E4M3
+    cast, 1 byte a value, the rows padded to a multiple of 16) or an adapter's A reads it; the
+    adapter keeps A's output (r wide per adapted slice) for B's gradient. An FP8 product keeps
+    its two fp32 scales whenever autograd records it."""
     lora = isinstance(m, LoRALinear)
-    terms = {}
-    if lora or trainable(m):
-        terms[f"{name} input"] = flow.values(m.weight.shape[-1])
+    fp8 = isinstance(m, FP8Linear) or (lora and m.base_matmul is not None)
+    terms, width = {}, m.weight.shape[-1]
+    if fp8 and (flow.live or trainable(m)):
+        terms[f"{name}: FP8 scales (2 fp32)"] = 8
+    if lora or (trainable(m) and not fp8):
+        terms[f"{name} input"] = flow.values(width)
+    elif trainable(m):  # an FP8Linear whose weight trains
+        terms[f"{name} input's FP8 cast"] = math.ceil(flow.b * flow.s / 16) * 16 * width
     if lora:
         terms[f"{name}: LoRA A output (r wide)"] = flow.values(m.r * sum(m.slices))
     flow.live = flow.live or lora or trainable(m)
@@ -150,7 +162,29 @@ def gpt(model, flow, grad_ckpt):
 # What each kind of module saves for backward. A fork with other layers adds its own entries
 # (tests/test_fork.py does, for a Llama-style model); walk() names a missing one.
 SAVED = {GPT: gpt, LayerNorm: layer_norm, CausalSelfAttention: attention, MLP: mlp,
-         nn.Linear: linear, QuantLinear: linear, LoRALinear: linear}
+         nn.Linear: linear, QuantLinear: linear, LoRALinear: linear, FP8Linear: linear}
+
+
+def fp8_terms(layer, rows, h, lora):
+    """--fp8 (fp8.py): each block linear keeps two fp32 scales and, for its weight's gradient,
+    its input's FP8 cast (1 byte a value, the rows padded to a multiple of 16) instead of the
+    bf16 input; SDPA still keeps its own output. A frozen base (LoRA) keeps no cast, and the
+    first layer's linears in front of the first adapter keep nothing: the scales come first."""
+    M = math.ceil(rows / 16) * 16
+    linear = {"c_attn input": ("c_attn", h), "attention output = c_proj input": ("attn.c_proj", h),
+              "c_fc input": ("c_fc", h), "gelu output = c_proj input": ("mlp.c_proj", 4 * h)}
+    out = {}
+    for term, v in layer.items():
+        name, width = linear.get(term, (None, 0))
+        if name:
+            out[f"{name} FP8 scales (2 fp32)"] = 8
+        if name == "attn.c_proj":
+            out[term], out["attn.c_proj input's FP8 cast"] = v, 0 if lora else M * width
+        elif name:
+            out[term] = v if lora else M * width  # the cast, not the bf16 input
+        else:
+            out[term] = v
+    return out
 
 
 def head_working_bytes(cfg, batch, seq, dtype):

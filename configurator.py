@@ -114,6 +114,11 @@ class TrainConfig:
     node_size: int = opt(0, "ranks per node, for ZeRO++ and the traffic by link "
                             "(0 = torchrun's LOCAL_WORLD_SIZE, else all ranks)")
     qgz_bits: int = opt(4, "ZeRO++ qgz: 4 | 8 bits per gradient element on the wire")
+    fp8: bool = opt(False, "the blocks' linears in FP8 (E4M3 / E5M2 matmuls, fp8.py); "
+                           "needs --bf16")
+    fp8_scaling: str = opt("dynamic", "dynamic (scale from this tensor's amax) | delayed "
+                                      "(from the amax history of the last steps)")
+    fp8_amax_history: int = opt(16, "--fp8-scaling delayed: steps of amax history")
     grad_ckpt: bool = opt(False, "activation checkpointing: recompute each block in backward")
     compile: bool = opt(False, "torch.compile each block's forward and the loss head")
     bucket_mb: float = opt(25.0, "gradient bucket size in MiB for overlapped communication")
@@ -171,7 +176,7 @@ SECTIONS = {"out_dir": "I/O", "lora": "LoRA and a quantized frozen base", "n_lay
 CHOICES = {"dtype": ("fp32", "bf16", "fp16"), "device": ("auto", "cpu", "cuda"),
            "zero": (0, 1, 2, 3), "ckpt_format": ("consolidated", "sharded"),
            "quantize": ("", "int8", "nf4"), "reduce_dtype": ("auto", "fp32", "bf16", "fp16"),
-           "optimizer": ("adamw", "sgd", "lion")}
+           "optimizer": ("adamw", "sgd", "lion"), "fp8_scaling": ("dynamic", "delayed")}
 
 
 def make_parser(description="Train a GPT with nanoZeRO."):
@@ -255,6 +260,12 @@ def check_config(cfg):
         raise ConfigError("--save-interval and --batch-tokens must not be negative")
     if (cfg.quantize or cfg.double_quant) and not cfg.lora:
         raise ConfigError("--quantize stores a frozen base: it needs --lora")
+    if cfg.fp8 and cfg.dtype != "bf16":
+        raise ConfigError(f"--fp8 computes around bf16 working weights: add --bf16 "
+                          f"(not --dtype {cfg.dtype})")
+    if cfg.fp8 and (cfg.quantize or cfg.fp8_amax_history < 1):
+        raise ConfigError("--fp8 needs --fp8-amax-history >= 1 and no --quantize "
+                          "(a quantized base would be quantized twice)")
     if cfg.double_quant and cfg.quantize != "nf4":
         raise ConfigError("--double-quant quantizes nf4's block scales: it needs --quantize nf4")
     if cfg.zeropp:

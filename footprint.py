@@ -160,7 +160,7 @@ def model_state_report(zero, world_size):
 def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_ckpt=False,
              lora_rank=0, lora_targets=("q", "v"), quantize=None, psi=None, bucket_mb=25.0, rank=0,
              prefetch=True, fp32_grad_accum=False, device="cuda", optimizer="adamw", build=None,
-             zeropp=(), node_size=0):
+             zeropp=(), node_size=0, fp8=False, fp8_history=16):
     """Everything one GPU holds, counted on the model cfg describes (model.py's GPT, or
     build(cfg)'s, built shapes-only). psi overrides its parameter count (then cfg only shapes
     the activations). Peak: model state + the larger of the forward/backward working set and the
@@ -183,7 +183,12 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     state = model_state_bytes(trainable, stage, N, dtype, buckets, rank, frozen, quantized,
                               quantize, layout, fp32_grad_accum, optimizer)
     acts = activation_bytes(cfg, batch, seq, dtype, grad_ckpt, lora_rank, lora_targets, device,
-                            build)
+                            build, fp8)
+    # --fp8: per linear an amax history and cast counters (fp8.FP8Matmul's buffers), and in a
+    # block's backward the largest cast's fp32 copy, FP8 result and transposed copy (6 bytes a
+    # value of the widest input, b*s x 4h): an estimate, not a measurement
+    fp8_state = 4 * L * (12 * (fp8_history + 1) + 96) if fp8 else 0
+    cast = 6 * batch * seq * 4 * h if fp8 else 0
     gathered = 0
     if stage == 3:  # the root and a block gathered (+ the next, prefetched); a frozen base alike
         # the units as bucket_sizes() plans them (root first), else blocks of 12h^2 + 13h
@@ -203,10 +208,11 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     head = head_working_bytes(cfg, batch, seq, dtype)
     # the step's fp32 copy of the owned gradient slice (none when the gradients are fp32 already)
     step = 0 if fp32_grad_accum else state["master"]
-    peak = state["total"] + max(acts["total"] + gathered + max(head, in_flight), step)
+    peak = state["total"] + fp8_state + max(acts["total"] + gathered + max(head, in_flight + cast),
+                                            step)
     return {"psi": total, "trainable": trainable, "state": state, "activations": acts,
             "gathered": gathered, "head": head, "in_flight": in_flight, "step": step,
-            "peak": peak}
+            "fp8_state": fp8_state, "fp8_cast": cast, "peak": peak}
 
 
 def reduce_in_flight_bytes(buckets, stage, world_size, dtype):

@@ -82,6 +82,7 @@ class LoRALinear(nn.Module):
         B = torch.zeros(k * s, r, device=dev, dtype=weight.dtype)
         self.lora_B = nn.Parameter(B)  # (k*s, r)
         self.merged = False
+        self.base_matmul = None  # fp8.convert puts an FP8 product of the frozen base here
 
     def _place(self, parts, zero, dim):
         """Concatenate the adapted slices' pieces, with `zero` where a slice has no adapter."""
@@ -89,7 +90,10 @@ class LoRALinear(nn.Module):
         return torch.cat([next(parts) if on else zero for on in self.slices], dim=dim)
 
     def forward(self, x):
-        y = linear(x, self.weight, self.bias)
+        if self.base_matmul is None:
+            y = linear(x, self.weight, self.bias)
+        else:
+            y = self.base_matmul(x, self.weight, self.bias)
         if self.merged:
             return y  # B @ A already sits inside the weight
         k, s = sum(self.slices), self.lora_B.shape[0] // sum(self.slices)

@@ -246,6 +246,9 @@ def print_estimate(e, cfg, gpu):
             ("reductions in flight", e["in_flight"], "stages 2-3: two buckets' temporaries"),
             ("step: fp32 grad slice", e["step"], "in the optimizer step, activations freed"),
             ("peak", e["peak"], "state + max(acts + gathered + max(head, in flight), step)")]
+    if e["fp8_state"]:  # --fp8
+        rows[-1:-1] = [("FP8 amax histories", e["fp8_state"], "per linear, with cast counters"),
+                       ("FP8 cast, transient", e["fp8_cast"], "the widest cast, in backward")]
     table([[name, fmt(n), note] for name, n, note in rows], ["per GPU", "bytes", ""])
     print(f"GPU {fmt(gpu)}, {(1 - HEADROOM) * gpu / GB:.2f} GB usable ({HEADROOM:.0%} kept for the "
           "CUDA context, fragmentation, transient buffers): "
@@ -280,9 +283,11 @@ def main(argv=None):
     e = estimate(cfg, a.world_size, tc.zero, tc.dtype, batch, cfg.block_size, tc.grad_ckpt, r,
                  targets, tc.quantize or None, psi, tc.bucket_mb,
                  fp32_grad_accum=tc.fp32_grad_accum and accum > 1,
-                 zeropp=parse_zeropp(tc.zeropp), node_size=tc.node_size)
+                 zeropp=parse_zeropp(tc.zeropp), node_size=tc.node_size, fp8=tc.fp8,
+                 fp8_history=tc.fp8_amax_history)
     extras = ((", --grad-ckpt" if tc.grad_ckpt else "") + (f", LoRA r={r} on {tc.lora_targets}"
-              if r else "") + (f", {tc.quantize} base" if tc.quantize else ""))
+              if r else "") + (f", {tc.quantize} base" if tc.quantize else "")
+              + (", --fp8" if tc.fp8 else ""))
     print(f"GPT: {e['psi']:,} parameters (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, "
           f"vocab {cfg.vocab_size}, block {cfg.block_size}{', bias' if cfg.bias else ''}), "
           f"{e['trainable']:,} trainable; {tc.dtype}, ZeRO-{tc.zero}, {a.world_size} GPU(s), "

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import fp8
 import pretrained
 import rundir
 from checkpoint import CheckpointError
@@ -120,6 +121,12 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, in
             raise ConfigError(f"--lora-targets {cfg.lora_targets}: {e}")
         if cfg.quantize:
             quantize_base(model, cfg.quantize, cfg.double_quant)
+    if cfg.fp8:  # the blocks' four linears compute in FP8 (fp8.py); adapters stay bf16
+        try:
+            fp8.check_available(device)
+            fp8.convert(model, cfg.fp8_scaling, cfg.fp8_amax_history)
+        except (RuntimeError, ValueError) as e:
+            raise ConfigError(str(e))
     if cfg.compile:  # each block's whole forward, and the loss head: see compile_model
         compile_model(model)
     node_size = cfg.node_size or default_node_size(world_size)  # ranks per node
@@ -176,6 +183,15 @@ def open_run(cfg, start_it, rank, world_size, print0):
     return rundir.Metrics(cfg.out_dir, start_it, rank == 0, print0)
 
 
+def resume(path, zero, model, scaler, cfg, gptconf, meta):
+    """checkpoint.restore, then --fp8's amax histories, exactly (in the checkpoint's header).
+    Returns (iteration to continue from, a note or None)."""
+    start_it, note = checkpoint.restore(path, zero, model, scaler, asdict(cfg), asdict(gptconf),
+                                        meta)
+    fp8_note = fp8.load_state_dict(model, checkpoint.Reader(path).header.get("fp8"), path)
+    return start_it, "; ".join(n for n in (note, fp8_note) if n) or None
+
+
 def agree(flag, device, world_size):
     """True on every rank when it is True on any (one tiny all-reduce)."""
     t = torch.tensor([float(flag)], device=device)
@@ -219,8 +235,7 @@ def main(argv=None):
     header = {"config": asdict(cfg), "model_args": asdict(gptconf), "meta": meta}
     ckpts = checkpoint.list_checkpoints(cfg.out_dir) if cfg.resume else []
     if ckpts:  # read and check everything before touching any file of the run
-        start_it, note = checkpoint.restore(ckpts[-1], zero, model, scaler, asdict(cfg),
-                                            asdict(gptconf), meta)
+        start_it, note = resume(ckpts[-1], zero, model, scaler, cfg, gptconf, meta)
         print0(f"resumed from {ckpts[-1]} at iteration {start_it}" + (f"; {note}" if note else ""))
     elif cfg.resume:
         print0(f"--resume: no checkpoint in {cfg.out_dir} yet, starting fresh")
@@ -258,6 +273,7 @@ def main(argv=None):
         lr = get_lr(it, cfg)
         logging = it % cfg.log_interval == 0 or it == cfg.max_iters - 1
         zero.traffic = Traffic(node_size=zero.traffic.node_size)  # this step's collectives
+        fp8.measure(model, logging)  # --fp8: count the casts' underflow, saturation if logged
         loss_sum = torch.zeros((), device=device)
         # -- forward and backward, micro-step by micro-step -----------------------------------
         for micro in range(grad_accum):
@@ -286,6 +302,7 @@ def main(argv=None):
         zero.publish(wait=False)  # fp32 master -> weights (stages 1-2: all-gathers, waited
         # for bucket by bucket in the next forward's pre-hooks: they overlap it)
         scaler.update(found_inf)  # halve the scale after an overflow, grow it after a clean run
+        fp8.end_step(model)  # --fp8 delayed: this step's amaxes (MAX over ranks) join the history
         zero.zero_grad()  # the next step's gradients start from zero
 
         if logging:  # the only steps that wait for the device
@@ -342,6 +359,7 @@ def log_step(step, clock, cfg, model, zero, scaler, metrics, print0):
            "comm_bytes_intra": t.bytes_intra, "comm_bytes_inter": t.bytes_inter,
            "comm_theory_bytes_intra": theory["intra"], "comm_theory_bytes_inter": theory["inter"],
            "comm_by": t.by}  # bytes by collective and link
+    row.update(fp8.read_stats(model))  # --fp8: the casts' underflow and saturation fractions
     eta = (cfg.max_iters - it - 1) * dt  # at this interval's pace
     print0(f"iter {it}/{cfg.max_iters}: loss {row['loss']:.4f}, lr {row['lr']:.2e}, "
            f"{row['ms']:.1f} ms, {tps:,.0f} tok/s"
@@ -363,6 +381,7 @@ def log_step(step, clock, cfg, model, zero, scaler, metrics, print0):
 
 def save(cfg, it, zero, model, scaler, header, print0):
     zero.wait_published()  # the weights of the last step, not a gather still on its way
+    header = dict(header, fp8=fp8.state_dict(model))  # --fp8: the amax histories, else None
     path = checkpoint.save(cfg.out_dir, it, zero, model, scaler, header, cfg.ckpt_format,
                            cfg.keep_last)
     print0(f"saved {path}")

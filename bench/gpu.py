@@ -7,6 +7,7 @@ H100-class GPU) and two compilations.
 
     python -m bench.gpu                              # config/gpt2_124m.py's shape, 12 x 1024
     python -m bench.gpu --configs plain,s0 --steps 10
+    python -m bench.gpu --configs s0+compile,s0+fp8+compile    # bf16 vs --fp8 (Ada, Hopper+)
     python -m bench.gpu --tiny --no-write            # the same code on a tiny model, on a CPU
     python -m bench.gpu --tiny --configs plain,s0,s3,s0+ckpt --steps 2 --no-write
 
@@ -39,6 +40,7 @@ CONFIGS = {
     "s3": "ours: ZeRO-3",
     "s0+ckpt": "ours: ZeRO-0 + --grad-ckpt",
     "s0+compile": "ours: ZeRO-0 + --compile",
+    "s0+fp8+compile": "ours: ZeRO-0 + --compile --fp8 (dynamic scaling; MFU of bf16's peak)",
 }
 
 
@@ -66,7 +68,8 @@ def make_run(key, cfg, data, device):
         net = torch.compile(model) if key == "plain+compile" else model
         return PlainRun(net, adamw(model, cfg), cfg, data, device, torch.bfloat16)
     run_cfg = replace(cfg, zero=3 if key == "s3" else 0, grad_ckpt=key == "s0+ckpt",
-                      compile=key == "s0+compile")
+                      compile=key.endswith("compile") and key != "plain+compile",
+                      fp8="fp8" in key)  # dynamic scaling: no history for fp8.end_step
     return OurRun(run_cfg, data, VOCAB, device)
 
 
@@ -91,8 +94,8 @@ def measure(key, cfg, data, device, args):
 
 def main(argv=None):
     p = parser("gpu", __doc__)
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of "
-                   + ", ".join(CONFIGS))
+    default = ",".join(k for k in CONFIGS if "fp8" not in k)  # FP8 needs Ada / Hopper or newer
+    p.add_argument("--configs", default=default, help="comma list of " + ", ".join(CONFIGS))
     p.add_argument("--steps", type=int, default=20, help="timed steps per block")
     p.add_argument("--rounds", type=int, default=3, help="timed blocks per configuration")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation)")

@@ -21,7 +21,8 @@ BAD_FLAGS = [("costs", ["--lora", "lora,full"]), ("costs", ["--stages", "0,4"]),
              ("crossover", ["--widths", "130"]), ("gpu", ["--configs", "s1"]),
              ("nanogpt", []), ("plots", ["--costs", "no-such.json"]),
              ("head", ["--rows", "0"]), ("zeropp", ["--steps", "5"]),
-             ("zeropp", ["--seeds", "1,b"])]
+             ("zeropp", ["--seeds", "1,b"]), ("fp8", ["--steps", "5"]),
+             ("fp8", ["--models", "x"])]
 
 
 def run_main(module, argv):

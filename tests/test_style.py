@@ -48,8 +48,11 @@ def test_functions_are_short_and_files_say_what_they_are():
 
 
 def test_readme_line_counts_are_wc_l():
-    """The README's tour quotes each file's length as `file.py` (N lines): N must be its length."""
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    """The README's tour (and docs/) quote each file's length as `file.py` (N lines): N must be
+    its length."""
+    docs = [os.path.join("docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs")))]
+    readme = "".join(open(os.path.join(ROOT, f), encoding="utf-8").read()
+                     for f in ["README.md"] + docs if f.endswith(".md"))
     quoted = re.findall(r"`([\w/.]+\.py)` \((\d[\d,]*) lines\)", readme)
     assert len(quoted) >= 10, "the tour of the code lists the files with their line counts"
     wrong = [(f, n, len(lines(f))) for f, n in quoted if int(n.replace(",", "")) != len(lines(f))]
