@@ -81,7 +81,7 @@ def linear(name, m, flow):
     lora = isinstance(m, LoRALinear)
     fp8 = isinstance(m, FP8Linear) or (lora and m.base_matmul is not None)
     terms, width = {}, m.weight.shape[-1]
-    if fp8 and (flow.live or trainable(m)):
+    if fp8 and (flow.live or m.weight.requires_grad):  # autograd records the product
         terms[f"{name}: FP8 scales (2 fp32)"] = 8
     if lora or (trainable(m) and not fp8):
         terms[f"{name} input"] = flow.values(width)

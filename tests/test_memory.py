@@ -12,7 +12,7 @@ import lora
 import memory
 from configurator import parse_args
 from conftest import make_zero, run_distributed
-from activations import activation_bytes
+from activations import BYTES, activation_bytes
 from footprint import bucket_sizes, estimate, model_state_bytes, param_count, param_numels
 from memory import advise, main
 from model import GPT, GPTConfig, saved_activation_bytes
@@ -54,7 +54,7 @@ def check_state(rank, world_size):
                     buckets = bucket_sizes(params, stage, dtype, bucket_mb)
                     wpe = cfg.block_size * cfg.n_embd  # 63: under ZeRO-3 a root bucket of its own, padded
                     est = model_state_bytes(sum(buckets), stage, world_size, dtype, buckets, rank, frozen_psi=wpe,
-                                            frozen_layout=[(wpe, memory.BYTES[dtype])])
+                                            frozen_layout=[(wpe, BYTES[dtype])])
                 else:
                     est = estimate(cfg, world_size, stage, dtype, bucket_mb=bucket_mb, rank=rank)["state"]
                     buckets = bucket_sizes(param_numels(cfg), stage, dtype, bucket_mb)
