@@ -82,8 +82,10 @@ def parse_args(argv=None):
 
 
 def find_checkpoint(out_dir):
-    """The newest ckpt-NNNNNNN folder train.py wrote in out_dir."""
+    """The newest ckpt-NNNNNNN folder train.py wrote in out_dir (or an out_dir/ckpt.pt file)."""
     ckpts = list_checkpoints(out_dir)
+    if not ckpts and os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
+        return os.path.join(out_dir, "ckpt.pt")  # a single-file checkpoint (nanoGPT's layout)
     if not ckpts:
         raise SampleError(f"no checkpoint in {out_dir} (train.py writes ckpt-NNNNNNN folders "
                           f"there): train one first, e.g. `python train.py --out-dir {out_dir}`,"
@@ -156,10 +158,6 @@ def sample(args):
         load_adapter(model, args.adapter, vocab_id(ckpt["meta"]))
         merge_lora(model)
     model.eval().to(device=device, dtype=dtype)  # eval: no dropout
-    what = args.init_from or path
-    print(f"sampling from {what}" + (f" (iteration {ckpt['iter']})" if "iter" in ckpt else "")
-          + (f" + {args.adapter}" if args.adapter else "") + f", on {device.type}, {args.dtype}",
-          file=sys.stderr)
 
     start = args.start
     if start.startswith("FILE:"):
@@ -173,6 +171,10 @@ def sample(args):
     if not ids:
         raise SampleError("the prompt is empty: --start needs at least one token")
 
+    what = args.init_from or path  # every check passed: say what is sampled
+    print(f"sampling from {what}" + (f" (iteration {ckpt['iter']})" if "iter" in ckpt else "")
+          + (f" + {args.adapter}" if args.adapter else "") + f", on {device.type}, {args.dtype}",
+          file=sys.stderr)
     # all samples in one batch: one forward per new token, not one per token and sample
     x = torch.tensor([ids], dtype=torch.long, device=device).expand(args.num_samples, -1)  # (S, T)
     # torch.multinomial draws on the logits' device, and a CPU generator cannot drive a CUDA draw

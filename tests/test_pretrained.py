@@ -257,6 +257,6 @@ def test_bad_export(gpt2, data_root, tmp_path, capsys):
     r = subprocess.run([sys.executable, "export.py", ckpt, "--to", "hf", str(tmp_path / "o"),
                         "--merge"], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert r.returncode == 2 and r.stderr.startswith("checkpoint.py: error:"), r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("export.py: error:"), r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert not os.path.exists(tmp_path / "o")

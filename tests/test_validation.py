@@ -355,7 +355,7 @@ def test_12_empty_values_are_spelled_out():
 
 
 def test_12_every_cli_usage_error_is_one_line(capsys):
-    for cli, argv in ((pretrained, ["ckpt", "--to", "bogus", "out"]),
+    for cli, argv in ((export, ["ckpt", "--to", "bogus", "out"]),
                       (sample, ["--num-samples", "0"])):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
