@@ -107,13 +107,24 @@ class TrainConfig:
     zero: int = opt(0, "ZeRO stage: 0 data parallel, 1 shard optimizer, 2 +gradients, "
                        "3 +parameters")
     prefetch: bool = opt(True, "ZeRO-3: gather the next unit while this one computes")
-    grad_ckpt: bool = opt(False, "activation checkpointing: recompute each block in backward")
+    # a bare --grad-ckpt is full, --no-grad-ckpt is none (activation_ckpt.py says what each keeps)
+    grad_ckpt: str = field(default="none", metadata=dict(
+        help="activation checkpointing: none | full (keep each block's input, recompute the "
+             "block) | selective (keep the matmuls' and attention's outputs too)",
+        nargs="?", const="full"))
+    grad_ckpt_every: int = opt(1, "checkpoint every K-th block only (blocks 0, K, 2K, ...)")
+    offload_activations: bool = opt(False, "CUDA: keep the tensors saved for backward in pinned "
+                                           "host memory (a no-op on a CPU)")
     compile: bool = opt(False, "torch.compile each block's forward and the loss head")
     bucket_mb: float = opt(25.0, "gradient bucket size in MiB for overlapped communication")
     peak_tflops: float = opt(0.0, "peak TFLOP/s per device for MFU; 0 = look the GPU up")
     seed: int = opt(1337, "the batch at step t depends only on (seed, t)")
     nan_at: int = opt(-1, "a lesson in skipped steps: make the last rank's loss NaN "
                           "at this step")
+
+    def __post_init__(self):  # presets, checkpoints and code from when --grad-ckpt was a switch
+        if isinstance(self.grad_ckpt, bool):
+            self.grad_ckpt = "full" if self.grad_ckpt else "none"
 
 
 def load_preset(path):
@@ -141,6 +152,8 @@ def load_preset(path):
         except ValueError:
             raise ConfigError(f"{path}:{node.lineno}: {name} must be a literal value")
         ftype = known[name].type
+        if name == "grad_ckpt" and isinstance(value, bool):  # a preset from when it was a switch
+            value = "full" if value else "none"
         if ftype is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if type(value) is not ftype:
@@ -166,9 +179,12 @@ def make_parser(description="Train a GPT with nanoZeRO."):
         if f.type is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                            help=f.metadata["help"])
-        else:
+        else:  # nargs/const: a flag that may stand bare (--grad-ckpt)
+            extra = {k: f.metadata[k] for k in ("nargs", "const") if k in f.metadata}
             p.add_argument(flag, type=f.type, default=None, metavar=f.type.__name__.upper(),
-                           help=f.metadata["help"])
+                           help=f.metadata["help"], **extra)
+    p.add_argument("--no-grad-ckpt", dest="grad_ckpt", action="store_const", const="none",
+                   help="the same as --grad-ckpt none")
     p.add_argument("--bf16", action="store_true", help="shortcut for --dtype bf16")
     p.add_argument("--fp16", action="store_true", help="shortcut for --dtype fp16")
     return p
@@ -204,7 +220,8 @@ def check_config(cfg):
                "zero": (0, 1, 2, 3), "ckpt_format": ("consolidated", "sharded"),
                "quantize": ("", "int8", "nf4"),
                "reduce_dtype": ("auto", "fp32", "bf16", "fp16"),
-               "optimizer": ("adamw", "sgd", "lion")}
+               "optimizer": ("adamw", "sgd", "lion"),
+               "grad_ckpt": ("none", "full", "selective")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: use "
@@ -218,7 +235,7 @@ def check_config(cfg):
                               "positive number")
     check_ranges(cfg)
     for name in ("batch_size", "grad_accum", "max_iters", "eval_interval", "eval_iters",
-                 "log_interval", "keep_last"):
+                 "log_interval", "keep_last", "grad_ckpt_every"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if cfg.save_interval < 0 or cfg.batch_tokens < 0:

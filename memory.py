@@ -26,6 +26,7 @@ from dataclasses import replace
 import torch
 
 import optim
+from activation_ckpt import Policy, policy
 from activations import BYTES, activation_bytes, head_working_bytes
 from configurator import ConfigError, config_from, grad_accum_for, make_parser
 from lora import apply_lora, parse_targets
@@ -254,7 +255,7 @@ def command(world_size, shape_args, stage, dtype, batch, grad_ckpt=False, lora=F
         launch = (f"torchrun --nnodes={math.ceil(N / per_node)} --nproc_per_node={per_node} "
                   "--node_rank=0 --master_addr=HOST --master_port=29500")
     flags = [f"--zero {stage}" if stage > 0 else "", f"--{dtype}" if dtype != "fp32" else "",
-             f"--batch-size {batch}", "--grad-ckpt" if grad_ckpt else "",
+             f"--batch-size {batch}", policy(grad_ckpt).flags(),
              "--lora --lora-rank 8 --lora-targets q,v" if lora else "",
              f"--quantize {quantize}" if quantize else ""]
     return " ".join([launch, "train.py", *shape_args] + [f for f in flags if f])
@@ -285,7 +286,12 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
         z, sharded = (3, " (ZeRO-3 still shards it)") if N > 1 else (0, "")
         plans = [(3, False, 0, None, f"no: ZeRO-3 on {N} GPUs shards the weights too (1.5x the "
                   "traffic)")] if N > 1 else []
-        plans += [(z, True, 0, None, "+ activation checkpointing: each block keeps only its input"),
+        # the least checkpointing that fits: the pointwise ops, every 2nd block, every block
+        plans += [(z, Policy("selective"), 0, None, "+ selective activation checkpointing: the "
+                   "blocks keep their matmuls' outputs, recompute the pointwise ops"),
+                  (z, Policy("full", 2), 0, None, "+ activation checkpointing of every 2nd "
+                   "block: it keeps only its input"),
+                  (z, True, 0, None, "+ activation checkpointing: each block keeps only its input"),
                   (z, True, 8, None, "+ LoRA on q,v, r=8: only the adapters train, no gradients "
                    f"or optimizer state for the base{sharded}"),
                   (z, True, 8, "nf4", "+ QLoRA: the frozen base weights in 4-bit NF4")]
@@ -420,10 +426,11 @@ def main(argv=None):
     r, targets = (tc.lora_rank if tc.lora else 0), parse_targets(tc.lora_targets)
     # micro-steps per step, as train.py derives them (--batch-tokens: from this micro-batch)
     accum = grad_accum_for(replace(tc, batch_size=batch, block_size=cfg.block_size), a.world_size)
-    e = estimate(cfg, a.world_size, tc.zero, tc.dtype, batch, cfg.block_size, tc.grad_ckpt, r,
+    ckpt = Policy(tc.grad_ckpt, tc.grad_ckpt_every)
+    e = estimate(cfg, a.world_size, tc.zero, tc.dtype, batch, cfg.block_size, ckpt, r,
                  targets, tc.quantize or None, psi, tc.bucket_mb,
                  fp32_grad_accum=tc.fp32_grad_accum and accum > 1)
-    extras = ((", --grad-ckpt" if tc.grad_ckpt else "") + (f", LoRA r={r} on {tc.lora_targets}"
+    extras = ((f", {ckpt.flags()}" if ckpt else "") + (f", LoRA r={r} on {tc.lora_targets}"
               if r else "") + (f", {tc.quantize} base" if tc.quantize else ""))
     print(f"GPT: {e['psi']:,} parameters (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, "
           f"vocab {cfg.vocab_size}, block {cfg.block_size}{', bias' if cfg.bias else ''}), "
