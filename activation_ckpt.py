@@ -86,6 +86,12 @@ def policy(value, every=1):
     return Policy(value, every)
 
 
+def setting(text):
+    """"selective/2" -> Policy("selective", 2), as the benches list them; else a ValueError."""
+    kind, _, every = text.partition("/")
+    return Policy(kind, int(every or 1))
+
+
 def _selective(ctx, func, *args, **kwargs):
     """The per-op policy: MUST_SAVE keeps the op's output in the checkpoint's cache, and the
     recompute returns it instead of running the op again."""

@@ -66,11 +66,13 @@ def grads_and_losses(ckpt, dtype=torch.float32, dropout=0.1):
     return losses, [p.grad.clone() for p in model.parameters()]
 
 
-def test_same_losses_and_gradients_bitwise():
-    """fp32 with dropout: the recompute replays the same RNG and the same arithmetic."""
-    ref_losses, ref_grads = grads_and_losses(False)
-    for ckpt in SETTINGS:
-        losses, grads = grads_and_losses(ckpt)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_same_losses_and_gradients_bitwise(dtype):
+    """With dropout: the recompute replays the same RNG and the same arithmetic (on a CPU in
+    16 bits too)."""
+    ref_losses, ref_grads = grads_and_losses(False, dtype)
+    for ckpt in SETTINGS if dtype == torch.float32 else SETTINGS[:2] + SETTINGS[3:5]:
+        losses, grads = grads_and_losses(ckpt, dtype)
         assert losses == ref_losses, ckpt
         assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads)), ckpt
 
@@ -235,3 +237,17 @@ def test_resume_may_change_the_setting(data_root, tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "split" / "metrics.jsonl")]
     assert [r["grad_ckpt"] for r in rows if r.get("event") == "activations"] == ["selective",
                                                                                "full"]
+
+
+def test_bench_keys_and_the_dial_table(capsys):
+    """bench.costs keys each setting, bench.dial prints each beside none (1 timed step)."""
+    from bench import costs, dial
+    for key in ("s0", "s3+ckpt", "s1+sel", "s2+ckpt2+lora", "s3+sel4+qlora"):
+        stage, ckpt, lora = costs.parse_key(key)
+        assert costs.ours_key(stage, ckpt, lora) == key
+    assert costs.describe("s0+sel2") == "ours, ZeRO-0 + grad-ckpt selective every 2"
+    with pytest.raises(SystemExit):
+        dial.main(["--ckpt", "full,sometimes", "--no-write"])
+    dial.main(["--ckpt", "none,selective", "--steps", "1", "--no-write"])
+    out = capsys.readouterr().out
+    assert "| ours, ZeRO-0 + grad-ckpt selective | fp32 |" in out and "× |" in out
