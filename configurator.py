@@ -238,6 +238,9 @@ def check_config(cfg):
                  "log_interval", "keep_last", "grad_ckpt_every"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.grad_ckpt_every > 1 and cfg.grad_ckpt == "none":
+        raise ConfigError(f"--grad-ckpt-every {cfg.grad_ckpt_every} picks which blocks "
+                          "--grad-ckpt checkpoints: add --grad-ckpt [full|selective]")
     if cfg.save_interval < 0 or cfg.batch_tokens < 0:
         raise ConfigError("--save-interval and --batch-tokens must not be negative")
     if (cfg.quantize or cfg.double_quant) and not cfg.lora:

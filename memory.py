@@ -243,6 +243,8 @@ def fits(est, gpu_bytes):
 def max_batch(fits_at, limit=4096):
     """Largest micro-batch b <= limit with fits_at(b), 0 if none. Memory grows with b, so the
     b that fit come first: a binary search for the first that does not is their count."""
+    if not fits_at(1):  # one look, not twelve: --advise tries several plans that do not fit
+        return 0
     return bisect.bisect_left(range(1, limit + 1), True, key=lambda b: not fits_at(b))
 
 

@@ -30,11 +30,12 @@ def test_flags():
     assert parse_args(["--grad-ckpt", "--lora"]).grad_ckpt == "full"
     assert parse_args(["--grad-ckpt", "selective"]).grad_ckpt == "selective"
     assert parse_args(["--grad-ckpt", "--no-grad-ckpt"]).grad_ckpt == "none"
-    assert parse_args(["--grad-ckpt-every", "2"]).grad_ckpt_every == 2
+    assert parse_args(["--grad-ckpt", "--grad-ckpt-every", "2"]).grad_ckpt_every == 2
     assert TrainConfig(grad_ckpt=True).grad_ckpt == "full"  # code from when it was a switch
     assert TrainConfig(grad_ckpt=False).grad_ckpt == "none"
     for argv, message in ((["--grad-ckpt", "some"], "--grad-ckpt some: use none, full, selective"),
-                          (["--grad-ckpt-every", "0"], "--grad-ckpt-every must be at least 1")):
+                          (["--grad-ckpt-every", "0"], "--grad-ckpt-every must be at least 1"),
+                          (["--grad-ckpt-every", "2"], "add --grad-ckpt \\[full\\|selective\\]")):
         with pytest.raises(ConfigError, match=message):
             parse_args(argv)
     assert policy(True) == Policy("full") and not policy(False) and not Policy("none", 3)
