@@ -3,7 +3,8 @@ What one micro-step holds besides the model state: the tensors autograd saves fo
 term by term, and the transient working set of the loss head. memory.py adds them up.
 
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 4:
-per layer s*b*h*(34 + 5*a*s/h) bytes of activations in 16 bits, 2*s*b*h with full recomputation.
+per layer s*b*h*(34 + 5*a*s/h) bytes of activations in 16 bits, 2*s*b*h with full recomputation;
+Sec. 5, selective recomputation: what activation_ckpt.py's `selective` keeps is priced by KEPT.
 model.saved_activation_bytes measures what these formulas predict; tests/test_memory.py holds
 the two equal to the byte on CPU.
 """
@@ -13,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import loss
+from activation_ckpt import policy
 from fp8 import FP8Linear, convert as fp8_convert
 from lora import LoRALinear, apply_lora
 from model import GPT, MLP, CausalSelfAttention, LayerNorm
@@ -25,7 +27,8 @@ def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_
     """Bytes autograd saves for backward in one micro-step of the model cfg describes (model.py's
     GPT, or build(cfg)'s), with LoRA if lora_rank: {"layer": the last block's terms, "outside":
     the rest, "per_layer": the last block's sum, "total"}. A shapes-only copy of the model is
-    walked in forward order, each module priced by its entry in SAVED."""
+    walked in forward order, each module priced by its entry in SAVED. grad_ckpt: a bool (True
+    = full), a name or an activation_ckpt.Policy (which blocks, what they keep)."""
     with torch.device("meta"):  # nothing allocated
         model = (build or GPT)(cfg)
         if lora_rank:
@@ -34,7 +37,7 @@ def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_
             fp8_convert(model)
     E = BYTES[dtype]
     flow = Flow(batch, seq, E, stat=4 if device == "cuda" else E, live=False)
-    outside, blocks = SAVED[type(model)](model, flow, grad_ckpt)
+    outside, blocks = SAVED[type(model)](model, flow, policy(grad_ckpt))
     return {"layer": blocks[-1], "outside": outside, "per_layer": sum(blocks[-1].values()),
             "total": sum(sum(t.values()) for t in blocks) + sum(outside.values())}
 
@@ -52,19 +55,22 @@ class Flow:
         return (self.E if E is None else E) * self.b * self.s * width
 
 
-def walk(name, module, flow):
-    """{term: bytes} that module saves, by its SAVED entry; a module without one is walked child
-    by child (in registration order: forward order, as model.py writes its blocks)."""
-    rule = SAVED.get(type(module))
+def walk(name, module, flow, table=None):
+    """{term: bytes} that module saves, by its entry in table (SAVED, or KEPT for a selectively
+    checkpointed block); a module without one is walked child by child (in registration order:
+    forward order, as model.py writes its blocks)."""
+    table = SAVED if table is None else table
+    rule = table.get(type(module))
     if rule is not None:
         return rule(name, module, flow)
     children = list(module.named_children())
     if not children:
+        which = "SAVED" if table is SAVED else "KEPT"
         raise ValueError(f"activations.py has no formula for {type(module).__name__} ({name}): "
-                         f"add an entry SAVED[{type(module).__name__}] saying what it saves")
+                         f"add an entry {which}[{type(module).__name__}] saying what it saves")
     terms = {}
     for child_name, child in children:
-        terms.update(walk(f"{name}.{child_name}" if name else child_name, child, flow))
+        terms.update(walk(f"{name}.{child_name}" if name else child_name, child, flow, table))
     return terms
 
 
@@ -133,8 +139,9 @@ def mlp(name, m, flow):
 
 def gpt(model, flow, grad_ckpt):
     """The whole model, in its forward's order: (terms outside the blocks, one dict per block).
-    The embeddings keep their int64 ids when they train; under checkpointing a block keeps
-    only its input; the loss head keeps the 16-bit logits, a logsumexp per row and the targets
+    The embeddings keep their int64 ids when they train; a checkpointed block (grad_ckpt, an
+    activation_ckpt.Policy, says which) keeps its input, and under `selective` what KEPT
+    lists; the loss head keeps the 16-bit logits, a logsumexp per row and the targets
     (loss.py), never an fp32 log-softmax."""
     t, f, cfg = model.transformer, flow, model.config
     outside = {}
@@ -145,8 +152,11 @@ def gpt(model, flow, grad_ckpt):
         outside["embedding dropout mask"] = f.values(cfg.n_embd, 1)
     blocks = []
     for i, block in enumerate(model.blocks()):
-        if grad_ckpt:  # the checkpoint keeps the block's input; the rest is recomputed
-            blocks.append({"block input (kept by the checkpoint)": f.values(cfg.n_embd)})
+        if grad_ckpt.applies(i):  # the checkpoint keeps the block's input; the rest: recomputed
+            terms = {"block input (kept by the checkpoint)": f.values(cfg.n_embd)}
+            if grad_ckpt.kind == "selective":  # ... but for the matmuls' and attention's outputs
+                terms.update(walk(f"h.{i}", block, f, KEPT))
+            blocks.append(terms)
             f.live = f.live or any(p.requires_grad for p in block.parameters())
         else:
             blocks.append(walk(f"h.{i}", block, f))
@@ -185,6 +195,37 @@ def fp8_terms(layer, rows, h, lora):
         else:
             out[term] = v
     return out
+
+
+# -- `selective` (activation_ckpt.SAVE_OPS): a block keeps its matmuls' and attention's outputs,
+# whether or not autograd would need them (frozen layers too); all else is recomputed
+
+def kept_linear(name, m, flow):
+    """A Linear's matmul output (out wide); LoRA's A projection is a matmul too (r wide per
+    adapted slice). LoRA's einsum with B (a bmm), the sums and casts are recomputed."""
+    terms = {f"{name} output (matmul)": flow.values(m.weight.shape[0])}
+    if isinstance(m, LoRALinear):
+        terms[f"{name}: LoRA A output (matmul)"] = flow.values(m.r * sum(m.slices))
+    return terms
+
+
+def kept_attention(name, m, flow):
+    """c_attn's output (q, k, v), SDPA's output and its fp32 logsumexp, c_proj's output."""
+    terms = kept_linear(f"{name}.c_attn", m.c_attn, flow)
+    terms[f"{name}: attention output"] = flow.values(m.n_embd)
+    terms[f"{name}: logsumexp (fp32)"] = 4 * flow.b * flow.s * m.n_head
+    return {**terms, **kept_linear(f"{name}.c_proj", m.c_proj, flow)}
+
+
+def kept_mlp(name, m, flow):
+    """c_fc's output (GELU's input), c_proj's output; GELU itself is recomputed."""
+    return {**kept_linear(f"{name}.c_fc", m.c_fc, flow),
+            **kept_linear(f"{name}.c_proj", m.c_proj, flow)}
+
+
+# What a selectively checkpointed block keeps, per module kind (a fork adds its own entries)
+KEPT = {LayerNorm: lambda name, m, flow: {}, CausalSelfAttention: kept_attention, MLP: kept_mlp,
+        nn.Linear: kept_linear, QuantLinear: kept_linear, LoRALinear: kept_linear}
 
 
 def head_working_bytes(cfg, batch, seq, dtype):

@@ -119,13 +119,24 @@ class TrainConfig:
     fp8_scaling: str = opt("dynamic", "dynamic (scale from this tensor's amax) | delayed "
                                       "(from the amax history of the last steps)")
     fp8_amax_history: int = opt(16, "--fp8-scaling delayed: steps of amax history")
-    grad_ckpt: bool = opt(False, "activation checkpointing: recompute each block in backward")
+    # a bare --grad-ckpt is full, --no-grad-ckpt is none (activation_ckpt.py says what each keeps)
+    grad_ckpt: str = field(default="none", metadata=dict(
+        help="activation checkpointing: none | full (keep each block's input, recompute the "
+             "block) | selective (keep the matmuls' and attention's outputs too)",
+        nargs="?", const="full"))
+    grad_ckpt_every: int = opt(1, "checkpoint every K-th block only (blocks 0, K, 2K, ...)")
+    offload_activations: bool = opt(False, "CUDA: keep the tensors saved for backward in pinned "
+                                           "host memory (a no-op on a CPU)")
     compile: bool = opt(False, "torch.compile each block's forward and the loss head")
     bucket_mb: float = opt(25.0, "gradient bucket size in MiB for overlapped communication")
     peak_tflops: float = opt(0.0, "peak TFLOP/s per device for MFU; 0 = look the GPU up")
     seed: int = opt(1337, "the batch at step t depends only on (seed, t)")
     nan_at: int = opt(-1, "a lesson in skipped steps: make the last rank's loss NaN "
                           "at this step")
+
+    def __post_init__(self):  # presets, checkpoints and code from when --grad-ckpt was a switch
+        if isinstance(self.grad_ckpt, bool):
+            self.grad_ckpt = "full" if self.grad_ckpt else "none"
 
 
 def load_preset(path):
@@ -153,6 +164,8 @@ def load_preset(path):
         except ValueError:
             raise ConfigError(f"{path}:{node.lineno}: {name} must be a literal value")
         ftype = known[name].type
+        if name == "grad_ckpt" and isinstance(value, bool):  # a preset from when it was a switch
+            value = "full" if value else "none"
         if ftype is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if type(value) is not ftype:
@@ -176,7 +189,8 @@ SECTIONS = {"out_dir": "I/O", "lora": "LoRA and a quantized frozen base", "n_lay
 CHOICES = {"dtype": ("fp32", "bf16", "fp16"), "device": ("auto", "cpu", "cuda"),
            "zero": (0, 1, 2, 3), "ckpt_format": ("consolidated", "sharded"),
            "quantize": ("", "int8", "nf4"), "reduce_dtype": ("auto", "fp32", "bf16", "fp16"),
-           "optimizer": ("adamw", "sgd", "lion"), "fp8_scaling": ("dynamic", "delayed")}
+           "optimizer": ("adamw", "sgd", "lion"), "fp8_scaling": ("dynamic", "delayed"),
+           "grad_ckpt": ("none", "full", "selective")}
 
 
 def make_parser(description="Train a GPT with nanoZeRO."):
@@ -195,13 +209,14 @@ def make_parser(description="Train a GPT with nanoZeRO."):
         if f.type is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                help=help)
-        elif f.name in CHOICES:
-            names = "|".join(str(c) for c in CHOICES[f.name] if c != "")
-            group.add_argument(flag, type=f.type, default=None, metavar=f"{{{names}}}",
-                               help=help)
-        else:
-            group.add_argument(flag, type=f.type, default=None, metavar=f.type.__name__.upper(),
-                               help=help)
+            continue
+        names = "|".join(str(c) for c in CHOICES.get(f.name, ()) if c != "")
+        extra = {k: f.metadata[k] for k in ("nargs", "const") if k in f.metadata}  # --grad-ckpt
+        group.add_argument(flag, type=f.type, default=None, help=help, **extra,
+                           metavar=f"{{{names}}}" if names else f.type.__name__.upper())
+        if f.name == "grad_ckpt":
+            group.add_argument("--no-grad-ckpt", dest="grad_ckpt", action="store_const",
+                               const="none", help="the same as --grad-ckpt none")
         if f.name == "dtype":
             group.add_argument("--bf16", action="store_true", help="shortcut for --dtype bf16")
             group.add_argument("--fp16", action="store_true", help="shortcut for --dtype fp16")
@@ -253,9 +268,12 @@ def check_config(cfg):
                               "positive number")
     check_ranges(cfg)
     for name in ("batch_size", "grad_accum", "max_iters", "eval_interval", "eval_iters",
-                 "log_interval", "keep_last"):
+                 "log_interval", "keep_last", "grad_ckpt_every"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.grad_ckpt_every > 1 and cfg.grad_ckpt == "none":
+        raise ConfigError(f"--grad-ckpt-every {cfg.grad_ckpt_every} picks which blocks "
+                          "--grad-ckpt checkpoints: add --grad-ckpt [full|selective]")
     if cfg.save_interval < 0 or cfg.batch_tokens < 0:
         raise ConfigError("--save-interval and --batch-tokens must not be negative")
     if (cfg.quantize or cfg.double_quant) and not cfg.lora:
@@ -263,6 +281,9 @@ def check_config(cfg):
     if cfg.fp8 and cfg.dtype != "bf16":
         raise ConfigError(f"--fp8 computes around bf16 working weights: add --bf16 "
                           f"(not --dtype {cfg.dtype})")
+    if cfg.fp8 and cfg.grad_ckpt == "selective":  # its policy sees ops, not FP8's Function
+        raise ConfigError("--grad-ckpt selective keeps the outputs of torch's matmul ops, which "
+                          "--fp8's products are not: use --grad-ckpt full with --fp8")
     if cfg.fp8 and (cfg.quantize or cfg.fp8_amax_history < 1):
         raise ConfigError("--fp8 needs --fp8-amax-history >= 1 and no --quantize "
                           "(a quantized base would be quantized twice)")

@@ -17,6 +17,7 @@ import sys
 from dataclasses import replace
 
 import optim
+from activation_ckpt import Policy, policy
 from configurator import ConfigError, config_from, grad_accum_for, load_preset, make_parser
 from footprint import estimate
 from lora import parse_targets
@@ -61,6 +62,8 @@ def fits(est, gpu_bytes):
 def max_batch(fits_at, limit=4096):
     """Largest micro-batch b <= limit with fits_at(b), 0 if none. Memory grows with b, so the
     b that fit come first: a binary search for the first that does not is their count."""
+    if not fits_at(1):  # one look, not twelve: --advise tries several plans that do not fit
+        return 0
     return bisect.bisect_left(range(1, limit + 1), True, key=lambda b: not fits_at(b))
 
 
@@ -73,7 +76,7 @@ def command(world_size, shape_args, stage, dtype, batch, grad_ckpt=False, lora=F
         launch = (f"torchrun --nnodes={math.ceil(N / per_node)} --nproc_per_node={per_node} "
                   "--node_rank=0 --master_addr=HOST --master_port=29500")
     flags = [f"--zero {stage}" if stage > 0 else "", f"--{dtype}" if dtype != "fp32" else "",
-             f"--batch-size {batch}", "--grad-ckpt" if grad_ckpt else "",
+             f"--batch-size {batch}", policy(grad_ckpt).flags(),
              "--lora --lora-rank 8 --lora-targets q,v" if lora else "",
              f"--quantize {quantize}" if quantize else ""]
     return " ".join([launch, "train.py", *shape_args] + [f for f in flags if f])
@@ -107,7 +110,12 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
         z, sharded = (3, " (ZeRO-3 still shards it)") if N > 1 else (0, "")
         plans = [(3, False, 0, None, f"no: ZeRO-3 on {N} GPUs shards the weights too (1.5x the "
                   "traffic)")] if N > 1 else []
-        plans += [(z, True, 0, None, "+ activation checkpointing: each block keeps only its input"),
+        # the least checkpointing that fits: the pointwise ops, every 2nd block, every block
+        plans += [(z, Policy("selective"), 0, None, "+ selective activation checkpointing: the "
+                   "blocks keep their matmuls' outputs, recompute the pointwise ops"),
+                  (z, Policy("full", 2), 0, None, "+ activation checkpointing of every 2nd "
+                   "block: it keeps only its input"),
+                  (z, True, 0, None, "+ activation checkpointing: each block keeps only its input"),
                   (z, True, 8, None, "+ LoRA on q,v, r=8: only the adapters train, no gradients "
                    f"or optimizer state for the base{sharded}"),
                   (z, True, 8, "nf4", "+ QLoRA: the frozen base weights in 4-bit NF4")]
@@ -280,12 +288,13 @@ def main(argv=None):
     r, targets = (tc.lora_rank if tc.lora else 0), parse_targets(tc.lora_targets)
     # micro-steps per step, as train.py derives them (--batch-tokens: from this micro-batch)
     accum = grad_accum_for(replace(tc, batch_size=batch, block_size=cfg.block_size), a.world_size)
-    e = estimate(cfg, a.world_size, tc.zero, tc.dtype, batch, cfg.block_size, tc.grad_ckpt, r,
+    ckpt = Policy(tc.grad_ckpt, tc.grad_ckpt_every)
+    e = estimate(cfg, a.world_size, tc.zero, tc.dtype, batch, cfg.block_size, ckpt, r,
                  targets, tc.quantize or None, psi, tc.bucket_mb,
                  fp32_grad_accum=tc.fp32_grad_accum and accum > 1,
                  zeropp=parse_zeropp(tc.zeropp), node_size=tc.node_size, fp8=tc.fp8,
                  fp8_history=tc.fp8_amax_history)
-    extras = ((", --grad-ckpt" if tc.grad_ckpt else "") + (f", LoRA r={r} on {tc.lora_targets}"
+    extras = ((f", {ckpt.flags()}" if ckpt else "") + (f", LoRA r={r} on {tc.lora_targets}"
               if r else "") + (f", {tc.quantize} base" if tc.quantize else "")
               + (", --fp8" if tc.fp8 else ""))
     print(f"GPT: {e['psi']:,} parameters (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, "

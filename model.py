@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
-
+import activation_ckpt
 from loss import cross_entropy
 
 
@@ -138,7 +137,8 @@ class GPT(nn.Module):
         if config.arch != self.ARCH:
             raise ValueError(f"arch={config.arch!r}: model.py's GPT builds {self.ARCH!r}")
         self.config = config
-        self.grad_ckpt = False  # activation checkpointing per block, set by train.py --grad-ckpt
+        # activation checkpointing: False or an activation_ckpt.Policy (train.py --grad-ckpt)
+        self.grad_ckpt = False
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.padded_vocab, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
@@ -188,12 +188,11 @@ class GPT(nn.Module):
         pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
         tok, pos = self.transformer.wte(idx), self.transformer.wpe(pos)  # (B, T, C), (T, C)
         x = self.transformer.drop(tok + pos)
-        for block in self.transformer.h:
+        for i, block in enumerate(self.transformer.h):
             if self.grad_ckpt and self.training and torch.is_grad_enabled():
-                # drop this block's activations now, recompute them in backward. Not the
-                # reentrant variant: it yields no gradients when no input requires grad (frozen
-                # embeddings under LoRA), and is deprecated as a default.
-                x = checkpoint(block, x, use_reentrant=False)
+                # drop (some of) this block's activations now, recompute them in backward:
+                # which blocks and which tensors, activation_ckpt.py
+                x = activation_ckpt.run_block(block, x, i, self.grad_ckpt)
             else:
                 x = block(x)
         return self.head(x, targets)
@@ -280,8 +279,9 @@ def saved_activation_bytes(model, out):
     """What activations.activation_bytes() predicts, measured: adds to out[0] the bytes autograd
     keeps for backward during the enclosed forward, every saved tensor's storage once, weights
     left out. Under activation checkpointing autograd saves almost nothing inside a block; what
-    the checkpoint keeps is the block's input, which the pre-hooks count. Exact on any device:
-    it counts tensors, not allocator pages."""
+    the checkpoint keeps (the block's input; under `selective` the matmuls' and attention's
+    outputs) activation_ckpt.metering counts. Exact on any device: it counts tensors, not
+    allocator pages."""
     seen = set()
 
     def count(t):
@@ -296,12 +296,9 @@ def saved_activation_bytes(model, out):
         count(t)
         return t
 
-    blocks = model.blocks() if model.grad_ckpt else []
-    hooks = [b.register_forward_pre_hook(lambda m, args: count(args[0])) for b in blocks]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            activation_ckpt.metering(model, count):
         yield
-    for h in hooks:
-        h.remove()
 
 
 # Dense peak TFLOP/s per GPU from the vendors' data sheets, for MFU: (name as

@@ -30,6 +30,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
+import activation_ckpt
 import checkpoint
 import fp8
 import pretrained
@@ -113,7 +114,12 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, in
         # what an adapter file names as its base: the weights before LoRA and quantization
         model.base_id = base_fingerprint(model) if cfg.lora else None
         model = model.to(device=device, dtype=dtype)  # 16-bit working weights in bf16 / fp16
-    model.grad_ckpt = cfg.grad_ckpt
+    # which blocks are checkpointed, what they keep, where saved tensors live: activation_ckpt.py
+    model.grad_ckpt = activation_ckpt.policy(cfg.grad_ckpt, cfg.grad_ckpt_every)
+    if cfg.offload_activations:
+        _, note = activation_ckpt.install_offload(model, device)
+        if rank == 0:
+            print(note)
     if cfg.lora:  # freeze the base, add adapters: only they reach ZeRO's buffers and the optimizer
         try:  # the targets are names of the model's own LINEARS
             apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)

@@ -11,6 +11,7 @@ the speed targets; on GPUs MFU and peak memory too.
                                                # loss.png (needs matplotlib)
     python -m bench.costs --dtypes fp32 --stages 2,3 --lora off --steps 60 --no-write
     python -m bench.costs --save costs.json    # keep the raw results: python -m bench.plots
+    python -m bench.costs --ckpt none,selective,full/2,full   # rows per --grad-ckpt setting
 
 BENCHMARKS.md's "costs" section says what each column means.
 """
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from activation_ckpt import Policy, policy, setting
 from bench import plots
 from bench.common import (OurRun, PlainRun, Stopwatch, adamw, adamw_settings, comma_list, command,
                           cpu_units, decay_groups, load_data, paired_ratio, parser, report, table,
@@ -43,9 +45,11 @@ from precision import DTYPES, set_tf32
 from train import model_config
 from zero import traffic_formula, zero_formula
 
-# our configurations are keyed "s<stage>[+ckpt][+lora|+qlora]"; QLoRA is LoRA over an nf4 base
-# (train.py's --lora --quantize nf4); r, alpha and targets are train.py's defaults
+# our configurations are keyed "s<stage>[+ckpt|+sel[K]][+lora|+qlora]" (sel: selective, K:
+# every K-th block); QLoRA is LoRA over an nf4 base (train.py's --lora --quantize nf4); r, alpha
+# and targets are train.py's defaults
 LORA_MODES = ("off", "lora", "qlora")
+CKPT_TAGS = {"full": "ckpt", "selective": "sel"}
 REFS = {"ddp": "DDP + AdamW", "zro": "DDP + ZeroRedundancyOptimizer(AdamW)",
         "fsdp": "FSDP2 fully_shard per block + AdamW"}
 SHORT = {"ddp": "DDP", "zro": "ZeRO-Opt", "fsdp": "FSDP2"}
@@ -60,22 +64,24 @@ STATE_PARTS = ("params", "grads", "master", "optimizer")
 
 
 def ours_key(stage, ckpt=False, lora="off"):
-    key = f"s{stage}"
+    key, ckpt = f"s{stage}", policy(ckpt)
     if ckpt:
-        key += "+ckpt"
+        key += f"+{CKPT_TAGS[ckpt.kind]}" + (str(ckpt.every) if ckpt.every > 1 else "")
     if lora != "off":
         key += f"+{lora}"
     return key
 
 
 def parse_key(key):
-    """"s3+ckpt+qlora" -> (3, True, "qlora")"""
-    parts = key.split("+")
-    lora = "off"
-    for part in parts:
-        if part in LORA_MODES:
-            lora = part
-    return int(parts[0][1:]), "ckpt" in parts, lora
+    """"s3+sel2+qlora" -> (3, Policy("selective", 2), "qlora")"""
+    parts, lora, ckpt = key.split("+"), "off", Policy()
+    kinds = {tag: kind for kind, tag in CKPT_TAGS.items()}
+    for part in parts[1:]:
+        tag = part.rstrip("0123456789")
+        lora = part if part in LORA_MODES else lora
+        if tag in kinds:
+            ckpt = Policy(kinds[tag], int(part[len(tag):] or 1))
+    return int(parts[0][1:]), ckpt, lora
 
 
 def describe(key):
@@ -83,6 +89,8 @@ def describe(key):
         return REFS[key]
     stage, ckpt, lora = parse_key(key)
     name = f"ours, ZeRO-{stage}" + (" + grad-ckpt" if ckpt else "")
+    name += (f" {ckpt.kind}" if ckpt.kind == "selective" else "") + (
+        f" every {ckpt.every}" if ckpt and ckpt.every > 1 else "")
     return name + {"off": "", "lora": " + LoRA", "qlora": " + QLoRA (nf4 base)"}[lora]
 
 
@@ -102,8 +110,8 @@ class Ours(OurRun):
 
     def __init__(self, key, cfg, data, vocab, device, rank, world_size):
         stage, ckpt, lora = parse_key(key)
-        cfg = replace(cfg, zero=stage, grad_ckpt=ckpt, lora=lora != "off",
-                      quantize="nf4" if lora == "qlora" else "")
+        cfg = replace(cfg, zero=stage, grad_ckpt=ckpt.kind, grad_ckpt_every=ckpt.every,
+                      lora=lora != "off", quantize="nf4" if lora == "qlora" else "")
         super().__init__(cfg, data, vocab, device, rank, world_size)
 
     def state_bytes(self):
@@ -218,10 +226,10 @@ def measure_dtype(dname, args, data, vocab, device, rank, world_size):
     slow = device.type == "cpu" and dname != "fp32" and not cpu_units([dname])
     rounds, warm = (2, 1) if slow else (5, 2)
     per_round = 1 if slow else max(1, args.steps // rounds)
-    keys = list(REFS)
+    keys = list(REFS) if getattr(args, "refs", True) else []  # bench.dial: ours only
     for stage in args.stages:
         for lora in args.lora:
-            keys += [ours_key(stage, False, lora), ours_key(stage, True, lora)]
+            keys += [ours_key(stage, ckpt, lora) for ckpt in args.ckpt]
     times, info = {k: [] for k in keys}, {k: {} for k in keys}
     for r in range(rounds):
         shift = r % len(keys)
@@ -383,6 +391,8 @@ def main(argv=None):
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list: fp32,bf16,fp16")
     p.add_argument("--stages", default="0,1,2,3", help="comma list of our ZeRO stages")
     p.add_argument("--lora", default=",".join(LORA_MODES), help="comma list: off,lora,qlora")
+    p.add_argument("--ckpt", default="none,full", help="comma list of --grad-ckpt settings "
+                   "for our rows: none, full, selective, each with /K for every K-th block")
     p.add_argument("--save", metavar="FILE", help="also write the raw results as JSON, for "
                    "python -m bench.plots --costs FILE")
     plots.add_plot_flags(p)
@@ -390,6 +400,7 @@ def main(argv=None):
     args.dtypes = comma_list(p, "--dtypes", args.dtypes, tuple(DTYPES))
     args.stages = comma_list(p, "--stages", args.stages, (0, 1, 2, 3), int)
     args.lora = comma_list(p, "--lora", args.lora, LORA_MODES)
+    args.ckpt = comma_list(p, "--ckpt", args.ckpt, kind=setting)
     if args.steps < 1:
         p.error(f"--steps {args.steps}: at least 1")
     gpus = torch.cuda.device_count()

@@ -1,6 +1,7 @@
 """--compile: torch.compile on each block's attention and MLP (CPU inductor; gcc compiles the
-kernels), under every ZeRO stage, with activation checkpointing and LoRA. The hooks that drive
-ZeRO stay outside the compiled regions, so: the same losses as eager, no recompilation after
+kernels), under every ZeRO stage, with activation checkpointing (full, and selective: its
+per-op policy runs around the compiled block) and LoRA. The hooks that drive ZeRO stay outside
+the compiled regions, so: the same losses as eager, no recompilation after
 the first step, and the gradient collectives still launched during backward, interleaved with
 the blocks' backward as in eager mode. One process (the stages' collectives are local copies
 on one rank), one small shape, so that every configuration reuses the same few graphs."""
@@ -39,7 +40,7 @@ def graphs():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_compiled_blocks_train_like_eager(stage):
     xs = batches(4)
-    for grad_ckpt, lora in ((False, False), (True, False), (True, True)):
+    for grad_ckpt, lora in ((False, False), (True, False), (True, True), ("selective", True)):
         cfg = TrainConfig(**SHAPE, zero=stage, grad_ckpt=grad_ckpt, lora=lora)
         eager = losses(*build(cfg, VOCAB, torch.device("cpu"), torch.float32), xs)
         model, zero, scaler = build(TrainConfig(**{**vars(cfg), "compile": True}), VOCAB,

@@ -1,0 +1,254 @@
+"""activation_ckpt.py: the dial's flags, losses and gradients equal to no checkpointing (bitwise in
+fp32) for every policy and K under ZeRO 0-3 and LoRA, memory.py's activation estimate equal to
+the bytes measured for each, the ordering a learner should see (none > selective > every-K >
+full), --advise trying the least checkpointing first, the offload hooks' logic on a CPU with a
+stand-in for the device, --compile, and a resume that changes the setting."""
+import json
+import os
+
+import pytest
+import torch
+
+import lora
+import quant
+import validate
+from activation_ckpt import Offload, Policy, install_offload, policy
+from activations import activation_bytes
+from configurator import ConfigError, TrainConfig, parse_args
+from conftest import make_zero, run_distributed, run_train, zero_step
+from memory import advise, estimate, parse_bytes, shape_for
+from model import GPT, GPTConfig, saved_activation_bytes
+from precision import GradScaler
+
+SETTINGS = [Policy(k, K) for k in ("full", "selective") for K in (1, 2, 3)]
+TINY = dict(block_size=16, vocab_size=40, n_layer=3, n_head=2, n_embd=32, bias=True)
+
+
+def test_flags():
+    assert parse_args([]).grad_ckpt == "none"
+    assert parse_args(["--grad-ckpt"]).grad_ckpt == "full"  # bare: as before
+    assert parse_args(["--grad-ckpt", "--lora"]).grad_ckpt == "full"
+    assert parse_args(["--grad-ckpt", "selective"]).grad_ckpt == "selective"
+    assert parse_args(["--grad-ckpt", "--no-grad-ckpt"]).grad_ckpt == "none"
+    assert parse_args(["--grad-ckpt", "--grad-ckpt-every", "2"]).grad_ckpt_every == 2
+    assert TrainConfig(grad_ckpt=True).grad_ckpt == "full"  # code from when it was a switch
+    assert TrainConfig(grad_ckpt=False).grad_ckpt == "none"
+    for argv, message in ((["--grad-ckpt", "some"], "--grad-ckpt some: use none, full, selective"),
+                          (["--grad-ckpt-every", "0"], "--grad-ckpt-every must be at least 1"),
+                          (["--grad-ckpt-every", "2"], "add --grad-ckpt \\[full\\|selective\\]")):
+        with pytest.raises(ConfigError, match=message):
+            parse_args(argv)
+    assert policy(True) == Policy("full") and not policy(False) and not Policy("none", 3)
+    assert Policy("selective", 2).flags() == "--grad-ckpt selective --grad-ckpt-every 2"
+    assert [Policy("full", 2).applies(i) for i in range(4)] == [True, False, True, False]
+
+
+def test_preset_with_a_bool_and_an_old_checkpoint(tmp_path):
+    preset = tmp_path / "old.py"
+    preset.write_text("grad_ckpt = True\n")
+    assert parse_args(["--config", str(preset)]).grad_ckpt == "full"
+    # the checkpoint's config is compared only for the settings that matter (not this one)
+    header = {"model_args": {}, "config": {"grad_ckpt": True, "lora": False}}
+    validate.check_compatible(header, {}, None, "ckpt", config={"grad_ckpt": "selective",
+                                                                "lora": False})
+
+
+def grads_and_losses(ckpt, dtype=torch.float32, dropout=0.1):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY, dropout=dropout)).to(dtype)
+    model.grad_ckpt = ckpt
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(2):
+        x, y = (torch.randint(0, 40, (3, 16), generator=g) for _ in range(2))
+        loss = model(x, y)[1]
+        loss.backward()
+        losses.append(loss.item())
+    return losses, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_same_losses_and_gradients_bitwise(dtype):
+    """With dropout: the recompute replays the same RNG and the same arithmetic (on a CPU in
+    16 bits too)."""
+    ref_losses, ref_grads = grads_and_losses(False, dtype)
+    for ckpt in SETTINGS if dtype == torch.float32 else SETTINGS[:2] + SETTINGS[3:5]:
+        losses, grads = grads_and_losses(ckpt, dtype)
+        assert losses == ref_losses, ckpt
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads)), ckpt
+
+
+def measure(model, cfg):
+    x, y = torch.randint(0, cfg.vocab_size, (3, 16)), torch.randint(0, cfg.vocab_size, (3, 16))
+    out = [0]
+    with saved_activation_bytes(model, out):
+        model(x, y)
+    return out[0]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_estimate_equals_measured_for_every_policy_and_k(dtype):
+    cfg = GPTConfig(**TINY)
+    for ckpt in SETTINGS + [Policy()]:
+        for base in ("trains", "lora", "qlora"):
+            torch.manual_seed(0)
+            model = GPT(cfg).to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+            r = 0 if base == "trains" else 4
+            if r:
+                lora.apply_lora(model, r, targets=("q", "v"))
+            if base == "qlora":
+                quant.quantize_base(model, "nf4")
+            model.grad_ckpt = ckpt
+            est = activation_bytes(cfg, 3, 16, dtype, ckpt, r, ("q", "v"), device="cpu")
+            assert est["total"] == measure(model, cfg), (dtype, ckpt, base)  # to the byte
+
+
+def test_the_dial_orders_memory_on_the_cpu_demo():
+    """The CPU demo (4 layers of 128, 12 x 64 tokens): selective saves clearly less than none,
+    every-K lies between full and none, and more checkpointing never keeps more."""
+    cfg = GPTConfig(block_size=64, vocab_size=65, n_layer=4, n_head=4, n_embd=128, bias=False)
+
+    def total(kind, every=1):
+        return activation_bytes(cfg, 12, 64, "fp32", Policy(kind, every), device="cpu")["total"]
+
+    none, sel, full = total("none"), total("selective"), total("full")
+    assert sel < 0.8 * none and full < sel
+    assert full < total("full", 2) < total("full", 4) < none
+    assert sel < total("selective", 2) < none
+    # per layer, in Korthikanti et al.'s units of s*b*h values: 1 kept by full, 11 + the
+    # logsumexp by selective (block input, q|k|v, attention output, 2 projections, c_fc)
+    layer = activation_bytes(cfg, 12, 64, "fp32", "selective")["per_layer"]
+    assert layer == 4 * 12 * 64 * (11 * 128 + 4)
+
+
+def test_advise_tries_the_least_checkpointing_first():
+    cfg = shape_for(7e9)
+    lines, cmd = advise(cfg, 8, parse_bytes("25GB"), psi=int(7e9))
+    assert "selective" in lines[-1] and "fits" in lines[-1]
+    assert "--zero 3" in cmd and "--grad-ckpt selective" in cmd
+    lines, cmd = advise(cfg, 8, parse_bytes("24GB"), psi=int(7e9))
+    assert "--grad-ckpt --grad-ckpt-every 2" in cmd
+    est = estimate(cfg, 8, 3, "bf16", psi=int(7e9), grad_ckpt=Policy("full", 2))
+    assert est["activations"]["total"] < estimate(cfg, 8, 3, "bf16", psi=int(7e9),
+                                                  grad_ckpt="selective")["activations"]["total"]
+
+
+def train_stage(stage, rank, world_size, ckpt, r=0):
+    """Three ZeRO steps of the tiny model (LoRA on q, v if r), checkpointed as ckpt."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY, dropout=0.1))
+    if r:
+        lora.apply_lora(model, r, targets=("q", "v"))
+    model.grad_ckpt = ckpt
+    zero = make_zero(model, stage, lr=1e-2, bucket_mb=0.002, rank=rank, world_size=world_size)
+    scaler, g, out = GradScaler(init_scale=1.0, dynamic=False), torch.Generator(), []
+    g.manual_seed(rank)
+    for _ in range(3):
+        x, y = (torch.randint(0, 40, (2, 16), generator=g) for _ in range(2))
+        loss = model(x, y)[1]
+        zero.backward(scaler.scale(loss))
+        zero_step(zero, scaler, 1e-2, 1.0)
+        out.append(loss.item())
+    return out
+
+
+def check_stages(rank, world_size):
+    for stage in range(4):
+        for r in (0, 4):
+            ref = train_stage(stage, rank, world_size, False, r)
+            for ckpt in (Policy("selective"), Policy("full", 2), Policy("selective", 2)):
+                assert train_stage(stage, rank, world_size, ckpt, r) == ref, (stage, r, ckpt)
+
+
+def test_zero_stages_and_lora_two_ranks():
+    """ZeRO-3's gather/free hooks fire around the recompute of every policy (frozen LoRA base
+    weights too): the same losses as no checkpointing, bitwise, on 2 gloo ranks."""
+    run_distributed(check_stages, 2)
+
+
+class FakeMover:
+    """Stands in for the device: every tensor counts as on it, and moving is a copy."""
+
+    def __init__(self):
+        self.moved = []
+
+    def on_device(self, t):
+        return True
+
+    def to_host(self, t):
+        self.moved.append(t.numel() * t.element_size())
+        return t.detach().clone(), None
+
+    def to_device(self, host, done, device):
+        return host.clone()
+
+
+def test_offload_round_trip_and_threshold():
+    """Through the pack/unpack hooks the step is unchanged; small tensors and weights stay."""
+    ref_losses, ref_grads = grads_and_losses(False, dropout=0.0)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    mover, threshold = FakeMover(), 3 * 16 * 32 * 4  # one (b, s, h) fp32 activation
+    off, note = install_offload(model, torch.device("cpu"), mover, min_bytes=threshold)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(2):
+        x, y = (torch.randint(0, 40, (3, 16), generator=g) for _ in range(2))
+        loss = model(x, y)[1]
+        loss.backward()
+        losses.append(loss.item())
+    assert losses == ref_losses
+    assert all(torch.equal(p.grad, q) for p, q in zip(model.parameters(), ref_grads))
+    assert mover.moved and min(mover.moved) >= threshold and off.kept_bytes > 0
+    # unit logic: a weight stays however large; a small activation stays; a large one moves
+    unit = Offload(model, FakeMover(), min_bytes=threshold)
+    w = model.lm_head.weight
+    assert unit.pack(w) is w and unit.pack(w.t()).data_ptr() == w.data_ptr()
+    small = torch.randn(3)
+    assert unit.pack(small) is small
+    big = torch.randn(3, 16, 32)
+    assert torch.equal(unit.unpack(unit.pack(big)), big) and unit.host_bytes == big.nbytes
+
+
+def test_offload_is_a_no_op_on_a_cpu(capsys):
+    from train import build
+    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, offload_activations=True)
+    build(cfg, 40, torch.device("cpu"), torch.float32)
+    assert capsys.readouterr().out.count("--offload-activations: a no-op on a CPU") == 1
+
+
+def test_resume_may_change_the_setting(data_root, tmp_path):
+    """6 steps selective on every 2nd block, resumed for 6 more with full: bitwise 12 without."""
+    args = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32",
+            "--block-size", "32", "--batch-size", "4", "--eval-iters", "2", "--eval-interval",
+            "1000", "--log-interval", "1", "--dropout", "0.1", "--data-root", data_root,
+            "--dataset", "tiny"]
+    run_train(args + ["--max-iters", "12", "--out-dir", str(tmp_path / "plain")])
+    split = ["--out-dir", str(tmp_path / "split")]
+    run_train(args + split + ["--max-iters", "6", "--grad-ckpt", "selective",
+                              "--grad-ckpt-every", "2"])
+    run_train(args + split + ["--max-iters", "12", "--resume", "--grad-ckpt"])
+
+    def losses(out):
+        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        return {r["iter"]: r["loss"] for r in rows if "loss" in r}
+
+    assert sorted(losses(tmp_path / "split")) == list(range(12))
+    assert losses(tmp_path / "plain") == losses(tmp_path / "split")
+    rows = [json.loads(line) for line in open(tmp_path / "split" / "metrics.jsonl")]
+    assert [r["grad_ckpt"] for r in rows if r.get("event") == "activations"] == ["selective",
+                                                                               "full"]
+
+
+def test_bench_keys_and_the_dial_table(capsys):
+    """bench.costs keys each setting, bench.dial prints each beside none (1 timed step)."""
+    from bench import costs, dial
+    for key in ("s0", "s3+ckpt", "s1+sel", "s2+ckpt2+lora", "s3+sel4+qlora"):
+        stage, ckpt, lora = costs.parse_key(key)
+        assert costs.ours_key(stage, ckpt, lora) == key
+    assert costs.describe("s0+sel2") == "ours, ZeRO-0 + grad-ckpt selective every 2"
+    with pytest.raises(SystemExit):
+        dial.main(["--ckpt", "full,sometimes", "--no-write"])
+    dial.main(["--ckpt", "none,selective", "--steps", "1", "--no-write"])
+    out = capsys.readouterr().out
+    assert "| ours, ZeRO-0 + grad-ckpt selective | fp32 |" in out and "× |" in out
