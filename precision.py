@@ -65,10 +65,10 @@ def grad_zero_frac(grads, group=None):
     tensor). Under fp16 a rising value means that gradients underflow: the scale is too low."""
     grads = [g for g in grads if g is not None]
     device = grads[0].device if grads else "cpu"
-    counts = torch.zeros(2, dtype=torch.float64, device=device)
-    for g in grads:
-        counts[0] += (g == 0).sum()
-        counts[1] += g.numel()
+    total = sum(g.numel() for g in grads)  # a Python int: no kernel for it
+    nonzero = torch.stack([torch.count_nonzero(g) for g in grads]).sum() if grads else 0
+    counts = torch.stack([torch.as_tensor(total - nonzero, dtype=torch.float64, device=device),
+                          torch.tensor(float(total), dtype=torch.float64, device=device)])
     if dist.is_initialized():  # ranks holding the same gradients (stage 0) leave it unchanged
         dist.all_reduce(counts, group=group)
     return counts[0] / counts[1].clamp(min=1)
