@@ -212,6 +212,10 @@ class Reader:
                 self.header.get("format") not in ("consolidated", "sharded"):
             raise CheckpointError(f"{path} is not a nanoZeRO checkpoint")
         self.file = os.path.join(path, self.opened[0])
+        if "adam_step" in self.header and "opt_step" not in self.header:
+            raise CheckpointError(f"{path} was written by an earlier nanoZeRO (no checksums, "
+                                  "AdamW's keys only): resume it with that version, or start "
+                                  "fresh in another --out-dir")
         self.hint = rundir.resume_hint(path)  # a bad file names what to resume from instead
         self._checked(self.file, validate.check_header, self.header)  # before any claim is used
         self.verified = set()  # ckpt.pt's (name, key) whose checksum was checked
