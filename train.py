@@ -15,7 +15,7 @@ Several machines (run on each node, node_rank 0..nnodes-1):
 The training step, as the lecture teaches it and as the loop below spells it out: forward;
 backward of the scaled loss (gradient collectives overlapped with it); the 16-bit gradient
 slice to fp32; unscale, with an inf/NaN check that all ranks agree on; clip by the global norm;
-the AdamW step, skipped on an inf/NaN; publish the new weights; adapt the loss scale. On steps
+the optimizer's step, skipped on an inf/NaN; publish the new weights; adapt the loss scale. On steps
 that are not logged nothing waits for the device.
 """
 import gc
@@ -304,7 +304,7 @@ def main(argv=None):
         zero_frac = grad_zero_frac(grads) if logging else None  # fp16 underflow: zeros
         found_inf = scaler.unscale_(grads)  # divide by the loss scale; an inf/NaN on any rank?
         grad_norm = zero.clip_grad_norm_(cfg.grad_clip)  # global norm over every rank's slice
-        zero.step(lr, found_inf)  # AdamW on this rank's fp32 slice; skipped if found_inf
+        zero.step(lr, found_inf)  # the optimizer on this rank's fp32 slice; skipped if found_inf
         zero.publish(wait=False)  # fp32 master -> weights (stages 1-2: all-gathers, waited
         # for bucket by bucket in the next forward's pre-hooks: they overlap it)
         scaler.update(found_inf)  # halve the scale after an overflow, grow it after a clean run

@@ -6,10 +6,11 @@ Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Pa
 Sec. 5 (ZeRO-DP: P_os, P_os+g, P_os+g+p) and Sec. 7 (their communication volume).
 With mixed-precision Adam every parameter costs 2 (16-bit weight) + 2 (16-bit gradient) + 12
 (fp32 master weight, Adam's two moments) = 16 bytes, and plain data parallelism keeps all 16
-on every one of N ranks. ZeRO partitions the redundant parts:
+on every one of N ranks (another optimizer changes the 12: optim.py's K). ZeRO partitions the
+redundant parts:
 
   stage 0  plain data parallelism: all-reduce the gradients          16Ψ per rank
-  stage 1  shard the optimizer side (master + Adam)                  4Ψ + 12Ψ/N
+  stage 1  shard the optimizer side (master + AdamW's moments)       4Ψ + 12Ψ/N
   stage 2  shard the gradients too                                   2Ψ + 14Ψ/N
   stage 3  shard the parameters too (zero3.py; PyTorch calls it FSDP) 16Ψ/N
 
@@ -34,7 +35,7 @@ working dtype by default (the ZeRO paper's 16-bit gradients), or fp32 (torchtita
 Megatron's default), which doubles the bytes and keeps the low bits of a sum over many ranks.
 
 The step, called by train.py's loop in the lecture's order: `master_grads`, the scaler's
-unscale and inf check, `clip_grad_norm_`, `step` (fused AdamW, skipped on the device when any
+unscale and inf check, `clip_grad_norm_`, `step` (the optimizer, skipped on the device when any
 rank found an inf), `publish`. Norms, the inf flag and the skip stay on the device.
 """
 import hashlib

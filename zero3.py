@@ -17,7 +17,8 @@ LM head), and the life of a unit's weights in one training step is, as the code 
                  last block's re-gather starts at the end of the forward, behind the loss head
   (6) reduce-scatter, free: once the unit's gradients are complete, reduce-scatter them, as
                  stage 2 does (zero.py), and free the full weights
-  (7) step       AdamW updates the fp32 master of the shard; publish copies it into `shard`
+  (7) step       the optimizer updates the fp32 master of the shard; publish copies it into
+                 `shard`
 
 The root unit is used first (embeddings) and last (the tied head): it stays gathered from the
 model's forward to the end of backward, one unit's worth of memory for one gather less.
