@@ -302,7 +302,7 @@ def expected(key, res, cfg, world_size, vocab):
     est = estimate(model_config(cfg, vocab), world_size, stage, res["dtype"], cfg.batch_size,
                    cfg.block_size, ckpt, cfg.lora_rank if lora != "off" else 0,
                    tuple(parse_targets(cfg.lora_targets)), "nf4" if lora == "qlora" else None,
-                   bucket_mb=cfg.bucket_mb)
+                   bucket_mb=cfg.bucket_mb, device="cuda" if torch.cuda.is_available() else "cpu")
     paper = None
     if lora == "off":  # the paper has no formula for a frozen base
         paper = int(zero_formula(est["trainable"], stage, world_size,
