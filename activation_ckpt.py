@@ -1,6 +1,6 @@
 """
 Activation memory as a dial: which blocks are checkpointed, which of their tensors are kept,
-and where the saved tensors live. model.py's block loop calls run_block(); train.build sets
+and where the saved tensors live. model.py's block loop calls run_block(); engine.build sets
 the policy and, with --offload-activations, install_offload().
 
 References:

@@ -28,7 +28,7 @@ from bench.common import (Stopwatch, batch, comma_list, command, load_data, pars
                           run_train, table)
 from configurator import TrainConfig, load_preset
 from precision import DTYPES
-from train import build
+from engine import build
 
 RUNS = {"fp32": ["--dtype", "fp32"],
         "bf16, gradients summed in bf16": ["--bf16", "--no-fp32-grad-accum"],

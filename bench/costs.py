@@ -1,6 +1,6 @@
 """
 What each technique costs and saves, on N ranks (gloo processes on a CPU; one GPU each, nccl):
-our ZeRO stage x dtype x --grad-ckpt x LoRA (off / LoRA / QLoRA), each set up by train.build,
+our ZeRO stage x dtype x --grad-ckpt x LoRA (off / LoRA / QLoRA), each set up by engine.build,
 beside PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2. Per configuration: model-state bytes
 per rank beside memory.py's estimate and the ZeRO paper's formula, activation bytes beside
 memory.py's, traffic beside theory, step time and tokens/s, time ratios paired by round and
@@ -42,7 +42,7 @@ from lora import parse_targets
 from footprint import estimate
 from model import GPT, peak_flops
 from precision import DTYPES, set_tf32
-from train import model_config
+from engine import model_config
 from zero import traffic_formula, zero_formula
 
 # our configurations are keyed "s<stage>[+ckpt|+sel[K]][+lora|+qlora]" (sel: selective, K:
@@ -106,7 +106,7 @@ def costs_config():
 # the configurations: each steps, and says what it holds and what it sent
 
 class Ours(OurRun):
-    """One of our configurations, set up by train.build as train.py sets it up."""
+    """One of our configurations, set up by engine.build as train.py sets it up."""
 
     def __init__(self, key, cfg, data, vocab, device, rank, world_size):
         stage, ckpt, lora = parse_key(key)

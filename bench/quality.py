@@ -27,7 +27,8 @@ from bench.common import (Stopwatch, adamw, comma_list, command, parser, plain_s
 from configurator import ConfigError, TrainConfig, load_preset
 from model import GPT
 from data.loader import get_batch, load_data
-from train import get_lr, model_config
+from engine import model_config
+from train import get_lr
 
 PRESET = "config/shakespeare_char_cpu.py"
 EVAL_ITERS = 200  # validation batches each final model is scored on

@@ -211,7 +211,7 @@ def test_offload_round_trip_and_threshold():
 
 
 def test_offload_is_a_no_op_on_a_cpu(capsys):
-    from train import build
+    from engine import build
     cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, offload_activations=True)
     build(cfg, 40, torch.device("cpu"), torch.float32)
     assert capsys.readouterr().out.count("--offload-activations: a no-op on a CPU") == 1

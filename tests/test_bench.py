@@ -98,7 +98,7 @@ def test_cost_rows_compare_with_memory_py_and_pair_ratios():
     says so; a time ratio is the median of per-round ratios (a slow round of both cancels), and a
     target is judged on that ratio."""
     from footprint import estimate
-    from train import model_config
+    from engine import model_config
     cfg, vocab = costs.costs_config(), 65
     gpt = model_config(cfg, vocab)
     info, psi = {}, estimate(gpt)["psi"]
@@ -146,7 +146,8 @@ def test_our_step_is_train_py_step(data_root, tmp_path, dtype):
     from configurator import parse_args
     from data.prepare import load_meta
     from precision import DTYPES
-    from train import build, get_lr, main
+    from engine import build
+    from train import get_lr, main
     argv = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
             "--batch-size", "4", "--eval-iters", "1", "--eval-interval", "100", "--max-iters", "4",
             "--log-interval", "1", "--warmup-iters", "2", "--learning-rate", "3e-3",

@@ -11,7 +11,7 @@ import torch._dynamo
 
 from conftest import zero_step
 from configurator import TrainConfig
-from train import build
+from engine import build
 
 SHAPE = dict(n_layer=3, n_head=2, n_embd=32, block_size=16, batch_size=4, dropout=0.0,
              lora_targets="all", bucket_mb=0.0001)

@@ -27,9 +27,9 @@ TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", 
 
 
 def as_llama(main, argv):
-    """What a fork's edit of model.py amounts to: train.py builds the fork's model."""
-    import train
-    train.GPT = llama.Llama
+    """What a fork's edit of model.py amounts to: engine.py builds the fork's model."""
+    import engine
+    engine.GPT = llama.Llama
     main(argv)
 
 

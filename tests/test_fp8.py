@@ -12,7 +12,7 @@ import torch
 import fp8
 from configurator import ConfigError, TrainConfig, parse_args
 from conftest import ROOT, run_distributed, run_train, zero_step
-from train import build
+from engine import build
 
 SHAPE = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, dropout=0.0,
              bucket_mb=0.0001, dtype="bf16", fp8=True)

@@ -29,7 +29,8 @@ from conftest import ROOT, TEXT, run_train
 from configurator import ConfigError, parse_args
 from model import GPT, GPTConfig
 from data.loader import get_batch
-from train import build, main
+from engine import build
+from train import main
 
 transformers = pytest.importorskip("transformers", reason="pip install -r requirements-test.txt")
 peft = pytest.importorskip("peft", reason="pip install -r requirements-test.txt")

@@ -13,10 +13,10 @@ import torch.distributed as dist
 import configurator
 import footprint
 import zeropp
-import train
 from collectives import Traffic, all_gather_params
 from conftest import run_distributed, run_train, zero_step
 from data.loader import get_batch
+from engine import build
 from lora import apply_lora
 from model import GPT, GPTConfig
 from precision import GradScaler
@@ -289,7 +289,7 @@ def test_bad_zeropp_flags_are_one_line(argv, message):
 def test_a_node_size_that_does_not_divide_the_world_is_one_line():
     cfg = configurator.parse_args(["--zero", "3", "--zeropp", "hpz", "--node-size", "3"])
     with pytest.raises(configurator.ConfigError, match="does not divide the world size 2"):
-        train.build(cfg, 65, torch.device("cpu"), torch.float32, 0, 2)
+        build(cfg, 65, torch.device("cpu"), torch.float32, 0, 2)
 
 
 def test_bench_tables_from_measured_bytes():
