@@ -39,13 +39,13 @@ import torch
 import torch.distributed as dist
 
 import optim
-import rundir
-import validate
+from machinery import rundir
+from machinery import validate
 from collectives import all_gather_object
-from pieces import full_tensors, optimizer_header, owned_pieces, state_keys, stored
-from rundir import list_checkpoints
-from tensorfile import torch_save
-from validate import crc
+from machinery.pieces import full_tensors, optimizer_header, owned_pieces, state_keys, stored
+from machinery.rundir import list_checkpoints
+from machinery.tensorfile import torch_save
+from machinery.validate import crc
 
 
 

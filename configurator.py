@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from lora import parse_targets
-from zeropp import parse_zeropp
+from beyond.zeropp import parse_zeropp
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 

@@ -6,9 +6,9 @@ drives what build() returns; bench/ times it beside PyTorch's own.
 """
 import torch
 
-import activation_ckpt
-import fp8
-import pretrained
+from beyond import activation_dial
+from beyond import fp8
+from machinery import pretrained
 from configurator import ConfigError
 from lora import apply_lora, base_fingerprint
 from model import GPT, GPTConfig
@@ -16,7 +16,7 @@ from precision import DTYPES, GradScaler
 from quant import quantize_base
 from zero import ZeRO
 from zero3 import ZeRO3
-from zeropp import ZeROpp, default_node_size, parse_zeropp
+from beyond.zeropp import ZeROpp, default_node_size, parse_zeropp
 
 
 
@@ -49,9 +49,9 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, in
         model.base_id = base_fingerprint(model) if cfg.lora else None
         model = model.to(device=device, dtype=dtype)  # 16-bit working weights in bf16 / fp16
     # which blocks are checkpointed, what they keep, where saved tensors live: activation_ckpt.py
-    model.grad_ckpt = activation_ckpt.policy(cfg.grad_ckpt, cfg.grad_ckpt_every)
+    model.grad_ckpt = activation_dial.policy(cfg.grad_ckpt, cfg.grad_ckpt_every)
     if cfg.offload_activations:
-        _, note = activation_ckpt.install_offload(model, device)
+        _, note = activation_dial.install_offload(model, device)
         if rank == 0:
             print(note)
     if cfg.lora:  # freeze the base, add adapters: only they reach ZeRO's buffers and the optimizer

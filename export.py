@@ -13,16 +13,16 @@ import json
 import os
 import sys
 
-import hf
+from machinery import hf
 from checkpoint import CheckpointError, Reader, check_compatible
 from configurator import ConfigError, OneLineParser
-from hf import HFError
+from machinery.hf import HFError
 from lora import adapter_state, apply_lora, merge_lora, parse_targets
 from model import GPT, GPTConfig
 from precision import DTYPES
 from quant import dequantize_base, quantize_base
-from tensorfile import write_safetensors
-from validate import check_adapter
+from machinery.tensorfile import write_safetensors
+from machinery.validate import check_adapter
 
 
 

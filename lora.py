@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from model import GPT
 from quant import QuantizedWeight, declared_linears, linear
-from tensorfile import write_safetensors
+from machinery.tensorfile import write_safetensors
 
 
 def targets_of(linears):
@@ -247,7 +247,7 @@ def load_adapter(model, path, vocab=None):
     vocabulary (vocab: the model's validate.vocab_id, when known) and every name and shape must
     match, else AdapterError. Load before ZeRO wraps the model: under ZeRO-3 its LoRA parameters
     are shards."""
-    import validate  # validate.py imports this module
+    from machinery import validate  # validate.py imports this module
     try:  # safetensors: tensors and strings only, nothing that could run code
         with safe_open(path, framework="pt") as f:
             meta = f.metadata()

@@ -17,12 +17,12 @@ import sys
 from dataclasses import replace
 
 import optim
-from activation_ckpt import Policy, policy
+from beyond.activation_dial import Policy, policy
 from configurator import ConfigError, config_from, grad_accum_for, load_preset, make_parser
-from footprint import estimate
+from machinery.footprint import estimate
 from lora import parse_targets
 from model import GPTConfig
-from zeropp import parse_zeropp
+from beyond.zeropp import parse_zeropp
 
 HEADROOM = 0.10  # fraction of the GPU kept free for what the estimate leaves out
 GB = 1e9

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import activation_ckpt
-from loss import cross_entropy
+from beyond import activation_dial
+from beyond.chunked_loss import cross_entropy
 
 
 @dataclass
@@ -137,7 +137,7 @@ class GPT(nn.Module):
         if config.arch != self.ARCH:
             raise ValueError(f"arch={config.arch!r}: model.py's GPT builds {self.ARCH!r}")
         self.config = config
-        # activation checkpointing: False or an activation_ckpt.Policy (train.py --grad-ckpt)
+        # activation checkpointing: False or an activation_dial.Policy (train.py --grad-ckpt)
         self.grad_ckpt = False
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.padded_vocab, config.n_embd),
@@ -192,7 +192,7 @@ class GPT(nn.Module):
             if self.grad_ckpt and self.training and torch.is_grad_enabled():
                 # drop (some of) this block's activations now, recompute them in backward:
                 # which blocks and which tensors, activation_ckpt.py
-                x = activation_ckpt.run_block(block, x, i, self.grad_ckpt)
+                x = activation_dial.run_block(block, x, i, self.grad_ckpt)
             else:
                 x = block(x)
         return self.head(x, targets)
@@ -280,7 +280,7 @@ def saved_activation_bytes(model, out):
     keeps for backward during the enclosed forward, every saved tensor's storage once, weights
     left out. Under activation checkpointing autograd saves almost nothing inside a block; what
     the checkpoint keeps (the block's input; under `selective` the matmuls' and attention's
-    outputs) activation_ckpt.metering counts. Exact on any device: it counts tensors, not
+    outputs) activation_dial.metering counts. Exact on any device: it counts tensors, not
     allocator pages."""
     seen = set()
 
@@ -297,7 +297,7 @@ def saved_activation_bytes(model, out):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            activation_ckpt.metering(model, count):
+            activation_dial.metering(model, count):
         yield
 
 

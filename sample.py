@@ -22,14 +22,14 @@ import sys
 
 import torch
 
-import hf
+from machinery import hf
 from checkpoint import CheckpointError, Reader, list_checkpoints
 from configurator import ConfigError, OneLineParser
 from data.prepare import DataError, get_codec
 from lora import AdapterError, load_adapter, merge_lora
 from model import GPT, GPTConfig
 from precision import resolve_dtype
-from validate import check_model_args, vocab_id
+from machinery.validate import check_model_args, vocab_id
 
 
 class SampleError(Exception):

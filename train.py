@@ -31,22 +31,22 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
-import fp8
-import pretrained
-import rundir
+from beyond import fp8
+from machinery import pretrained
+from machinery import rundir
 from checkpoint import CheckpointError
 from collectives import Traffic, all_reduce_sum
 from configurator import ConfigError, grad_accum_for, parse_args
 from data.loader import Batches, estimate_loss, load_data
 from engine import build, model_config
 from lora import adapter_state, save_adapter
-from footprint import model_state_report
+from machinery.footprint import model_state_report
 from model import peak_flops, saved_activation_bytes
 from precision import grad_zero_frac, resolve_dtype, set_tf32
-from rundir import RunDirError
-from validate import vocab_id
+from machinery.rundir import RunDirError
+from machinery.validate import vocab_id
 from zero import replica_digest, traffic_formula
-from zeropp import link_theory
+from beyond.zeropp import link_theory
 
 
 def init_distributed(cfg):

@@ -23,8 +23,8 @@ if __package__ in (None, ""):  # run as a script: import from the repository roo
 import torch
 
 import checkpoint
-import pieces
-import validate
+from machinery import pieces
+from machinery import validate
 from bench.common import Stopwatch, command, parser, report, table
 from model import GPT, GPTConfig
 from precision import GradScaler

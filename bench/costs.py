@@ -32,14 +32,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from activation_ckpt import Policy, policy, setting
+from beyond.activation_dial import Policy, policy, setting
 from bench import plots
 from bench.common import (OurRun, PlainRun, Stopwatch, adamw, adamw_settings, comma_list, command,
                           cpu_units, decay_groups, load_data, paired_ratio, parser, report, table,
                           time_block)
 from configurator import TrainConfig, load_preset
 from lora import parse_targets
-from footprint import estimate
+from machinery.footprint import estimate
 from model import GPT, peak_flops
 from precision import DTYPES, set_tf32
 from engine import model_config

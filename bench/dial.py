@@ -21,7 +21,7 @@ import sys
 if __package__ in (None, ""):  # run as a script: import from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from activation_ckpt import setting
+from beyond.activation_dial import setting
 from bench import costs
 from bench.common import Stopwatch, command, comma_list, load_data, paired_ratio, parser, report
 from bench.common import table

@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script: import from the repository roo
 
 import torch
 
-import fp8
+from beyond import fp8
 from bench.common import (Stopwatch, comma_list, command, default_device, parser, report,
                           run_train, table, time_block)
 

@@ -33,9 +33,9 @@ if __package__ in (None, ""):  # run as a script: import from the repository roo
 import torch
 import torch.nn.functional as F
 
-from activations import activation_bytes, head_working_bytes
+from machinery.activations import activation_bytes, head_working_bytes
 from bench.common import Stopwatch, command, parser, report, table
-from loss import cross_entropy
+from beyond.chunked_loss import cross_entropy
 from model import GPTConfig
 
 WIDTH, VOCAB = 768, 50257

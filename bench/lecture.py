@@ -13,8 +13,8 @@ import sys
 if __package__ in (None, ""):  # run as a script: import from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from activations import BYTES
-from footprint import QUANT_BYTES, estimate, model_state_bytes
+from machinery.activations import BYTES
+from machinery.footprint import QUANT_BYTES, estimate, model_state_bytes
 from memory import GB, fmt, max_batch, shape_for, table
 
 # the lecture's techniques, each on top of the ones above it:

@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a script: import from the repository roo
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import Stopwatch, comma_list, command, parser, report, run_train, table
-from zeropp import expected_by_link, expected_bytes
+from beyond.zeropp import expected_by_link, expected_bytes
 
 ROWS = [("ZeRO-3", "", 4), ("+qwz", "qwz", 4), ("+hpz", "hpz", 4), ("+qgz (int4)", "qgz", 4),
         ("all (int4)", "qwz,hpz,qgz", 4), ("all (int8 gradients)", "qwz,hpz,qgz", 8)]

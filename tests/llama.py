@@ -9,8 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import activations
-from loss import cross_entropy
+from machinery import activations
+from beyond.chunked_loss import cross_entropy
 from model import GPT
 
 

@@ -11,9 +11,9 @@ import torch
 
 import lora
 import quant
-import validate
-from activation_ckpt import Offload, Policy, install_offload, policy
-from activations import activation_bytes
+from machinery import validate
+from beyond.activation_dial import Offload, Policy, install_offload, policy
+from machinery.activations import activation_bytes
 from configurator import ConfigError, TrainConfig, parse_args
 from conftest import make_zero, run_distributed, run_train, zero_step
 from memory import advise, estimate, parse_bytes, shape_for

@@ -97,7 +97,7 @@ def test_cost_rows_compare_with_memory_py_and_pair_ratios():
     """The table's judgements: an estimate equal to the measurement reads "exact", one a byte off
     says so; a time ratio is the median of per-round ratios (a slow round of both cancels), and a
     target is judged on that ratio."""
-    from footprint import estimate
+    from machinery.footprint import estimate
     from engine import model_config
     cfg, vocab = costs.costs_config(), 65
     gpt = model_config(cfg, vocab)

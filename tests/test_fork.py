@@ -14,8 +14,8 @@ import torch
 import llama
 from checkpoint import CheckpointError, Reader, list_checkpoints
 from conftest import make_zero, run_distributed, run_train
-from activations import activation_bytes
-from footprint import estimate
+from machinery.activations import activation_bytes
+from machinery.footprint import estimate
 from model import GPTConfig, saved_activation_bytes
 
 CFG = dict(arch="llama", block_size=16, vocab_size=40, n_layer=2, n_head=2, n_embd=32,

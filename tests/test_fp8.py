@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-import fp8
+from beyond import fp8
 from configurator import ConfigError, TrainConfig, parse_args
 from conftest import ROOT, run_distributed, run_train, zero_step
 from engine import build
@@ -34,7 +34,7 @@ def test_formats_table_is_finfo():
     assert rows["fp8 E5M2"] == (8, 5, 2, 57344.0, 2.0**-14, 2.0**-16, 0.25)
     assert rows["fp16"] == (16, 5, 10, 65504.0, 2.0**-14, 2.0**-24, 2.0**-10)
     assert rows["bf16"][:3] == (16, 8, 7) and rows["int8"][3] == 127
-    out = subprocess.run([sys.executable, "fp8.py"], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "beyond.fp8"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and "E4M3" in out.stdout and "57344" in out.stdout
 
 
@@ -210,7 +210,7 @@ def test_fp8_resume_is_exact_and_toggling_fp8_says_so(data_root, tmp_path):
 def test_fp8_activations_are_counted_to_the_byte(targets, grad_ckpt):
     """activations.py's FP8 terms against what autograd keeps (CPU): each linear's FP8 input
     cast (rows padded to 16: 3 x 24 = 72 -> 80) and its two scales; a frozen base keeps no cast."""
-    from activations import activation_bytes
+    from machinery.activations import activation_bytes
     from lora import apply_lora
     from model import GPT, GPTConfig, saved_activation_bytes
     cfg = GPTConfig(block_size=24, vocab_size=50, n_layer=2, n_head=2, n_embd=32, dropout=0.0)

@@ -14,10 +14,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import hf
+from machinery import hf
 import lora
 import quant
-from hf import HFError
+from machinery.hf import HFError
 from model import GPT, GPTConfig
 
 try:  # the references; the bad-input tests below run without them

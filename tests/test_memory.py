@@ -12,8 +12,8 @@ import lora
 import memory
 from configurator import parse_args
 from conftest import make_zero, run_distributed
-from activations import BYTES, activation_bytes
-from footprint import bucket_sizes, estimate, model_state_bytes, param_count, param_numels
+from machinery.activations import BYTES, activation_bytes
+from machinery.footprint import bucket_sizes, estimate, model_state_bytes, param_count, param_numels
 from memory import advise, main
 from model import GPT, GPTConfig, saved_activation_bytes
 from zero import zero_formula

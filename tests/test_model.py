@@ -219,9 +219,9 @@ def test_chunked_loss_head_equals_the_textbook_head(monkeypatch):
     against the textbook head (slice, fp32 copy, F.cross_entropy) in fp32: the loss and both
     gradients to 1e-6, with several chunks and an ignored target; no gradient reaches the
     padded rows of the head."""
-    import loss
+    from beyond import chunked_loss
     torch.manual_seed(0)
-    monkeypatch.setattr(loss, "CHUNK_ELEMENTS", 3 * 65)  # three rows a chunk: 14 chunks
+    monkeypatch.setattr(chunked_loss, "CHUNK_ELEMENTS", 3 * 65)  # three rows a chunk: 14 chunks
     cfg = GPTConfig(block_size=8, vocab_size=65, n_layer=1, n_head=2, n_embd=16)
     model = GPT(cfg)
     x = torch.randint(0, 65, (5, 8))

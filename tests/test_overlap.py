@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import collectives
-import footprint
+from machinery import footprint
 import zero as zero_module
 from conftest import make_zero, run_distributed
 from data.loader import get_batch

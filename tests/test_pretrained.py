@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import hf
+from machinery import hf
 import lora
 import export as export_cli
-import pretrained
+from machinery import pretrained
 import sample
 from checkpoint import Reader, list_checkpoints
 from conftest import ROOT, TEXT, run_train

@@ -17,13 +17,13 @@ import torch
 from safetensors import safe_open
 
 import checkpoint
-import hf
+from machinery import hf
 import lora
 import export
-import pretrained
-import rundir
+from machinery import pretrained
+from machinery import rundir
 import sample
-import validate
+from machinery import validate
 from checkpoint import CheckpointError, Reader, list_checkpoints
 from configurator import ConfigError, parse_args
 from conftest import ROOT, TEXT, free_port, make_zero
@@ -31,8 +31,8 @@ from data.prepare import prepare
 from lora import AdapterError
 from model import GPT, GPTConfig
 from precision import GradScaler
-from rundir import RunDirError
-from tensorfile import write_safetensors
+from machinery.rundir import RunDirError
+from machinery.tensorfile import write_safetensors
 from train import main
 
 TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size",

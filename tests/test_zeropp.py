@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import configurator
-import footprint
-import zeropp
+from machinery import footprint
+from beyond import zeropp
 from collectives import Traffic, all_gather_params
 from conftest import run_distributed, run_train, zero_step
 from data.loader import get_batch
@@ -24,7 +24,7 @@ from quant import quantize_base
 from test_checkpoint import TINY, assert_same_weights, final_weights, losses
 from test_zero import ACCUM, B, CFG, DATA, LR, SEED, T, gathered_copy, make_model
 from zero3 import ZeRO3
-from zeropp import ZeROpp, expected_by_link, link_theory
+from beyond.zeropp import ZeROpp, expected_by_link, link_theory
 
 ALL = ("qwz", "hpz", "qgz")
 WIDE = dict(CFG, n_embd=64, bias=False)  # blocks of ~49k: quantization blocks pad little

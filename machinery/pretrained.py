@@ -12,10 +12,10 @@ import os
 
 import torch
 
-import hf
+from machinery import hf
 from checkpoint import Reader
 from configurator import ConfigError
-from hf import HFError
+from machinery.hf import HFError
 from model import GPT
 
 # the model flags a Hugging Face config.json sets (block_size too, which may be smaller)

@@ -30,8 +30,8 @@ from safetensors import safe_open
 
 from lora import fingerprint_tensors  # lora.py's definition of a base's name
 from model import GPTConfig
-from tensorfile import replace_atomically, write_safetensors
-from validate import check_hf_types, check_model_args
+from machinery.tensorfile import replace_atomically, write_safetensors
+from machinery.validate import check_hf_types, check_model_args
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

@@ -17,12 +17,12 @@ import math
 import torch
 
 import optim
-from activations import BYTES, activation_bytes, head_working_bytes
+from machinery.activations import BYTES, activation_bytes, head_working_bytes
 from buckets import plan_buckets
 from lora import apply_lora
 from model import GPT
 from zero import MAX_IN_FLIGHT, zero_formula
-from zeropp import working_bytes
+from beyond.zeropp import working_bytes
 
 # stored bytes per quantized weight, as quant.py stores nf4 by default: two 4-bit codes per byte
 # and an fp32 absmax per block of 64 (4.5 bits). Not modelled: --double-quant, where quant.py

@@ -13,9 +13,9 @@ import math
 import torch
 import torch.nn as nn
 
-import loss
-from activation_ckpt import policy
-from fp8 import FP8Linear, convert as fp8_convert
+from beyond import chunked_loss
+from beyond.activation_dial import policy
+from beyond.fp8 import FP8Linear, convert as fp8_convert
 from lora import LoRALinear, apply_lora
 from model import GPT, MLP, CausalSelfAttention, LayerNorm
 from quant import QuantLinear
@@ -28,7 +28,7 @@ def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_
     GPT, or build(cfg)'s), with LoRA if lora_rank: {"layer": the last block's terms, "outside":
     the rest, "per_layer": the last block's sum, "total"}. A shapes-only copy of the model is
     walked in forward order, each module priced by its entry in SAVED. grad_ckpt: a bool (True
-    = full), a name or an activation_ckpt.Policy (which blocks, what they keep)."""
+    = full), a name or an activation_dial.Policy (which blocks, what they keep)."""
     with torch.device("meta"):  # nothing allocated
         model = (build or GPT)(cfg)
         if lora_rank:
@@ -140,7 +140,7 @@ def mlp(name, m, flow):
 def gpt(model, flow, grad_ckpt):
     """The whole model, in its forward's order: (terms outside the blocks, one dict per block).
     The embeddings keep their int64 ids when they train; a checkpointed block (grad_ckpt, an
-    activation_ckpt.Policy, says which) keeps its input, and under `selective` what KEPT
+    activation_dial.Policy, says which) keeps its input, and under `selective` what KEPT
     lists; the loss head keeps the 16-bit logits, a logsumexp per row and the targets
     (loss.py), never an fp32 log-softmax."""
     t, f, cfg = model.transformer, flow, model.config
@@ -197,7 +197,7 @@ def fp8_terms(layer, rows, h, lora):
     return out
 
 
-# -- `selective` (activation_ckpt.SAVE_OPS): a block keeps its matmuls' and attention's outputs,
+# -- `selective` (activation_dial.SAVE_OPS): a block keeps its matmuls' and attention's outputs,
 # whether or not autograd would need them (frozen layers too); all else is recomputed
 
 def kept_linear(name, m, flow):
@@ -233,5 +233,5 @@ def head_working_bytes(cfg, batch, seq, dtype):
     16-bit gradient of the logits (b*s*padded vocab) and one chunk's fp32 softmax and its
     scaled copy (loss.py). The textbook head held an fp32 copy of all the logits, its fp32
     log-softmax and their fp32 gradient here: 12 bytes per logit more."""
-    rows = min(batch * seq, loss.chunk_rows(cfg.vocab_size))
+    rows = min(batch * seq, chunked_loss.chunk_rows(cfg.vocab_size))
     return BYTES[dtype] * batch * seq * cfg.padded_vocab + 2 * 4 * rows * cfg.vocab_size

@@ -20,7 +20,7 @@ mantissa would blur the small probabilities, and it is tied to the embedding. La
 the loss are reductions, done in fp32 arithmetic anyway. FP8 exists only inside the matmul:
 the master weights stay fp32 (zero.py), the working weights, outputs and gradients bf16.
 
-    python fp8.py             # the formats' table, from torch.finfo
+    python -m beyond.fp8      # the formats' table, from torch.finfo
     python train.py --bf16 --fp8 [--fp8-scaling delayed --fp8-amax-history 16]
 """
 import math
