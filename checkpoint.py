@@ -12,26 +12,24 @@ size and ZeRO stage resumes from either: each rank reads the ranges it owns now,
 that hold them (ckpt.pt memory-mapped). Under ZeRO-3 no rank holds more than one bucket beyond
 its shards, saving or restoring.
 
-Checked on resume, each a one-line CheckpointError that changes no file (validate.py): the
-header's types, ranges and layout; the model shape and the vocabulary itself; every tensor's
-name, shape, length and crc32 (each saved beside its tensor: a rank checks what it reads); LoRA's
-rank, alpha and targets, the quantization. A corrupt file is never skipped over: its line names
-the older checkpoint to resume from instead. May change between runs: world size, ZeRO stage,
-format, LoRA dropout, and the dtype (the loss scaler then starts fresh).
+Checked on resume, each a one-line CheckpointError that changes no file (the Reader of
+machinery/ckpt_reader.py): the header's types, ranges and layout; the model shape and the
+vocabulary itself; every tensor's name, shape, length and crc32 (each saved beside its
+tensor: a rank checks what it reads); LoRA's rank, alpha and targets, the quantization. A
+corrupt file is never skipped over: its line names the older checkpoint to resume from.
+May change between runs: world size, ZeRO stage, format, LoRA dropout, and the dtype (the
+loss scaler then starts fresh).
 
-Safety: a save goes into ckpt-ITER.tmp, renamed to ckpt-ITER once every rank's files are written,
-fsynced and agreed on: a full disk or a crash leaves the previous checkpoint the newest, and
-inf/NaN master weights are never saved. The files of one save share a save_id, so a shard copied
-in from another is refused. Reading is torch.load(weights_only=True): never code. Saved for an
-exact resume: master weights, Adam's moments and step, the scaler, the iteration (hence the LR
-and the batches), every rank's RNG states, the flags and model config.
-
-    python checkpoint.py out/ckpt-0002000 --to hf OUT_DIR        # a Hugging Face GPT-2 folder
-    python checkpoint.py out/ckpt-0002000 --to safetensors weights.safetensors   # plain weights
+Safety: a save goes into ckpt-ITER.tmp, renamed to ckpt-ITER once every rank's files are
+written, fsynced and agreed on: a full disk or a crash leaves the previous checkpoint the
+newest, and inf/NaN master weights are never saved. The files of one save share a save_id, so
+a shard copied in from another is refused. Reading is torch.load(weights_only=True): never
+code. Saved for an exact resume: master weights, the optimizer's state and step, the scaler,
+the iteration (hence the LR and the batches), every rank's RNG states, the flags and the
+model config. export.py writes a checkpoint out as Hugging Face or plain safetensors files.
 """
 import os
 import random
-import shutil
 import uuid
 
 import numpy as np
@@ -39,32 +37,16 @@ import torch
 import torch.distributed as dist
 
 import optim
-from machinery import rundir
-from machinery import validate
 from collectives import all_gather_object
+from machinery import rundir, validate
+from machinery.ckpt_reader import CheckpointError, Reader  # the files, read and checked
 from machinery.pieces import full_tensors, optimizer_header, owned_pieces, state_keys, stored
 from machinery.rundir import list_checkpoints
-from machinery.tensorfile import torch_save
 from machinery.validate import crc
 
 
-
-class CheckpointError(Exception):
-    """A missing, corrupt, truncated or mismatched checkpoint: one line, no traceback."""
-
-
 # ----------------------------------------------------------------------------------------------
-# files
-
-def _load(path, mmap=False):
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
-    except Exception as e:  # truncated zip, a pickle that wants to run code, ...
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot read {path}: {first[:200]}")
-
+# every random generator: an exact resume draws the same dropout masks
 
 def rng_state():
     """Every generator's state as plain bytes and numbers (weights_only-loadable)."""
@@ -112,7 +94,6 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
     every rank raises CheckpointError and nothing changes in out_dir."""
     rank, world_size = zero.rank, zero.world_size
     final = os.path.join(out_dir, f"ckpt-{it:07d}")
-    tmp = final + ".tmp"
     # the collectives first (gathers, metadata), then the writes: a rank whose write fails
     # cannot leave the others waiting in a collective
     save_id = all_gather_object(uuid.uuid4().hex, world_size)[0]
@@ -144,35 +125,13 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
         crcs = {name: {k: crc(t) for k, t in entry.items()} for name, entry in tensors.items()}
         files = {"ckpt.pt": dict(common, format="consolidated", tensors=tensors, crc=crcs,
                                  rng=rngs)} if rank == 0 else {}
-    error = None
-    try:
-        if rank == 0:  # a crash mid-save leaves a .tmp folder: no checkpoint, and cleared here
-            rundir.clear_stale_saves(out_dir)  # unless a live run is writing it
-            os.makedirs(tmp)
-            rundir.mark_save(tmp)
-        _barrier(world_size)
-        for name, obj in files.items():
-            torch_save(obj, os.path.join(tmp, name))
-    except OSError as e:
-        error = e
-    # every rank learns whether every rank's files are complete before anything is committed
-    if _any_rank(error is not None, zero):
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        _barrier(world_size)
+    # into ckpt-IT.tmp, renamed to ckpt-IT once every rank's files are written (rundir.py)
+    error = rundir.write_save(out_dir, final, files, rank, world_size,
+                              lambda failed: _any_rank(failed, zero), keep_last)
+    if error:
         previous = list_checkpoints(out_dir)
-        raise CheckpointError(f"could not write {final} ({error or 'failed on another rank'}); "
+        raise CheckpointError(f"could not write {final} ({error}); "
                               + (f"{previous[-1]} is intact" if previous else "nothing was saved"))
-    if rank == 0:
-        os.remove(os.path.join(tmp, "owner.json"))
-        shutil.rmtree(final, ignore_errors=True)  # the same iteration saved again (a final save)
-        os.replace(tmp, final)  # the commit point: a folder without .tmp is complete
-        fd = os.open(out_dir, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-        for old in list_checkpoints(out_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier(world_size)
     return final
 
 
@@ -184,119 +143,8 @@ def _any_rank(flag, zero):
     return bool(t.item())
 
 
-def _barrier(world_size):
-    if world_size > 1:
-        dist.barrier()
-
-
 # ----------------------------------------------------------------------------------------------
-# read
-
-class Reader:
-    """Reads either format. read(name, key, lo, hi) returns elements [lo, hi) of a flattened
-    tensor's "master", its optimizer state keys (trainable) or "value" (frozen), assembled from
-    whatever pieces were written; only the files that hold them are opened (`opened`)."""
-
-    def __init__(self, path):
-        if not os.path.isdir(path):
-            raise CheckpointError(f"no checkpoint at {path}")
-        self.path, self.shards, self.opened = path, {}, []
-        if os.path.exists(os.path.join(path, "ckpt.pt")):
-            self.header = self._open("ckpt.pt", mmap=True)  # tensors are read when touched
-        elif os.path.exists(os.path.join(path, "meta.pt")):
-            self.header = self._open("meta.pt")
-        else:
-            raise CheckpointError(f"{path} has neither ckpt.pt nor meta.pt: not a complete "
-                                  "checkpoint (pass another, or delete it)")
-        if not isinstance(self.header, dict) or \
-                self.header.get("format") not in ("consolidated", "sharded"):
-            raise CheckpointError(f"{path} is not a nanoZeRO checkpoint")
-        self.file = os.path.join(path, self.opened[0])
-        if "adam_step" in self.header and "opt_step" not in self.header:
-            raise CheckpointError(f"{path} was written by an earlier nanoZeRO (no checksums, "
-                                  "AdamW's keys only): resume it with that version, or start "
-                                  "fresh in another --out-dir")
-        self.hint = rundir.resume_hint(path)  # a bad file names what to resume from instead
-        self._checked(self.file, validate.check_header, self.header)  # before any claim is used
-        self.verified = set()  # ckpt.pt's (name, key) whose checksum was checked
-
-    def _checked(self, file, check, *args):
-        """check(*args) (validate.py), its refusal a CheckpointError naming the file."""
-        try:
-            return check(*args)
-        except ValueError as e:
-            raise CheckpointError(f"{file}: {e} (a corrupt or edited file); {self.hint}")
-
-    def _open(self, name, mmap=False):
-        self.opened.append(name)
-        return _load(os.path.join(self.path, name), mmap)
-
-    def _shard(self, r):
-        if r not in self.shards:
-            shard, file = self._open(f"shard-{r:05d}.pt"), f"{self.path}/shard-{r:05d}.pt"
-            if not isinstance(shard, dict) or shard.get("save_id") != self.header["save_id"]:
-                raise CheckpointError(f"{file} belongs to another save "
-                                      "than its meta.pt: the folder was edited; use another")
-            # every piece's length and crc32, before any element is copied
-            self._checked(file, validate.check_shard, shard, self.header["layout"][r],
-                          self.header["frozen"], self.header["state_keys"])
-            self.shards[r] = shard
-        return self.shards[r]
-
-    def numel(self, name):
-        shape = self.header["shapes"].get(name)
-        if shape is None:
-            raise CheckpointError(f"{self.path} has no tensor {name!r}")
-        return int(np.prod(shape))
-
-    def read(self, name, key, lo, hi):
-        h = self.header
-        if not 0 <= lo <= hi <= self.numel(name):
-            raise CheckpointError(f"{self.path}: {name} has {self.numel(name)} elements, "
-                                  f"not [{lo}, {hi})")
-        if h["format"] == "consolidated":
-            # as many elements as its shape says, and its crc32, before any copy
-            t = self._checked(self.file, validate.check_entry, h, name, key, self.verified)
-            return t.reshape(-1)[lo:hi]
-        # the pieces that overlap [lo, hi), each opened and checked before any copy; the
-        # layout tiles every tensor exactly once (validate.check_header): every element is there
-        parts = []
-        for r, layout in enumerate(h["layout"]):
-            if name in layout and max(lo, layout[name][0]) < min(hi, layout[name][1]):
-                parts.append(self._shard(r)["pieces"][name])
-                if key not in parts[-1]:
-                    raise CheckpointError(f"{self.path} holds no {key} of {name!r}")
-        out = torch.empty(hi - lo, dtype=parts[0][key].dtype if parts else torch.float32)
-        for piece in parts:
-            a, b = max(lo, piece["lo"]), min(hi, piece["hi"])
-            out[a - lo:b - lo] = piece[key][a - piece["lo"]:b - piece["lo"]]
-        return out
-
-    def weights(self):
-        """Every tensor whole (fp32 masters, frozen ones in their dtype), as files hold them:
-        for GPT.load_weights."""
-        state = {}
-        for name, shape in self.header["shapes"].items():
-            key = "value" if name in self.header["frozen"] else "master"
-            state[name] = self.read(name, key, 0, self.numel(name)).view(shape)
-        return state
-
-    def model_args(self):
-        """The header's GPTConfig kwargs, checked against its tensors' shapes: build a model
-        from these, never from a bare header (it may claim 10^5 layers)."""
-        h = self.header
-        self._checked(self.file, validate.check_shapes_fit, h["model_args"], h["shapes"])
-        return h["model_args"]
-
-    def rng(self, rank):
-        h = self.header
-        state = h["rng"][rank] if h["format"] == "consolidated" else self._shard(rank)["rng"]
-        self._checked(self.file, validate.check_rng, state)  # before any generator is set
-        return state
-
-
-# ----------------------------------------------------------------------------------------------
-# resume
+# resume: every rank reads the pieces it owns now, from whatever files hold them
 
 def check_compatible(*args):
     """validate.check_compatible's refusal as a CheckpointError: this run cannot continue it."""
@@ -364,3 +212,10 @@ def restore(path, zero, model, scaler, config, model_args, vocab_meta):
     if rng is not None:  # the same ranks again: dropout continues exactly
         set_rng_state(rng)
     return h["iter"], note
+
+
+if __name__ == "__main__":  # a library: the way out of a checkpoint is export.py
+    import sys
+    print("checkpoint.py is not a command: to write a checkpoint out, use "
+          "`python export.py CKPT --to hf OUT` or `--to safetensors OUT`", file=sys.stderr)
+    sys.exit(2)

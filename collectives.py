@@ -141,29 +141,3 @@ def gather_group(group, device, world_size):
         backend = "nccl" if device.type == "cuda" else dist.get_backend(group)
         _gather_groups[key] = dist.new_group(ranks=ranks, backend=backend)
     return _gather_groups[key]
-
-
-# ----------------------------------------------------------------------------------------------
-# Node groups (ZeRO++'s hierarchy, zeropp.py). Ranks r = node * k + local, k ranks per node.
-# Every rank must call dist.new_group for every subgroup, in the same order, even for the
-# groups it is not in: so all of them are made at once, once per process.
-
-_node_groups = {}  # (the default group, world size, k) -> (this rank's node group, cross group)
-
-
-def node_groups(world_size, node_size, rank):
-    """(the group of this rank's node, the group of the ranks with its local rank on every
-    node). A group of one rank, or the whole world, is None: nothing to make."""
-    key = (dist.group.WORLD, world_size, node_size)
-    if key not in _node_groups:
-        k, nodes = node_size, world_size // node_size
-        mine = [None, None]
-        if 1 < k < world_size:
-            for m in range(nodes):
-                g = dist.new_group(ranks=list(range(m * k, (m + 1) * k)))
-                mine[0] = g if rank // k == m else mine[0]
-            for j in range(k):
-                g = dist.new_group(ranks=list(range(j, world_size, k)))
-                mine[1] = g if rank % k == j else mine[1]
-        _node_groups[key] = tuple(mine)
-    return _node_groups[key]

@@ -14,49 +14,11 @@ a train.py command that runs what it estimated. Sizes are decimal: 1 GB = 1e9 by
 import bisect
 import math
 import sys
-from dataclasses import replace
 
-import optim
-from beyond.activation_dial import Policy, policy
-from configurator import ConfigError, config_from, grad_accum_for, load_preset, make_parser
+from configurator import ConfigError
+from machinery.estimator import (GB, HEADROOM, dataset_note, fits, model_from_flags,
+                                 parse_bytes, parse_flags, print_run, save_flags)
 from machinery.footprint import estimate
-from lora import parse_targets
-from model import GPTConfig
-from beyond.zeropp import parse_zeropp
-
-HEADROOM = 0.10  # fraction of the GPU kept free for what the estimate leaves out
-GB = 1e9
-
-
-# Standard shapes for a bare --params, (parameters, layers, width, heads): GPT-3's (Brown et al.
-# 2020, Table 2.1) and Llama 2 70B's. The nearest within 25% is taken, else shape_for's rule.
-SHAPES = [(125e6, 12, 768, 12), (350e6, 24, 1024, 16), (760e6, 24, 1536, 16),
-          (1.3e9, 24, 2048, 16), (2.7e9, 32, 2560, 32), (6.7e9, 32, 4096, 32),
-          (13e9, 40, 5120, 40), (70e9, 80, 8192, 64), (175e9, 96, 12288, 96)]
-
-
-def shape_for(psi, vocab=50257, block=2048):
-    """A GPT shape for a bare parameter count (model state uses psi itself; the shape sizes
-    the activations and goes into the command): the nearest standard shape within 25%, else
-    width 128 x depth with heads 128 wide (GPT-3 175B: 96 layers of 12288)."""
-    n, L, h, a = min(SHAPES, key=lambda row: abs(math.log(row[0] / psi)))
-    if abs(n / psi - 1) > 0.25:
-        L = max(1, round((psi / (12 * 128**2)) ** (1 / 3)))
-        h, a = 128 * L, L
-    return GPTConfig(block_size=block, vocab_size=vocab, n_layer=L, n_head=a, n_embd=h,
-                     bias=False)
-
-
-def save_flags(trainable, optimizer, host_bytes):
-    """A consolidated save assembles every fp32 master and optimizer state tensor in rank 0's
-    host memory before writing ((4 + K) bytes a parameter: 12 for AdamW); past half of the
-    host's memory, each rank writes its own shard instead."""
-    held = (4 + optim.STATE_BYTES[optimizer]) * trainable
-    return ["--ckpt-format sharded"] if held > host_bytes / 2 else []
-
-
-def fits(est, gpu_bytes):
-    return est["peak"] <= (1 - HEADROOM) * gpu_bytes
 
 
 def max_batch(fits_at, limit=4096):
@@ -70,6 +32,7 @@ def max_batch(fits_at, limit=4096):
 def command(world_size, shape_args, stage, dtype, batch, grad_ckpt=False, lora=False,
             quantize=None, per_node=8):
     """The train.py launch line; beyond one node, run it on each node with its own --node_rank."""
+    from beyond.activation_dial import policy
     N = world_size
     launch = "python" if N == 1 else f"torchrun --nproc_per_node={N}"
     if N > per_node:
@@ -83,15 +46,17 @@ def command(world_size, shape_args, stage, dtype, batch, grad_ckpt=False, lora=F
 
 
 def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), batch_tokens=0,
-           host_bytes=256e9):
+           host_bytes=256e9, chunked_loss=True):
     """The lecture's decision flow, each step checked with estimate(): (lines, command or None).
     LoRA keeps the ZeRO stage the steps before chose: on ZeRO-3 its frozen base is sharded too.
     The command saves sharded checkpoints when rank 0's host could not assemble a consolidated
     one (save_flags)."""
+    from beyond.activation_dial import Policy  # selective, every K-th block
     N = world_size
 
     def est(**run):
-        return estimate(cfg, **{"world_size": N, "dtype": dtype, "psi": psi, **run})
+        return estimate(cfg, **{"world_size": N, "dtype": dtype, "psi": psi,
+                                 "chunked_loss": chunked_loss, **run})
 
     scaler = ("with the loss scaler (this GPU has no bf16)" if dtype == "fp16" else
               "(Ampere or newer; on older GPUs pass --dtype fp16: fp16 with the loss scaler)")
@@ -148,166 +113,31 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
     return lines, command(N, [*shape_args, *saving], stage, dtype, b, ckpt, r > 0, quant)
 
 
-def fmt(n):
-    return f"{n / GB:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB" if n >= 1e4 else f"{n:.0f} B"
-
-
-def table(rows, header):
-    """Plain text: the first column and notes (header "") left-aligned, numbers right-aligned."""
-    w = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    for r in [header] + rows:
-        cells = [str(c).ljust(w[i]) if i == 0 or header[i] == "" else str(c).rjust(w[i])
-                 for i, c in enumerate(r)]
-        print("  " + "  ".join(cells).rstrip())
-    print()
-
-
-def parse_bytes(text, flag="--gpu-mem"):
-    """'80GB' -> 80e9, '24GiB' -> 24 * 2**30 (an '80GB' H100 holds 80 GiB = 85.9 GB)."""
-    units = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "TB": 1e12, "GB": 1e9, "MB": 1e6, "B": 1}
-    t = text.strip().upper()
-    unit = next((u for u in units if t.endswith(u)), "")
-    try:
-        n = float(t[:len(t) - len(unit)]) * units.get(unit, 1)
-    except ValueError:
-        n = -1
-    if not 0 < n < math.inf:
-        raise ConfigError(f"{flag} {text}: use a size such as 80GB or 24GiB")
-    return n
-
-
-def parse_flags(argv):
-    """train.py's own flags (a preset, the model, --zero, --dtype, --batch-size, --grad-ckpt,
-    LoRA) and memory.py's: (the parsed flags, their TrainConfig)."""
-    p = make_parser("Memory per GPU of a train.py run with these flags (the lecture's tables: "
-                    "python -m bench.lecture).")
-    p.add_argument("--params", type=float, help="a bare parameter count, e.g. 1e9 (a GPT shape "
-                   "is assumed)")
-    p.add_argument("--vocab", type=int, help="the vocabulary (default: --dataset's, or GPT-2's)")
-    p.add_argument("--world-size", type=int, default=1, help="GPUs (ranks)")
-    p.add_argument("--gpu-mem", default="80GB", help="memory of one GPU, e.g. 80GB, 24GiB")
-    p.add_argument("--host-mem", default="256GB", help="memory of rank 0's host: --advise "
-                   "saves sharded checkpoints when a consolidated one would not fit in half")
-    p.add_argument("--advise", action="store_true", help="the lecture's decision flow, ending in "
-                   "a command")
-    a = p.parse_args(argv)
-    for name in ("world_size", "params", "vocab"):
-        if (getattr(a, name) or 1) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-    tc = config_from(a)
-    if tc.quantize == "int8":
-        raise ConfigError("memory.py models the nf4 base (QLoRA's): use --quantize nf4")
-    return a, tc
-
-
-def model_from_flags(a, tc, psi):
-    """The model the flags describe (a bare --params gets its shape from shape_for() and 2048
-    tokens): a GPTConfig, and its flags for train.py (the preset and what overrides it, or the
-    whole shape)."""
-    vocab = a.vocab or (65 if tc.dataset == "shakespeare_char" and not psi else 50257)
-    block = 2048 if psi and a.block_size is None else tc.block_size
-    base = shape_for(psi, vocab, block) if psi else tc
-    shape = {k: getattr(a, k) or getattr(base, k) for k in ("n_layer", "n_embd", "n_head")}
-    bias = bool(a.bias) if psi else tc.bias
-    try:
-        cfg = GPTConfig(block_size=block, vocab_size=vocab, bias=bias,
-                        dropout=0.0 if psi else tc.dropout, **shape)
-    except ValueError as e:  # e.g. a width its heads do not divide
-        raise ConfigError(str(e))
-    preset = a.config and not psi
-    flags = [f"--config {a.config}"] if preset else []
-    for k, v in {**shape, "block_size": block}.items():
-        if not preset or getattr(a, k):
-            flags.append(f"--{k.replace('_', '-')} {v}")
-    if "dataset" in tc.explicit and not (preset and tc.dataset == load_preset(a.config).get(
-            "dataset")):
-        flags.append(f"--dataset {tc.dataset}")
-    elif not preset and vocab != 65:  # the estimate's vocabulary, not the 65 characters'
-        flags.append("--dataset shakespeare" if vocab == 50257 else "--dataset YOUR_DATA")
-    return cfg, flags + (["--bias"] if bias and not preset else [])
-
-
-def dataset_note(flags, vocab):
-    """What the command's --dataset stands for, where the user must look at it."""
-    if "--dataset shakespeare" in flags:
-        return ("--dataset shakespeare is the built-in GPT-2 BPE data set (50,257 tokens, as "
-                "estimated): for yours, `python data/prepare.py --input FILE --tokenizer gpt2 "
-                "--name NAME` and --dataset NAME")
-    if "--dataset YOUR_DATA" in flags:
-        return (f"YOUR_DATA: a data set in a {vocab:,}-token vocabulary, as estimated "
-                "(`python data/prepare.py --input FILE --name YOUR_DATA`)")
-    return None
-
-
-def print_estimate(e, cfg, gpu):
-    """estimate()'s answer per GPU, whether it fits, and the activations term by term."""
-    st, act = e["state"], e["activations"]
-    rows = [("weights", st["params"], "working weights (+ the frozen base)"),
-            ("gradients", st["grads"], ""), ("fp32 master weights", st["master"], "16-bit only"),
-            ("optimizer state", st["optimizer"], "fp32 (AdamW: exp_avg, exp_avg_sq)"),
-            ("model state", st["total"], "= ZeRO.state_bytes() at start-up"),
-            ("activations", act["total"],
-             f"{cfg.n_layer} layers x {fmt(act['per_layer'])} + the rest, below"),
-            ("ZeRO-3 gathered units", e["gathered"], "root + a block (+ the prefetched one)"
-             " (+ ZeRO++'s second shards and codes)"),
-            ("loss head, transient", e["head"], "the logits' gradient + a chunk (loss.py)"),
-            ("reductions in flight", e["in_flight"], "stages 2-3: two buckets' temporaries"),
-            ("step: fp32 grad slice", e["step"], "in the optimizer step, activations freed"),
-            ("peak", e["peak"], "state + max(acts + gathered + max(head, in flight), step)")]
-    if e["fp8_state"]:  # --fp8
-        rows[-1:-1] = [("FP8 amax histories", e["fp8_state"], "per linear, with cast counters"),
-                       ("FP8 cast, transient", e["fp8_cast"], "the widest cast, in backward")]
-    table([[name, fmt(n), note] for name, n, note in rows], ["per GPU", "bytes", ""])
-    print(f"GPU {fmt(gpu)}, {(1 - HEADROOM) * gpu / GB:.2f} GB usable ({HEADROOM:.0%} kept for the "
-          "CUDA context, fragmentation, transient buffers): "
-          + ("fits\n" if fits(e, gpu) else "does NOT fit: try --advise\n"))
-    print("Activations saved for backward, per layer and outside the blocks:")
-    terms = {**act["layer"], **act["outside"]}
-    table([[k, fmt(v)] for k, v in terms.items() if v], ["term", "bytes"])
-
-
 def main(argv=None):
     a, tc = parse_flags(sys.argv[1:] if argv is None else argv)
     psi = int(a.params) if a.params else None
     cfg, model_flags = model_from_flags(a, tc, psi)
     gpu = parse_bytes(a.gpu_mem)
-    if a.advise:  # mixed precision always: bf16 unless fp16 is asked for
-        dtype = "fp16" if tc.dtype == "fp16" else "bf16"
-        lines, cmd = advise(cfg, a.world_size, gpu, dtype, psi, model_flags, tc.batch_tokens,
-                            parse_bytes(a.host_mem, "--host-mem"))
-        print("\n".join(lines) + ("\n\n" + cmd if cmd else ""))
-        note = dataset_note(model_flags, cfg.vocab_size)
-        if cmd and note:
-            print(note)
-        if psi:
-            print(f"(--params {a.params:g}: the shape is the nearest standard one within 25% "
-                  "(GPT-3's table, Llama 2 70B), else 128-wide heads; pass yours with "
-                  "--n-layer/--n-embd/--n-head)")
-        return cmd
-    batch = tc.batch_size if "batch_size" in tc.explicit or not psi else 1
-    r, targets = (tc.lora_rank if tc.lora else 0), parse_targets(tc.lora_targets)
-    # micro-steps per step, as train.py derives them (--batch-tokens: from this micro-batch)
-    accum = grad_accum_for(replace(tc, batch_size=batch, block_size=cfg.block_size), a.world_size)
-    ckpt = Policy(tc.grad_ckpt, tc.grad_ckpt_every)
-    e = estimate(cfg, a.world_size, tc.zero, tc.dtype, batch, cfg.block_size, ckpt, r,
-                 targets, tc.quantize or None, psi, tc.bucket_mb,
-                 fp32_grad_accum=tc.fp32_grad_accum and accum > 1,
-                 zeropp=parse_zeropp(tc.zeropp), node_size=tc.node_size, fp8=tc.fp8,
-                 fp8_history=tc.fp8_amax_history)
-    extras = ((f", {ckpt.flags()}" if ckpt else "") + (f", LoRA r={r} on {tc.lora_targets}"
-              if r else "") + (f", {tc.quantize} base" if tc.quantize else "")
-              + (", --fp8" if tc.fp8 else ""))
-    print(f"GPT: {e['psi']:,} parameters (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, "
-          f"vocab {cfg.vocab_size}, block {cfg.block_size}{', bias' if cfg.bias else ''}), "
-          f"{e['trainable']:,} trainable; {tc.dtype}, ZeRO-{tc.zero}, {a.world_size} GPU(s), "
-          f"micro-batch {batch} x {cfg.block_size} tokens{extras}")
-    print_estimate(e, cfg, gpu)
-    return e
+    if not a.advise:  # these flags' estimate, term by term
+        return print_run(a, tc, cfg, psi, gpu)
+    # --advise: mixed precision always, bf16 unless fp16 is asked for
+    dtype = "fp16" if tc.dtype == "fp16" else "bf16"
+    lines, cmd = advise(cfg, a.world_size, gpu, dtype, psi, model_flags, tc.batch_tokens,
+                        parse_bytes(a.host_mem, "--host-mem"), tc.chunked_loss)
+    print("\n".join(lines) + ("\n\n" + cmd if cmd else ""))
+    note = dataset_note(model_flags, cfg.vocab_size)
+    if cmd and note:
+        print(note)
+    if psi:
+        print(f"(--params {a.params:g}: the shape is the nearest standard one within 25% "
+              "(GPT-3's table, Llama 2 70B), else 128-wide heads; pass yours with "
+              "--n-layer/--n-embd/--n-head)")
+    return cmd
 
 
 if __name__ == "__main__":
     try:
         main()
-    except ConfigError as e:
+    except ConfigError as e:  # one line, never a traceback
         print(f"memory.py: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -12,14 +12,12 @@ carries is activation checkpointing in the block loop, because only the block lo
 knows where a block starts and ends.
 """
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from beyond import activation_dial
-from beyond.chunked_loss import cross_entropy
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -121,6 +119,15 @@ class Block(nn.Module):
         return x
 
 
+def cross_entropy(logits, targets, vocab):
+    """The mean loss over the real vocabulary: the padded columns are no tokens.
+    The softmax in fp32: 16-bit logits over a 50k vocabulary lose the small
+    probabilities. A target of -1 is ignored. This keeps an fp32 copy of all the
+    logits for backward; beyond/chunked_loss.py does without it."""
+    logits = logits[..., :vocab].float().reshape(-1, vocab)  # (B*T, vocab) fp32
+    return F.cross_entropy(logits, targets.reshape(-1), ignore_index=-1)
+
+
 class GPT(nn.Module):
     """GPT-2. Besides forward, it declares what the engine needs to know of it, once: its
     blocks() (ZeRO-3's units, --compile's regions, the checkpointed segments; everything else
@@ -137,8 +144,11 @@ class GPT(nn.Module):
         if config.arch != self.ARCH:
             raise ValueError(f"arch={config.arch!r}: model.py's GPT builds {self.ARCH!r}")
         self.config = config
-        # activation checkpointing: False or an activation_dial.Policy (train.py --grad-ckpt)
+        # activation checkpointing (train.py --grad-ckpt): False; True, every block; or a
+        # policy from beyond/activation_dial.py (selective, every K-th block)
         self.grad_ckpt = False
+        # the loss of the head: this file's plain one, or beyond/chunked_loss.py's
+        self.cross_entropy = cross_entropy
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.padded_vocab, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
@@ -189,12 +199,15 @@ class GPT(nn.Module):
         tok, pos = self.transformer.wte(idx), self.transformer.wpe(pos)  # (B, T, C), (T, C)
         x = self.transformer.drop(tok + pos)
         for i, block in enumerate(self.transformer.h):
-            if self.grad_ckpt and self.training and torch.is_grad_enabled():
-                # drop (some of) this block's activations now, recompute them in backward:
-                # which blocks and which tensors, activation_ckpt.py
-                x = activation_dial.run_block(block, x, i, self.grad_ckpt)
-            else:
+            if not (self.grad_ckpt and self.training and torch.is_grad_enabled()):
                 x = block(x)
+            elif self.grad_ckpt is True:
+                # Chen et al. 2016: keep only the block's input, recompute the block in
+                # backward. Not the reentrant variant: it yields no gradients when no input
+                # requires grad (frozen embeddings under LoRA).
+                x = checkpoint(block, x, use_reentrant=False)
+            else:  # which blocks, which tensors: the policy says
+                x = self.grad_ckpt(block, x, i)
         return self.head(x, targets)
 
     def head(self, x, targets=None):
@@ -205,9 +218,7 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x[:, [-1], :])[..., :V], None  # inference: the last position
         logits = self.lm_head(x)  # (B, T, padded vocab), in the working dtype
-        # the softmax in fp32 (16-bit logits over a 50k vocabulary lose the small
-        # probabilities), a chunk of rows at a time: loss.py
-        return logits[..., :V], cross_entropy(logits, targets, V)
+        return logits[..., :V], self.cross_entropy(logits, targets, V)
 
     def stored_shapes(self):
         """{name: shape} of every tensor as files hold it (checkpoints, exports): parameters and
@@ -272,55 +283,3 @@ class GPT(nn.Module):
                 idx_next = torch.multinomial(probs, num_samples=1, generator=generator)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
-
-
-@contextmanager
-def saved_activation_bytes(model, out):
-    """What activations.activation_bytes() predicts, measured: adds to out[0] the bytes autograd
-    keeps for backward during the enclosed forward, every saved tensor's storage once, weights
-    left out. Under activation checkpointing autograd saves almost nothing inside a block; what
-    the checkpoint keeps (the block's input; under `selective` the matmuls' and attention's
-    outputs) activation_dial.metering counts. Exact on any device: it counts tensors, not
-    allocator pages."""
-    seen = set()
-
-    def count(t):
-        # the weights' addresses now: ZeRO-3 gathers them into fresh memory in each forward
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen and ptr not in weights:
-            seen.add(ptr)
-            out[0] += t.untyped_storage().nbytes()
-
-    def pack(t):
-        count(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            activation_dial.metering(model, count):
-        yield
-
-
-# Dense peak TFLOP/s per GPU from the vendors' data sheets, for MFU: (name as
-# torch.cuda.get_device_name gives it, 16-bit (bf16 / fp16), TF32 (fp32 matmuls with TF32 on, as
-# train.py sets; V100 and T4 have no TF32: their plain fp32)). First match wins: the specific
-# variants (NVL, PCIe, GB200 before B200, A10G before A10) come first; the plain name is the SXM
-# part. A10G has no public data sheet: None, so MFU asks for --peak-tflops instead of guessing.
-PEAK_TFLOPS = [
-    ("GB200", 2500, 1250), ("B200", 2250, 1100),
-    ("H200 NVL", 835, 418), ("H200", 989, 495), ("H100 NVL", 835, 418), ("H100 PCIe", 756, 378),
-    ("H100", 989, 495), ("H800 PCIe", 756, 378), ("H800", 989, 495), ("H20", 148, 74),
-    ("A100", 312, 156), ("L40S", 362, 183), ("L40", 181, 90.5), ("L4", 121, 60),
-    ("A10G", None, None), ("A10", 125, 62.5), ("RTX 4090", 165, 82.6), ("RTX 3090", 71, 35.6),
-    ("V100", 125, 15.7), ("T4", 65, 8.1),
-]
-
-
-def peak_flops(device_name, dtype):
-    """Dense peak FLOP/s of the GPU called device_name (torch.cuda.get_device_name) in this
-    dtype; None when unknown or no GPU (then MFU is not shown; --peak-tflops sets it)."""
-    for key, half, tf32 in PEAK_TFLOPS:
-        if key.lower() in (device_name or "").lower():
-            peak = tf32 if dtype == torch.float32 else half
-            return None if peak is None else peak * 1e12
-    return None

@@ -46,18 +46,12 @@ def resolve_dtype(name, device):
     return DTYPES[name]
 
 
-def set_tf32(enabled):
-    """fp32 matmuls and convolutions on TF32 tensor cores (Ampere and newer: 10 mantissa bits,
-    fp32's range), or in full fp32. Returns the previous setting, to restore it. torch 2.9 has a
-    new API and refuses to read a state set through both: only the new one where it exists."""
-    matmul, conv = torch.backends.cuda.matmul, getattr(torch.backends.cudnn, "conv", None)
-    if hasattr(matmul, "fp32_precision") and conv is not None:
-        before = matmul.fp32_precision == "tf32"
-        matmul.fp32_precision = conv.fp32_precision = "tf32" if enabled else "ieee"
-    else:  # torch before 2.9
-        before = matmul.allow_tf32
-        matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
-    return before
+def set_tf32():
+    """fp32 matmuls on TF32 tensor cores (Ampere and newer: 10 mantissa bits, fp32's range).
+    Through torch.set_float32_matmul_precision, the API torch.compile's inductor reads: the
+    per-backend one of torch 2.9 (matmul.fp32_precision) makes the legacy getters raise
+    "mix of the legacy and new APIs" (pytorch#166387), and --compile with them."""
+    torch.set_float32_matmul_precision("high")
 
 
 def grad_zero_frac(grads, group=None):

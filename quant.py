@@ -19,7 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-
 def declared_linears(model):
     """The model's LINEARS, (path in a block, output slices), each path checked in every block:
     what is missing is one line naming what to declare."""
@@ -194,26 +193,3 @@ def quantize_base(model, mode="nf4", double_quant=False, block=64):
     return names
 
 
-def dequantize_base(model):
-    """quantize_base undone for export: every quantized weight becomes a frozen fp32 Parameter
-    holding its dequantized values (not the weights before quantization: those are gone), so
-    LoRA can be merged into it and the model saved as plain weights. Returns the module names."""
-    quantized = [(n, m) for n, m in model.named_modules()
-                 if isinstance(getattr(m, "weight", None), QuantizedWeight)]
-    for name, m in quantized:  # collected first: the loop edits the modules it walks
-        w = m.weight.dequantize(torch.float32)
-        del m.weight
-        m.weight = nn.Parameter(w, requires_grad=False)
-    return [name for name, _ in quantized]
-
-
-def quantized_bytes(model):
-    """{name: {"params", "bytes", "bits_per_param"}} per quantized weight, by summing the buffers
-    actually stored (codes, scales; not the shared 16-value code table)."""
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, QuantizedWeight):
-            nbytes = sum(b.numel() * b.element_size() for n, b in m.named_buffers() if n != "code")
-            n = math.prod(m.shape)
-            out[name] = {"params": n, "bytes": nbytes, "bits_per_param": 8 * nbytes / n}
-    return out

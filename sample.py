@@ -4,7 +4,7 @@ Generate text from a checkpoint that train.py wrote, or from a Hugging Face GPT-
     python sample.py                                    # newest checkpoint in out/: 3 samples
     python sample.py --start "ROMEO:" --num-samples 5          # after `python train.py`
     python sample.py --ckpt out/ckpt-0002000 --start FILE:prompt.txt --device cuda --dtype bf16
-    python sample.py --init-from gpt2 --start "Hello,"  # or ./gpt2, or a folder checkpoint.py
+    python sample.py --init-from gpt2 --start "Hello,"  # or ./gpt2, or a folder export.py
                                                         # --to hf wrote (also as --ckpt FOLDER)
     python sample.py --init-from ./gpt2 --adapter out/adapter.safetensors   # + a LoRA adapter
 
@@ -17,19 +17,19 @@ code when loaded (nanoGPT's pickled ckpt.pt and meta.pkl could). A Hugging Face 
 (tiktoken).
 """
 import argparse
-import os
 import sys
 
 import torch
 
-from machinery import hf
-from checkpoint import CheckpointError, Reader, list_checkpoints
-from configurator import ConfigError, OneLineParser
+from configurator import ConfigError
+
+from machinery.flags import OneLineParser
 from data.prepare import DataError, get_codec
-from lora import AdapterError, load_adapter, merge_lora
-from model import GPT, GPTConfig
+from lora import merge_lora
+from machinery import pretrained
+from machinery.adapters import AdapterError, load_adapter
+from machinery.validate import vocab_id
 from precision import resolve_dtype
-from machinery.validate import check_model_args, vocab_id
 
 
 class SampleError(Exception):
@@ -81,59 +81,6 @@ def parse_args(argv=None):
     return args
 
 
-def find_checkpoint(out_dir):
-    """The newest ckpt-NNNNNNN folder train.py wrote in out_dir (or an out_dir/ckpt.pt file)."""
-    ckpts = list_checkpoints(out_dir)
-    if not ckpts and os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
-        return os.path.join(out_dir, "ckpt.pt")  # a single-file checkpoint (nanoGPT's layout)
-    if not ckpts:
-        raise SampleError(f"no checkpoint in {out_dir} (train.py writes ckpt-NNNNNNN folders "
-                          f"there): train one first, e.g. `python train.py --out-dir {out_dir}`,"
-                          " or pass --ckpt PATH")
-    return ckpts[-1]
-
-
-def load_checkpoint(path):
-    if os.path.isdir(path):
-        try:
-            reader = Reader(path)
-            return {"model_args": reader.model_args(), "model": reader.weights(),
-                    "meta": reader.header["meta"], "iter": reader.header["iter"]}
-        except CheckpointError as e:
-            raise SampleError(str(e))
-    if not os.path.isfile(path):
-        raise SampleError(f"no checkpoint at {path}: train one first, e.g. "
-                          f"`python train.py --out-dir {os.path.dirname(path) or '.'}`")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        # torch's messages run over many lines: keep the one that names the cause. weights_only
-        # refuses any global outside its allow-list ("Trying to load unsupported GLOBAL ...")
-        why = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), None)
-        if why:
-            raise SampleError(f"refused {path}: it holds Python objects, "
-                              f"which could run code ({why})")
-        raise SampleError(f"cannot read {path}: truncated, corrupt or not a checkpoint "
-                          f"({type(e).__name__})")
-    if not isinstance(ckpt, dict) or not {"model", "model_args", "meta"} <= ckpt.keys():
-        raise SampleError(f"{path} is not a checkpoint of train.py "
-                          "(it needs model, model_args and meta)")
-    return ckpt
-
-
-def load_hf(source):
-    """A Hugging Face GPT-2 (a hub name, a folder, a weights file): its ckpt dict, GPT-2 BPE."""
-    try:
-        model_args, weights = hf.load_pretrained(source)
-    except hf.HFError as e:
-        raise SampleError(str(e))
-    if model_args["vocab_size"] != 50257:  # the ids tiktoken's GPT-2 encoding knows
-        raise SampleError(f"{source} has a vocabulary of {model_args['vocab_size']} tokens, "
-                          "not GPT-2 BPE's 50257: sample.py could not decode its ids")
-    return {"model": weights, "model_args": model_args,
-            "meta": {"tokenizer": "gpt2", "vocab_size": 50257}}
-
-
 def sample(args):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
@@ -143,15 +90,9 @@ def sample(args):
         dtype = resolve_dtype(args.dtype, device)
     except ValueError as e:
         raise SampleError(str(e))
-    path = args.ckpt or (None if args.init_from else find_checkpoint(args.out_dir))
-    hf_folder = path is not None and os.path.isfile(os.path.join(path, "config.json"))
-    ckpt = load_hf(args.init_from or path) if args.init_from or hf_folder else load_checkpoint(path)
-    try:
-        check_model_args(ckpt["model_args"])  # sizes within bounds before anything is built
-        model = GPT(GPTConfig(**ckpt["model_args"]))
-        model.load_weights(ckpt["model"])  # strict: every name and shape must match model.py
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise SampleError("checkpoint does not fit model.py: " + " ".join(str(e).split()))
+    # the weights: a run's newest checkpoint, a given one, or a Hugging Face GPT-2
+    what, ckpt = pretrained.weights_to_sample(args.ckpt, args.init_from, args.out_dir)
+    model = pretrained.model_of(ckpt)  # its sizes checked before it is built
     # base + adapter, merged: W0 + B·A·alpha/r, so sampling costs what the base costs
     if args.adapter:
         # checks the base fingerprint, the vocabulary and every shape
@@ -171,7 +112,7 @@ def sample(args):
     if not ids:
         raise SampleError("the prompt is empty: --start needs at least one token")
 
-    what = args.init_from or path  # every check passed: say what is sampled
+    # every check passed: say what is sampled
     print(f"sampling from {what}" + (f" (iteration {ckpt['iter']})" if "iter" in ckpt else "")
           + (f" + {args.adapter}" if args.adapter else "") + f", on {device.type}, {args.dtype}",
           file=sys.stderr)
@@ -189,7 +130,7 @@ def main(argv=None):
     """Returns the exit status: 0, or 2 after a one-line error."""
     try:
         sample(parse_args(argv))
-    except (SampleError, DataError, AdapterError, ConfigError) as e:
+    except (SampleError, DataError, AdapterError, ConfigError, pretrained.LoadError) as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -1,6 +1,12 @@
 """
-Train a GPT with our own data parallelism / ZeRO and mixed precision. Read top to bottom:
-distributed init, data, the set-up (engine.py: model, LoRA, ZeRO, loss scaler), the loop, saving.
+Train a GPT with our own data parallelism / ZeRO and mixed precision.
+
+Read it top to bottom, as nanoGPT's train.py:
+  1. distributed init: one process per GPU (or gloo processes on a CPU)
+  2. build(): the model, LoRA, ZeRO and the loss scaler, each where it must come
+  3. main(): the data, a resume, then the loop: the training step in the
+     lecture's order, fenced off from the logging and saving after it
+
 The configuration (every flag, the presets) is configurator.py.
 
 One process (CPU or one GPU):
@@ -9,63 +15,50 @@ One process (CPU or one GPU):
 Several processes on one machine (one per GPU; on a CPU, gloo processes):
     torchrun --nproc_per_node=4 train.py --zero 2 --bf16
 Several machines (run on each node, node_rank 0..nnodes-1):
-    torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=HOST --master_port=29500 \
-        train.py --config config/gpt2_124m.py --zero 2 --bf16
-
-The training step, as the lecture teaches it and as the loop below spells it out: forward;
-backward of the scaled loss (gradient collectives overlapped with it); the 16-bit gradient
-slice to fp32; unscale, with an inf/NaN check that all ranks agree on; clip by the global norm;
-the optimizer's step, skipped on an inf/NaN; publish the new weights; adapt the loss scale. On steps
-that are not logged nothing waits for the device.
+    torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=HOST \
+        --master_port=29500 train.py --config config/gpt2_124m.py --zero 2 --bf16
 """
-import gc
 import math
 import os
-import signal
-import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 import checkpoint
-from beyond import fp8
-from machinery import pretrained
-from machinery import rundir
 from checkpoint import CheckpointError
-from collectives import Traffic, all_reduce_sum
-from configurator import ConfigError, grad_accum_for, parse_args
+from configurator import ConfigError, grad_accum_for
+from machinery.flags import parse_args
 from data.loader import Batches, estimate_loss, load_data
-from engine import build, model_config
-from lora import adapter_state, save_adapter
-from machinery.footprint import model_state_report
-from model import peak_flops, saved_activation_bytes
-from precision import grad_zero_frac, resolve_dtype, set_tf32
+from lora import apply_lora, parse_targets
+from machinery import adapters, lifecycle, report, rundir
 from machinery.rundir import RunDirError
-from machinery.validate import vocab_id
-from zero import replica_digest, traffic_formula
-from beyond.zeropp import link_theory
+from model import GPT, GPTConfig
+from precision import DTYPES, GradScaler, grad_zero_frac, resolve_dtype, set_tf32
+from quant import quantize_base
+from zero import ZeRO
+from zero3 import ZeRO3
 
 
 def init_distributed(cfg):
     """RANK set (torchrun) -> one process per device: nccl on CUDA, gloo on CPU.
     Returns (rank, world_size, device)."""
-    rank, world_size, local_rank = (int(os.environ.get(k, default)) for k, default in
-                                    (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise ConfigError("--device cuda but no CUDA device is visible: use --device cpu",
                           rank_local=True)
     if use_cuda and local_rank >= torch.cuda.device_count():
-        raise ConfigError(f"rank {rank} wants cuda:{local_rank}, but {torch.cuda.device_count()} "
-                          "GPU(s) are visible: one process per GPU, or --device cpu",
-                          rank_local=True)
+        raise ConfigError(f"rank {rank} wants cuda:{local_rank}, but "
+                          f"{torch.cuda.device_count()} GPU(s) are visible: one process "
+                          "per GPU, or --device cpu", rank_local=True)
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-        set_tf32(True)  # fp32 matmuls on tensor cores (16-bit runs: the fp32 ones left)
+        set_tf32()  # fp32 matmuls on tensor cores (16-bit runs: the fp32 ones left)
     if "RANK" in os.environ:
         dist.init_process_group("nccl" if use_cuda else "gloo",
                                 device_id=device if use_cuda else None)
@@ -78,44 +71,120 @@ def get_lr(it, cfg):
     if it > cfg.lr_decay_iters:
         return cfg.min_lr
     ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
+    return cfg.min_lr + coeff * (cfg.learning_rate - cfg.min_lr)
 
 
-def open_run(cfg, start_it, rank, world_size, print0):
-    """Make out_dir this run's (rank 0 takes its lock; every rank learns a refusal) and open
-    metrics.jsonl: before the run's first write, after every check of the resume."""
-    error = note = None
-    if rank == 0:
+# ----------------------------------------------------------------------------------------------
+# the set-up
+
+def model_config(cfg, vocab_size):
+    """The GPTConfig of a run's flags (a ConfigError when the shape does not divide)."""
+    try:
+        return GPTConfig(arch=GPT.ARCH, block_size=cfg.block_size, vocab_size=vocab_size,
+                         n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                         dropout=cfg.dropout, bias=cfg.bias)
+    except ValueError as e:
+        raise ConfigError(str(e))
+
+
+def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
+          init_weights=None, init_hf=None):
+    """The model and what trains it, each where it must come. Returns (model, zero, scaler).
+    init_weights: a state_dict to start from (--init-from a checkpoint of ours); init_hf: a
+    Hugging Face GPT-2 folder or file (--init-from gpt2)."""
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    # 1. the model, in its working dtype: fp32 weights cast to bf16 / fp16
+    if init_hf:  # built on the meta device and filled tensor by tensor: no fp32 copy
+        from machinery import pretrained
+        model = pretrained.load_hf(init_hf, model_config(cfg, vocab_size), device, dtype,
+                                   cfg.lora)
+    else:
+        model = GPT(model_config(cfg, vocab_size))
+        if init_weights is not None:
+            try:
+                model.load_weights(init_weights)
+            except ValueError as e:
+                raise ConfigError(f"--init-from does not fit this model: {e}")
+        # an adapter file names its base: the weights before LoRA and quantization
+        model.base_id = adapters.base_fingerprint(model) if cfg.lora else None
+        model = model.to(device=device, dtype=dtype)
+    # 2. LoRA before ZeRO: ZeRO packs what requires grad when it is built, so only the
+    #    adapters reach its buffers and the optimizer
+    if cfg.lora:
+        try:  # the targets are names of the model's own LINEARS
+            apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+        except ValueError as e:
+            raise ConfigError(f"--lora-targets {cfg.lora_targets}: {e}")
+        if cfg.quantize:  # QLoRA: the frozen base in 4 or 8 bits, under the adapters
+            quantize_base(model, cfg.quantize, cfg.double_quant)
+    # 3. FP8 after LoRA: the base's product goes FP8, the adapters stay bf16
+    if cfg.fp8:
+        from beyond import fp8
         try:
-            note = rundir.take_lock(cfg.out_dir)
-        except (RunDirError, OSError) as e:
-            error = f"{e}" if isinstance(e, RunDirError) else f"cannot write {cfg.out_dir}: {e}"
-    if world_size > 1:
-        shared = [error]
-        dist.broadcast_object_list(shared, src=0)
-        error = shared[0]
-    if error:
-        raise RunDirError(error)
-    if note:
-        print0(note)
-    return rundir.Metrics(cfg.out_dir, start_it, rank == 0, print0)
+            fp8.check_available(device)
+            fp8.convert(model, cfg.fp8_scaling, cfg.fp8_amax_history)
+        except (RuntimeError, ValueError) as e:
+            raise ConfigError(str(e))
+    # 4. activation checkpointing: read by the block loop in every forward
+    if cfg.grad_ckpt == "full" and cfg.grad_ckpt_every == 1:
+        model.grad_ckpt = True  # model.py's plain version: every block keeps its input
+    elif cfg.grad_ckpt != "none":  # selective, or every K-th block
+        from beyond.activation_dial import Policy
+        model.grad_ckpt = Policy(cfg.grad_ckpt, cfg.grad_ckpt_every)
+    if cfg.offload_activations:  # the saved tensors in host memory
+        from beyond import offload
+        _, note = offload.install_offload(model, device)
+        if rank == 0:
+            print(note)
+    if cfg.chunked_loss:  # the loss head without fp32 logits of the whole batch
+        from beyond.chunked_loss import cross_entropy
+        model.cross_entropy = cross_entropy
+    # 5. compile each block's forward, not the module: ZeRO's hooks run in the module's
+    #    __call__, around forward, so they stay outside the compiled code
+    if cfg.compile:
+        compile_model(model)
+    # 6. ZeRO last: it packs the parameters as they now are into its flat buckets
+    zero = make_engine(cfg, model, dtype, rank, world_size, grad_accum)
+    # 7. the loss scaler: dynamic for fp16; bf16 and fp32 need no scale
+    auto = "dynamic" if cfg.dtype == "fp16" else "none"
+    scale = auto if cfg.loss_scale == "auto" else cfg.loss_scale
+    # a fixed scale of 1 is "no scaler", but still finds inf/NaN gradients and skips the step
+    fixed = 1.0 if scale == "none" else None if scale == "dynamic" else float(scale)
+    scaler = GradScaler(init_scale=fixed or 2.0**16, dynamic=fixed is None,
+                        min_scale=cfg.min_loss_scale, device=device)
+    torch.manual_seed(cfg.seed + rank)  # dropout: different masks on different ranks
+    return model, zero, scaler
 
 
-def resume(path, zero, model, scaler, cfg, gptconf, meta):
-    """checkpoint.restore, then --fp8's amax histories, exactly (in the checkpoint's header).
-    Returns (iteration to continue from, a note or None)."""
-    start_it, note = checkpoint.restore(path, zero, model, scaler, asdict(cfg), asdict(gptconf),
-                                        meta)
-    fp8_note = fp8.load_state_dict(model, checkpoint.Reader(path).header.get("fp8"), path)
-    return start_it, "; ".join(n for n in (note, fp8_note) if n) or None
+def make_engine(cfg, model, dtype, rank, world_size, grad_accum):
+    """ZeRO stages 0-2 (zero.py), 3 (zero3.py) or ZeRO++ (beyond/zeropp.py)."""
+    Engine, extra = (ZeRO3, {"prefetch": cfg.prefetch}) if cfg.zero == 3 else (ZeRO, {})
+    node_size = cfg.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size % node_size:
+        raise ConfigError(f"--node-size {node_size} does not divide the world size "
+                          f"{world_size}")
+    if cfg.zeropp:
+        from beyond.zeropp import ZeROpp, parse_zeropp
+        Engine = ZeROpp
+        extra.update(zeropp=parse_zeropp(cfg.zeropp), node_size=node_size,
+                     qgz_bits=cfg.qgz_bits)
+    zero = Engine(model, cfg.zero, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                  weight_decay=cfg.weight_decay, bucket_mb=cfg.bucket_mb, rank=rank,
+                  world_size=world_size, reduce_dtype=DTYPES.get(cfg.reduce_dtype),
+                  fp32_grad_accum=cfg.fp32_grad_accum and grad_accum > 1
+                  and dtype != torch.float32, optimizer=cfg.optimizer, **extra)
+    zero.traffic.node_size = node_size  # bytes by link (collectives.Traffic)
+    return zero
 
 
-def agree(flag, device, world_size):
-    """True on every rank when it is True on any (one tiny all-reduce)."""
-    t = torch.tensor([float(flag)], device=device)
-    if world_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+def compile_model(model):
+    """torch.compile each block's forward and the loss head (final LayerNorm, LM head,
+    loss), where the memory-bound work (LayerNorms, residual adds, GELU, the softmax)
+    fuses."""
+    for block in model.blocks():
+        block.forward = torch.compile(block.forward)
+    model.head = torch.compile(model.head)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,225 +196,147 @@ def main(argv=None):
     print0 = print if rank == 0 else (lambda *a, **k: None)
     try:
         dtype = resolve_dtype(cfg.dtype, device)
+        if cfg.lora:  # names of the model's declared LINEARS: checked before any work
+            parse_targets(cfg.lora_targets, GPT.LINEARS)
     except ValueError as e:
         raise ConfigError(str(e))
-    # --init-from: a checkpoint of ours (init) or a Hugging Face GPT-2 (init_hf, whose config
-    # sets the model flags not given), and the vocabulary the data must be in
-    init, init_hf, base_meta = pretrained.open_init(cfg)
+    # --init-from: weights of ours (init) or a Hugging Face GPT-2 (init_hf), whose
+    # config.json sets the model flags not given, and the vocabulary the data must be in
+    init = init_hf = base_meta = None
+    if cfg.init_from:
+        from machinery import pretrained
+        init, init_hf, base_meta = pretrained.open_init(cfg)
     train, val, meta = load_data(cfg, rank, world_size, base_meta)
     if init_hf:
         pretrained.check_vocab(meta, base_meta, cfg)
-    grad_accum = grad_accum_for(cfg, world_size)  # --batch-tokens: after the block size is known
+    grad_accum = grad_accum_for(cfg, world_size)  # --batch-tokens: needs the block size
     tokens_per_step = cfg.batch_size * grad_accum * world_size * cfg.block_size
     print0(f"world size {world_size} on {device.type}, {cfg.dtype}, ZeRO stage {cfg.zero}; "
-           f"{tokens_per_step:,} tokens per step ({cfg.batch_size} seq x {grad_accum} micro-steps "
-           f"x {world_size} ranks x {cfg.block_size} tokens)")
+           f"{tokens_per_step:,} tokens per step ({cfg.batch_size} seq x {grad_accum} "
+           f"micro-steps x {world_size} ranks x {cfg.block_size} tokens)")
     gptconf = model_config(cfg, meta["vocab_size"])
     weights = None
-    if init:  # weights of another run (either checkpoint format), checked against this model
+    if init:  # weights of another run (either format), checked against this model
         checkpoint.check_compatible(init.header, asdict(gptconf), meta, cfg.init_from)
         weights = init.weights()
     model, zero, scaler = build(cfg, meta["vocab_size"], device, dtype, rank, world_size,
                                 grad_accum, weights, init_hf)
-    print0(f"model: {model.num_params(non_embedding=False):,} parameters, {zero.psi:,} trainable")
+    print0(f"model: {model.num_params(non_embedding=False):,} parameters, "
+           f"{zero.psi:,} trainable")
+    if cfg.fp8:
+        from beyond import fp8
 
-    start_it, note = 0, None
+    # resume: read and check everything before touching any file of the run
+    start_it, ckpt, note = resume(cfg, zero, model, scaler, gptconf, meta, print0)
     header = {"config": asdict(cfg), "model_args": asdict(gptconf), "meta": meta}
-    ckpts = checkpoint.list_checkpoints(cfg.out_dir) if cfg.resume else []
-    if ckpts:  # read and check everything before touching any file of the run
-        start_it, note = resume(ckpts[-1], zero, model, scaler, cfg, gptconf, meta)
-        print0(f"resumed from {ckpts[-1]} at iteration {start_it}" + (f"; {note}" if note else ""))
-    elif cfg.resume:
-        print0(f"--resume: no checkpoint in {cfg.out_dir} yet, starting fresh")
     if start_it >= cfg.max_iters:
         print0(f"the run is already at iteration {start_it} (--max-iters {cfg.max_iters}): "
                "nothing to train; raise --max-iters to go on")
-        return finish(model, zero, world_size)
-    metrics = open_run(cfg, start_it, rank, world_size, print0)  # one writer per out-dir
-    if ckpts:
-        metrics.log({"event": "resume", "from": ckpts[-1], "iter": start_it, "note": note})
-    line, row = model_state_report(zero, world_size)  # measured vs the paper, per rank
-    print0(line)
-    metrics.log({**row, "dtype": cfg.dtype, "config": asdict(cfg)})
-
-    # a preemption (SIGTERM) or Ctrl-C (SIGINT) asks every rank to finish its step, save and exit
-    stop = {"signal": None}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.update(signal=signum))
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit: an OSError, not death
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    peak = cfg.peak_tflops * 1e12 or peak_flops(gpu, dtype)  # for MFU
+        return lifecycle.finish(model, zero, world_size)
+    metrics = rundir.open_run(cfg, start_it, rank, world_size, print0)  # one writer a folder
+    if ckpt:
+        metrics.log({"event": "resume", "from": ckpt, "iter": start_it, "note": note})
+    report.start(cfg, model, zero, metrics, print0)  # model state measured vs the paper's
+    if cfg.nan_at >= 0:  # the lesson in skipped steps: one rank's loss goes NaN
+        lifecycle.inject_nan(model, cfg.nan_at, rank, world_size, grad_accum, start_it)
+    stop = lifecycle.stop_on_signals()  # SIGTERM / Ctrl-C: finish the step, save, exit
+    log = report.StepLog(cfg, model, zero, scaler, metrics, print0, grad_accum, start_it)
     batches = Batches(train, cfg, rank, world_size, grad_accum, device, start_it)
-    clock = {"t": time.time(), "it": start_it, "mfu": None, "warm": False}  # the last log
+
     it, stopped = start_it, False
     while True:
         if it % cfg.eval_interval == 0 or it == cfg.max_iters:
             t0 = time.time()
             print0(f"step {it}: evaluating on {cfg.eval_iters} batches of each split ...")
             losses = estimate_loss(model, train, val, cfg, rank, world_size, device)
-            print0(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            print0(f"step {it}: train loss {losses['train']:.4f}, "
+                   f"val loss {losses['val']:.4f}")
             metrics.log({"iter": it, "train_loss": losses["train"], "val_loss": losses["val"]})
-            clock["t"] += time.time() - t0  # evaluation time is not step time
+            log.pause(time.time() - t0)
         if it == cfg.max_iters:
             break
         lr = get_lr(it, cfg)
         logging = it % cfg.log_interval == 0 or it == cfg.max_iters - 1
-        zero.traffic = Traffic(node_size=zero.traffic.node_size)  # this step's collectives
-        fp8.measure(model, logging)  # --fp8: count the casts' underflow, saturation if logged
+        log.new_step()  # count this step's collectives
+        if cfg.fp8:  # count the casts' underflow and saturation on logged steps
+            fp8.measure(model, logging)
+
+        # ---- the training step: the lecture, in its order -----------------------------------
         loss_sum = torch.zeros((), device=device)
-        # -- forward and backward, micro-step by micro-step -----------------------------------
         for micro in range(grad_accum):
             x, y = batches.next()
-            first = it == start_it and micro == 0  # measure the activations saved for backward
-            act = [0]
-            with saved_activation_bytes(model, act) if first else nullcontext():
-                _, loss = model(x, y)
-            if first:
-                print0(f"activations saved for backward: {act[0] / 2**20:.2f} MiB per micro-step")
-                metrics.log({"event": "activations", "saved_bytes": act[0],
-                             "grad_ckpt": cfg.grad_ckpt})
+            _, loss = model(x, y)
             loss = loss / grad_accum  # the gradient of the mean over micro-steps
-            if it == cfg.nan_at and rank == world_size - 1:
-                loss = loss * float("nan")  # only this rank's gradients go bad: every rank skips
             loss_sum += loss.detach()
-            # backward of the scaled loss; each gradient bucket's collective is launched as soon
-            # as the bucket is complete (all-reduce / reduce-scatter, by stage)
+            # backward of the scaled loss; each gradient bucket's collective is launched as
+            # soon as the bucket is complete (all-reduce / reduce-scatter, by stage)
             zero.backward(scaler.scale(loss), sync=micro == grad_accum - 1)
-        # -- the mixed-precision step ---------------------------------------------------------
-        grads = zero.master_grads()  # this rank's 16-bit gradient slice -> fp32 master gradient
+        grads = zero.master_grads()  # this rank's gradient slice -> fp32 master gradient
         zero_frac = grad_zero_frac(grads) if logging else None  # fp16 underflow: zeros
-        found_inf = scaler.unscale_(grads)  # divide by the loss scale; an inf/NaN on any rank?
+        found_inf = scaler.unscale_(grads)  # divide by the loss scale; an inf/NaN anywhere?
         grad_norm = zero.clip_grad_norm_(cfg.grad_clip)  # global norm over every rank's slice
-        zero.step(lr, found_inf)  # the optimizer on this rank's fp32 slice; skipped if found_inf
-        zero.publish(wait=False)  # fp32 master -> weights (stages 1-2: all-gathers, waited
-        # for bucket by bucket in the next forward's pre-hooks: they overlap it)
-        scaler.update(found_inf)  # halve the scale after an overflow, grow it after a clean run
-        fp8.end_step(model)  # --fp8 delayed: this step's amaxes (MAX over ranks) join the history
+        zero.step(lr, found_inf)  # the optimizer on this rank's fp32 slice; skipped on inf
+        zero.publish(wait=False)  # fp32 master -> weights (stages 1-2: all-gathers,
+        # waited for bucket by bucket in the next forward's pre-hooks: they overlap it)
+        scaler.update(found_inf)  # halve the scale after an overflow, grow it after a run
+        if cfg.fp8:  # delayed scaling: this step's amaxes (MAX over ranks) join the history
+            fp8.end_step(model)
         zero.zero_grad()  # the next step's gradients start from zero
+        # ---- everything after this is logging and saving -----------------------------------
 
         if logging:  # the only steps that wait for the device
-            step = dict(it=it, lr=lr, loss_sum=loss_sum, found_inf=found_inf, grad_norm=grad_norm,
-                        zero_frac=zero_frac, grad_accum=grad_accum, peak=peak)
-            log_step(step, clock, cfg, model, zero, scaler, metrics, print0)
-            stopped = agree(stop["signal"] is not None, device, world_size)
+            log.log(it, lr, loss_sum, found_inf, grad_norm, zero_frac)
+            stopped = lifecycle.agree(stop["signal"] is not None, device, world_size)
         it += 1
         saving = cfg.save_interval and it % cfg.save_interval == 0 and it < cfg.max_iters
         if (logging or saving) and scaler.exhausted.item():
-            raise ConfigError(exhausted(cfg, scaler, it))
+            raise ConfigError(lifecycle.exhausted(cfg, scaler, it))
         if saving or stopped:
             save(cfg, it, zero, model, scaler, header, print0)
         if stopped:
             print0(f"stopped by a signal after iteration {it}: resume with --resume")
             break
-    wrap_up(cfg, it, zero, model, scaler, header, metrics, stopped, print0)
+    report.check_replicas(zero, model, metrics, it, print0)
+    if not stopped:  # the final checkpoint (a signal's was just written)
+        save(cfg, it, zero, model, scaler, header, print0)
+    if cfg.lora:  # the adapter alone: kilobytes
+        adapters.save_run_adapter(cfg.out_dir, zero, model, meta, print0)
     rundir.release_locks()  # before finish's barrier: the run has written its last byte
-    finish(model, zero, world_size)
+    lifecycle.finish(model, zero, world_size)
 
 
-def exhausted(cfg, scaler, it):
-    """Why a run whose steps all overflow stops (without saving)."""
-    if scaler.dynamic:
-        return (f"by step {it - 1} the loss is non-finite at any scale, even the minimum "
-                f"{cfg.min_loss_scale:g} (a NaN, not an overflow): stopped without saving; "
-                "lower --learning-rate or find the NaN and resume")
-    return (f"{scaler.FIXED_GIVE_UP} steps in a row, up to step {it - 1}, overflowed at the "
-            f"fixed loss scale {scaler.get_scale():g}, which cannot back off: stopped without "
-            "saving; use --loss-scale dynamic (or a smaller value), or find the NaN")
-
-
-def log_step(step, clock, cfg, model, zero, scaler, metrics, print0):
-    """One logged step: read the step's numbers off the device (the loop's only .item() calls),
-    print and log them. Time per step is averaged since the last log; MFU leaves out the first
-    interval of the run (warm-up, compilation)."""
-    world_size, it, device = zero.world_size, step["it"], zero.device
-    dt = (time.time() - clock["t"]) / (it + 1 - clock["it"])
-    tps = cfg.batch_size * step["grad_accum"] * world_size * cfg.block_size / dt
-    mfu = model.estimate_mfu(tps / world_size, step["peak"]) if clock["warm"] else None
-    if mfu is not None:  # a running average, as nanoGPT keeps it; None without a known peak
-        clock["mfu"] = mfu if clock["mfu"] is None else 0.9 * clock["mfu"] + 0.1 * mfu
-    first = not clock["warm"]
-    clock.update(t=time.time(), it=it + 1, warm=True)
-    t, theory = zero.traffic, link_theory(zero, cfg.zeropp, cfg.qgz_bits, step["grad_accum"])
-    row = {"iter": it, "loss": all_reduce_sum(step["loss_sum"], world_size).item() / world_size,
-           "lr": step["lr"], "ms": dt * 1000, "tokens_per_sec": tps, "mfu": clock["mfu"],
-           "loss_scale": scaler.get_scale(), "skipped": bool(step["found_inf"].item()),
-           "grad_norm": step["grad_norm"].item(), "grad_zero_frac": step["zero_frac"].item(),
-           "cuda_max_mem": torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-           else None, "comm_elements": zero.traffic.elements, "comm_bytes": zero.traffic.bytes,
-           "comm_theory_elements": traffic_formula(zero.psi, cfg.zero, world_size,
-                                                   step["grad_accum"], zero.frozen_numel),
-           "comm_bytes_intra": t.bytes_intra, "comm_bytes_inter": t.bytes_inter,
-           "comm_theory_bytes_intra": theory["intra"], "comm_theory_bytes_inter": theory["inter"],
-           "comm_by": t.by}  # bytes by collective and link
-    row.update(fp8.read_stats(model))  # --fp8: the casts' underflow and saturation fractions
-    eta = (cfg.max_iters - it - 1) * dt  # at this interval's pace
-    print0(f"iter {it}/{cfg.max_iters}: loss {row['loss']:.4f}, lr {row['lr']:.2e}, "
-           f"{row['ms']:.1f} ms, {tps:,.0f} tok/s"
-           + (f", mfu {clock['mfu'] * 100:.2f}%" if clock["mfu"] else "")
-           + f", ETA {int(eta // 60)}m{int(eta % 60):02d}s"
-           + (f", inf/NaN gradient: step skipped (loss scale now {row['loss_scale']:g})"
-              if row["skipped"] else ""))
-    if first and world_size > 1:  # the lecture's numbers, measured, beside the paper's
-        psi, mib = zero.psi, (lambda n: "?" if n is None else f"{n / 2**20:.2f}")
-        print0(f"traffic per step and rank: {row['comm_elements'] / psi:.2f}Ψ measured "
-               f"({mib(row['comm_bytes'])} MiB), {row['comm_theory_elements'] / psi:.2f}Ψ in "
-               f"the ZeRO paper (Ψ = {psi:,})")
-        if theory["intra"] is not None:  # ZeRO-3 and ZeRO++: the volumes by link
-            print0(f"  by link: {mib(t.bytes_intra)} MiB inside nodes, {mib(t.bytes_inter)} "
-                   f"MiB between them, {t.node_size or world_size} ranks a node (theory "
-                   f"{mib(theory['intra'])} | {mib(theory['inter'])})")
-    metrics.log(row)
+def resume(cfg, zero, model, scaler, gptconf, meta, print0):
+    """--resume: the newest checkpoint in out_dir restored (checkpoint.restore), then --fp8's
+    amax histories, exactly. Returns (the iteration to go on from, the checkpoint or None,
+    a note or None)."""
+    ckpts = checkpoint.list_checkpoints(cfg.out_dir) if cfg.resume else []
+    if not ckpts:
+        if cfg.resume:
+            print0(f"--resume: no checkpoint in {cfg.out_dir} yet, starting fresh")
+        return 0, None, None
+    path = ckpts[-1]
+    start_it, note = checkpoint.restore(path, zero, model, scaler, asdict(cfg),
+                                        asdict(gptconf), meta)
+    saved = checkpoint.Reader(path).header.get("fp8")
+    if cfg.fp8:
+        from beyond import fp8
+        fp8_note = fp8.load_state_dict(model, saved, path)
+    else:
+        fp8_note = saved and f"{path} was trained with --fp8; this run computes in bf16"
+    note = "; ".join(n for n in (note, fp8_note) if n) or None
+    print0(f"resumed from {path} at iteration {start_it}" + (f"; {note}" if note else ""))
+    return start_it, path, note
 
 
 def save(cfg, it, zero, model, scaler, header, print0):
     zero.wait_published()  # the weights of the last step, not a gather still on its way
-    header = dict(header, fp8=fp8.state_dict(model))  # --fp8: the amax histories, else None
+    if cfg.fp8:  # the amax histories
+        from beyond import fp8
+        header = dict(header, fp8=fp8.state_dict(model))
     path = checkpoint.save(cfg.out_dir, it, zero, model, scaler, header, cfg.ckpt_format,
                            cfg.keep_last)
     print0(f"saved {path}")
 
 
-def wrap_up(cfg, it, zero, model, scaler, header, metrics, stopped, print0):
-    """The end of a run: the replica check, the final checkpoint, a LoRA run's adapter."""
-    # every rank must hold bitwise the same full parameters (under ZeRO-3 no rank holds them)
-    zero.wait_published()
-    digest = "sharded" if cfg.zero == 3 else replica_digest(model)
-    digests = [digest] * zero.world_size
-    if zero.world_size > 1:
-        dist.all_gather_object(digests, digest)
-    if len(set(digests)) > 1:
-        print0(f"WARNING: ranks hold different parameters: {digests}")
-    metrics.log({"event": "end", "iter": it, "replica_sha256": digests})
-    if not stopped:  # the final checkpoint (a signal's was just written)
-        save(cfg, it, zero, model, scaler, header, print0)
-    if cfg.lora:  # the adapter alone: kilobytes, full tensors gathered onto rank 0 one by one
-        full = checkpoint.state_dict(zero, model)
-        if zero.rank == 0:
-            path = os.path.join(cfg.out_dir, "adapter.safetensors")
-            save_adapter(path, adapter_state(full), model.lora_settings, model.base_id,
-                         vocab_id(header["meta"]))
-            print0(f"saved {path} ({os.path.getsize(path) / 1024:.1f} KiB)")
-
-
-def finish(model, zero, world_size):
-    """Free the model, ZeRO's buffers and their finished collectives while the process group
-    exists (freed at interpreter exit instead, gloo can abort the process), then leave together:
-    a gloo rank that tears down while a peer still saves can abort ("terminate called without
-    an active exception")."""
-    del model, zero
-    gc.collect()
-    if world_size > 1:
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    try:
-        main()
-    except (ConfigError, CheckpointError, RunDirError) as e:
-        if int(os.environ.get("RANK", 0)) == 0 or getattr(e, "rank_local", False):
-            print(f"train.py: error: {e}", file=sys.stderr)  # one rank speaks for all
-        sys.exit(2)
-    finally:  # an error after init: leave no communicator behind (NCCL warns, may hang)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    lifecycle.run_main(main, "train.py", (ConfigError, CheckpointError, RunDirError))

@@ -2,52 +2,211 @@
 Data parallelism and ZeRO stages 0, 1 and 2, written on raw torch.distributed collectives.
 Stage 3, which shards the parameters themselves, extends this engine in zero3.py.
 
-Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
-Sec. 5 (ZeRO-DP: P_os, P_os+g, P_os+g+p) and Sec. 7 (their communication volume).
-With mixed-precision Adam every parameter costs 2 (16-bit weight) + 2 (16-bit gradient) + 12
-(fp32 master weight, Adam's two moments) = 16 bytes, and plain data parallelism keeps all 16
-on every one of N ranks (another optimizer changes the 12: optim.py's K). ZeRO partitions the
-redundant parts:
+Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", Sec. 5 (ZeRO-DP: P_os, P_os+g, P_os+g+p) and Sec. 7 (communication volume).
 
-  stage 0  plain data parallelism: all-reduce the gradients          16Ψ per rank
-  stage 1  shard the optimizer side (master + AdamW's moments)       4Ψ + 12Ψ/N
-  stage 2  shard the gradients too                                   2Ψ + 14Ψ/N
-  stage 3  shard the parameters too (zero3.py; PyTorch calls it FSDP) 16Ψ/N
+With mixed-precision Adam every parameter costs 16 bytes:
+2 (16-bit weight) + 2 (16-bit gradient) + 12 (fp32 master, Adam's two moments).
+Plain data parallelism keeps all 16 on every one of N ranks. ZeRO partitions the
+redundant parts (another optimizer changes the 12: optim.py's K):
 
-Stages 0-2 move the same 2Ψ elements per step: a ring all-reduce *is* a reduce-scatter
-followed by an all-gather, and stages 1-2 do the two halves at different times, updating only
-their own shard in between. So they differ in two places: `_reduce` (which collective runs in
-backward) and `publish` (whether the step all-gathers).
+  stage 0  plain data parallelism: all-reduce the gradients      16Ψ per rank
+  stage 1  shard the optimizer side (master + Adam's moments)    4Ψ + 12Ψ/N
+  stage 2  shard the gradients too                               2Ψ + 14Ψ/N
+  stage 3  shard the parameters too (zero3.py; PyTorch: FSDP)    16Ψ/N
 
-Layout (buckets.py): the trainable parameters packed into flat buckets, padded to a multiple of
-N; rank r owns the r-th 1/N of every bucket, and the optimizer steps those pieces (Segments).
+Stages 0-2 move the same 2Ψ elements per step. A ring all-reduce *is* a
+reduce-scatter followed by an all-gather; stages 1-2 do the two halves at
+different times, and update only their own shard in between.
 
-Overlap. A post-accumulate-grad hook counts a bucket's gradients as they land; a complete
-bucket's collective is launched asynchronously while backward goes on. Buckets launch strictly
-in index order, so all ranks issue the same collectives in the same order. At most two are in
-flight: the backend keeps a collective's buffers until it is waited for, so an unbounded
-backward would hold every bucket's full-size temporary at once (stage 2's 2Ψ again). The
-publish all-gathers of stages 1-2 overlap the next forward: each bucket is waited for just
-before the first block that reads it.
-
-Precision on the wire. Gradients are reduced in one dtype at every stage, --reduce-dtype: the
-working dtype by default (the ZeRO paper's 16-bit gradients), or fp32 (torchtitan's and
-Megatron's default), which doubles the bytes and keeps the low bits of a sum over many ranks.
-
-The step, called by train.py's loop in the lecture's order: `master_grads`, the scaler's
-unscale and inf check, `clip_grad_norm_`, `step` (the optimizer, skipped on the device when any
-rank found an inf), `publish`. Norms, the inf flag and the skip stay on the device.
+Read this file in three parts:
+  1. NaiveZeRO: the idea in one screen, synchronous, after a plain backward
+  2. the layout: parameters packed into flat buckets, the pieces a rank owns
+  3. ZeRO, the engine train.py runs: the same four steps, overlapped with backward
+     and with the next forward, its protocol numbered (1)-(6) on the code lines
 """
 import hashlib
+import math
+from dataclasses import dataclass
 
 import torch
 
 import optim
-from buckets import Bucket, frozen_tensors, plan_buckets
 from collectives import (Traffic, all_gather_params, all_reduce_grads, all_reduce_sum,
                          gather_group, reduce_scatter_grads)
 
+
 # ----------------------------------------------------------------------------------------------
+# 1. The idea, plainly
+
+class NaiveZeRO:
+    """ZeRO-2 in its plainest form: one flat buffer, one reduce-scatter, one all-gather,
+    all after backward, nothing overlapped. Not used by train.py; tests/test_zero.py holds
+    it equal to ZeRO below. Use it as model.zero_grad(); loss.backward(); zero.step().
+
+    The trainable parameters, flattened and padded to a multiple of N, are cut into N
+    equal slices; rank r owns slice r: its fp32 master and its optimizer state (1/N each).
+    One optimizer group: the real engine decays only matrices (optim.py)."""
+
+    def __init__(self, model, world_size=1, rank=0, lr=1e-3, betas=(0.9, 0.95),
+                 weight_decay=0.0, traffic=None):
+        self.params = [p for p in model.parameters() if p.requires_grad]  # tied weight once
+        self.N, self.rank, self.traffic = world_size, rank, traffic or Traffic()
+        self.numel = sum(p.numel() for p in self.params)
+        self.S = math.ceil(self.numel / world_size)  # a rank's slice: every rank the same
+        flat = self._flat([p.detach() for p in self.params])
+        # this rank's fp32 master and, made by the optimizer, its state: 1/N of each
+        self.master = flat[rank * self.S:(rank + 1) * self.S].float()
+        self.opt = torch.optim.AdamW([self.master], lr=lr, betas=betas,
+                                     weight_decay=weight_decay, fused=True)
+
+    def _flat(self, tensors):
+        """The tensors flattened into one buffer, padded with zeros to N slices of S."""
+        flat = tensors[0].new_zeros(self.S * self.N)
+        flat[:self.numel] = torch.cat([t.reshape(-1) for t in tensors])
+        return flat
+
+    @torch.no_grad()
+    def step(self):
+        """The four steps, after loss.backward()."""
+        # 1. flatten every gradient into one buffer; divide by N first, so that the sum
+        #    over ranks is the mean (and a 16-bit sum of N gradients cannot overflow)
+        flat = self._flat([p.grad for p in self.params]).div_(self.N)
+        for p in self.params:
+            p.grad = None  # stage 2: the full gradient is not kept past this step
+        # 2. reduce-scatter: rank r receives the sum of every rank's slice r
+        shard = flat.new_empty(self.S)
+        work = reduce_scatter_grads(shard, flat, self.traffic, self.N)
+        if work is not None:
+            work.wait()
+        # 3. the optimizer on this rank's fp32 master slice only
+        self.master.grad = shard.float()
+        self.opt.step()
+        # 4. all-gather every rank's new slice into the full weights, and unflatten
+        work = all_gather_params(flat, self.master.to(flat.dtype), self.traffic, self.N)
+        if work is not None:
+            work.wait()
+        offset = 0
+        for p in self.params:
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. The layout ZeRO works on
+#
+# The trainable parameters (the tied embedding / LM head once) are packed, last layer
+# first, into buckets of about --bucket-mb: one flat tensor each, padded to a multiple of
+# N ranks, the parameters views into it, so that collectives run on contiguous memory.
+# Rank r owns the r-th 1/N of every bucket. Padding makes every world size legal and
+# stays zero, outside norms, inf checks and checkpoints. The optimizer steps one 1-D view
+# per (parameter, rank) piece, a Segment; a checkpoint saves each by (parameter name,
+# element range): a layout no world size is built into.
+
+def plan_buckets(numels, cap):
+    """Indices of tensors of sizes `numels` grouped into buckets of at most `cap` elements, last
+    tensor first (gradients arrive last layer first); a larger tensor gets a bucket of its own.
+    memory.py plans with this very function: its estimate packs what the trainer packs."""
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(numels))):
+        if current and size + numels[i] > cap:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += numels[i]
+    return buckets + [current]
+
+
+def frozen_tensors(module, keep=lambda t: True):
+    """What a module holds but never trains: frozen parameters (LoRA's base) and the persistent
+    buffers of modules whose buffers are a weight (quant.py's codes and scales, not nf4's shared
+    16-value code table). Any other persistent buffer would silently become sharded, cast and
+    checkpointed model state: one line says what to do instead."""
+    frozen = [p for p in module.parameters() if not p.requires_grad and keep(p)]
+    for name, m in module.named_modules():
+        for key, b in m._buffers.items():
+            if b is None or key in m._non_persistent_buffers_set or not keep(b):
+                continue
+            if not getattr(m, "BUFFERS_ARE_STATE", False):
+                raise ValueError(f"{name}.{key} is a persistent buffer: ZeRO would shard, cast and "
+                                 "checkpoint it as model state. Register it with "
+                                 "persistent=False if it is recomputed, or make it a frozen "
+                                 "nn.Parameter")
+            frozen.append(b)
+    return frozen
+
+
+@dataclass
+class Segment:
+    """The piece [lo, hi) of one flattened parameter that this rank owns: what AdamW steps
+    (as `master`, an fp32 view into the master slice) and what a checkpoint saves by name."""
+    name: str  # the parameter's name in model.state_dict()
+    param: torch.Tensor  # the working parameter
+    lo: int
+    hi: int
+    start: int  # where the piece begins inside its bucket's owned slice
+    master: torch.Tensor = None
+
+
+class Bucket:
+    """Tensors packed into one flat buffer (padded to a multiple of N) that they become views
+    of. This rank owns [lo, hi): that range's optimizer state (stage 2+: gradient) lives here."""
+
+    def __init__(self, tensors, rank, world_size, dtype, device, pad=True):
+        self.params = tensors
+        numel = sum(t.numel() for t in tensors)
+        self.numel = math.ceil(numel / world_size) * world_size if pad else numel
+        shard = self.numel // world_size if pad else self.numel
+        self.lo, self.hi = (rank * shard, (rank + 1) * shard) if pad else (0, self.numel)
+        self.flat = torch.zeros(self.numel, dtype=dtype, device=device)
+        self.offsets, offset = [], 0
+        for t in tensors:
+            self.flat[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
+            t.data = self.flat[offset:offset + t.numel()].view_as(t)  # the tensor is now a view
+            self.offsets.append(offset)
+            offset += t.numel()
+        self.flat_grad = None  # stages 0-1: the full gradient of the bucket
+        self.grad_shard = None  # stages 2-3: only this rank's reduced slice of it
+        self.segments = []  # the pieces of its parameters this rank owns, in order
+        self.ready = 0  # parameters whose gradient has landed in this backward
+
+    def owned_grad(self):  # this rank's reduced gradient slice
+        return self.grad_shard if self.grad_shard is not None else self.flat_grad[self.lo:self.hi]
+
+    def make_segments(self, names, master):
+        """Cut the owned range into one Segment per tensor that overlaps it; `master` is the
+        fp32 copy (or, in fp32, the view) of the owned range, None for frozen tensors."""
+        for p, offset in zip(self.params, self.offsets):
+            lo, hi = max(offset, self.lo), min(offset + p.numel(), self.hi)
+            if lo < hi:  # else another rank owns all of this tensor
+                start = lo - self.lo
+                view = None if master is None else master[start:start + hi - lo]
+                self.segments.append(Segment(names[id(p)], p, lo - offset, hi - offset, start,
+                                             view))
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. The engine
+#
+# The same four steps as NaiveZeRO, in buckets, overlapped with the compute around them:
+#
+#   (1) pack       the trainable parameters into flat buckets (the layout above)
+#   (2) master     this rank's fp32 master slice, and the optimizer's state for it
+#   (3) launch     a bucket whose gradients are all in: its collective, asynchronously,
+#                  while backward goes on (stage 0 all-reduce, stages 1-2 reduce-scatter);
+#                  buckets in index order, so every rank issues the same sequence
+#   (4) land       wait for the oldest collective, put its sum in place; at most
+#                  MAX_IN_FLIGHT are in flight
+#   (5) step       master gradients, unscale, clip by the global norm, the optimizer:
+#                  train.py's loop calls them in the lecture's order
+#   (6) publish    fp32 master -> weights: stages 1-2 all-gather each bucket, waited for
+#                  in the pre-hook of the first block that reads it (overlapping the
+#                  next forward)
+#
+# Precision on the wire: gradients are reduced in one dtype at every stage,
+# --reduce-dtype: the working dtype by default (the paper's 16-bit gradients), or fp32
+# (torchtitan's and Megatron's default), twice the bytes and the low bits of a big sum.
+#
 # Reductions launched and not yet landed, at most. Each holds a bucket's full-size gradient
 # temporary (stages 2-3) until it is waited for: two let one bucket's reduction overlap the
 # next bucket's backward while a rank never holds more than two buckets of them.
@@ -91,7 +250,7 @@ class ZeRO:
         # fp32 as torchtitan and Megatron do by default (a 16-bit sum over many ranks rounds).
         # One rank moves nothing, so nothing is cast there.
         self.reduce_dtype = reduce_dtype or self.dtype
-        self.buckets = self._make_buckets(model, [p for _, p in named])
+        self.buckets = self._make_buckets(model, [p for _, p in named])  # (1) pack
         # where each trainable parameter lives: its bucket, its offset in the flat buffer
         self.where = {id(p): (b, offset) for b in self.buckets
                       for p, offset in zip(b.params, b.offsets)}
@@ -99,7 +258,7 @@ class ZeRO:
         # the fp32 master slice. In fp32 the parameters are the master (no copy): the slice is a
         # view of the flat buffer. In 16 bits it is a separate fp32 tensor (Micikevicius et al.
         # 2018): an update below ~2^-8 of a weight rounds away in bf16 and would be lost.
-        self.master = [self._owned_weights(b).float() for b in self.buckets]
+        self.master = [self._owned_weights(b).float() for b in self.buckets]  # (2) master
         for b, master in zip(self.buckets, self.master):
             b.make_segments(self.names, master)
         self.segments = [s for b in self.buckets for s in b.segments]
@@ -122,7 +281,7 @@ class ZeRO:
             self._order_publish(model)
         for b in self.buckets:
             for p in b.params:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
+                p.register_post_accumulate_grad_hook(self._grad_ready)  # -> (3)
 
     def _make_buckets(self, model, params):
         """Stages 0-2: buckets of about bucket_mb, last layer first; each gets its gradient."""
@@ -158,7 +317,7 @@ class ZeRO:
         # launch every complete bucket in index order, so all ranks issue the same sequence
         while self.next_bucket < len(self.buckets) and \
                 self.buckets[self.next_bucket].ready == len(self.buckets[self.next_bucket].params):
-            self._reduce(self.buckets[self.next_bucket])
+            self._reduce(self.buckets[self.next_bucket])  # (3) launch
             self.next_bucket += 1
 
     def _reduce(self, b):
@@ -167,7 +326,7 @@ class ZeRO:
         At most MAX_IN_FLIGHT reductions are in flight: the oldest lands before a new one
         starts, since the backend keeps each one's buffers alive until it is waited for."""
         while len(self.in_flight) >= MAX_IN_FLIGHT:
-            self._land_one(*self.in_flight.pop(0))
+            self._land_one(*self.in_flight.pop(0))  # (4) land the oldest first
         N = self.world_size
         if self.stage <= 1:  # the bucket's accumulated gradient, cast for the wire if asked
             send = b.flat_grad
@@ -233,7 +392,7 @@ class ZeRO:
     # -- the optimizer step on this rank's slice --------------------------------------------
 
     @torch.no_grad()
-    def master_grads(self):
+    def master_grads(self):  # (5) step, in train.py's order
         """This rank's gradient slice as the fp32 master gradients (a copy of a 16-bit slice, the
         slice itself when fp32), set as each segment's master.grad and returned."""
         for b in self.buckets:
@@ -285,7 +444,7 @@ class ZeRO:
                     b.flat.copy_(master)
                 continue
             shard = master.to(self.dtype, copy=True)  # the input must not alias the output
-            work = all_gather_params(b.flat, shard, self.traffic, self.world_size,
+            work = all_gather_params(b.flat, shard, self.traffic, self.world_size,  # (6)
                                      self.gather_group)
             if work is not None:
                 self.publishing[i] = (work, shard)  # the shard lives as long as its gather
@@ -351,26 +510,3 @@ def replica_digest(model):
     for p in model.parameters():
         h.update(p.detach().cpu().float().numpy().tobytes())
     return h.hexdigest()
-
-
-def traffic_formula(psi, stage, world_size, grad_accum=1, frozen=0):
-    """Elements each rank sends per optimizer step, as the ZeRO paper counts them: 2Ψ for
-    stages 0-2 (stage 2 reduce-scatters on every micro-step: (accum+1)Ψ), 3Ψ per micro-step for
-    stage 3 (our root unit skips its backward gather, so we measure a little less). Stage 3
-    also gathers `frozen` elements (LoRA's base) twice per micro-step, forward and backward:
-    the price of not keeping the base whole on every rank."""
-    if world_size == 1:
-        return 0
-    per_psi = {0: 2, 1: 2, 2: grad_accum + 1, 3: 3 * grad_accum}[stage]
-    return per_psi * psi + (stage == 3) * 2 * grad_accum * frozen
-
-
-def zero_formula(psi, stage, world_size, dtype, optimizer="adamw"):
-    """The ZeRO paper's model-state bytes per rank for Ψ parameters, (2 + 2 + K)Ψ: K = 12 in 16
-    bits with AdamW (an fp32 master and two fp32 moments), 8 with SGD-momentum or Lion (one
-    buffer); in fp32 4 + 4 + K with no master copy (the fp32 weights are the master)."""
-    w = 4 if dtype == torch.float32 else 2  # bytes of a working weight / gradient
-    k = optim.STATE_BYTES[optimizer] + (0 if dtype == torch.float32 else 4)  # + the master
-    sharded = lambda by_stage: world_size if stage >= by_stage else 1
-    opt, grads, params = k * psi / sharded(1), w * psi / sharded(2), w * psi / sharded(3)
-    return {"params": params, "grads": grads, "optimizer_side": opt, "total": params + grads + opt}

@@ -31,9 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from buckets import Bucket, frozen_tensors
 from collectives import all_gather_params
-from zero import ZeRO
+from zero import Bucket, ZeRO, frozen_tensors
 
 
 class ShardedBucket(Bucket):

@@ -26,9 +26,10 @@ import torch
 
 from bench.common import (Stopwatch, batch, comma_list, command, load_data, parser, report,
                           run_train, table)
-from configurator import TrainConfig, load_preset
+from configurator import TrainConfig
+from machinery.flags import load_preset
 from precision import DTYPES
-from engine import build
+from train import build
 
 RUNS = {"fp32": ["--dtype", "fp32"],
         "bf16, gradients summed in bf16": ["--bf16", "--no-fp32-grad-accum"],

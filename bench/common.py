@@ -1,6 +1,6 @@
 """
 What the benchmarks share: the machine and how busy it was, timing a block of steps, the two
-training steps they compare (the textbook PyTorch step and ours, set up by engine.build), a
+training steps they compare (the textbook PyTorch step and ours, set up by train.build), a
 markdown table, and the writer that puts a section into BENCHMARKS.md. Not a benchmark itself.
 
 Each section of BENCHMARKS.md is a heading and a few paragraphs of method, written by hand,
@@ -26,9 +26,9 @@ from collectives import Traffic
 from configurator import TrainConfig
 from data import loader
 from data.loader import get_batch
-from model import saved_activation_bytes
+from machinery.meter import saved_activation_bytes
 from precision import DTYPES, set_tf32
-from engine import build
+from train import build
 from train import get_lr
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +44,7 @@ def default_device():
     """cuda:0 when there is a GPU (fp32 matmuls on TF32 tensor cores, as train.py sets), else
     the CPU."""
     if torch.cuda.is_available():
-        set_tf32(True)
+        set_tf32()
         return torch.device("cuda:0")
     return torch.device("cpu")
 
@@ -233,7 +233,7 @@ def our_step(model, zero, scaler, cfg, x, y, lr, act=None):
 
 
 class OurRun:
-    """Our training on one configuration, set up by engine.build as train.py sets it up (the
+    """Our training on one configuration, set up by train.build as train.py sets it up (the
     dtype: cfg.dtype's). run.step(it) trains on step it's batch. count_skips: run.skipped
     sums the steps the scaler skipped, on the device (one more tiny kernel a step)."""
 

@@ -1,6 +1,6 @@
 """
 What each technique costs and saves, on N ranks (gloo processes on a CPU; one GPU each, nccl):
-our ZeRO stage x dtype x --grad-ckpt x LoRA (off / LoRA / QLoRA), each set up by engine.build,
+our ZeRO stage x dtype x --grad-ckpt x LoRA (off / LoRA / QLoRA), each set up by train.build,
 beside PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2. Per configuration: model-state bytes
 per rank beside memory.py's estimate and the ZeRO paper's formula, activation bytes beside
 memory.py's, traffic beside theory, step time and tokens/s, time ratios paired by round and
@@ -37,13 +37,15 @@ from bench import plots
 from bench.common import (OurRun, PlainRun, Stopwatch, adamw, adamw_settings, comma_list, command,
                           cpu_units, decay_groups, load_data, paired_ratio, parser, report, table,
                           time_block)
-from configurator import TrainConfig, load_preset
+from configurator import TrainConfig
+from machinery.flags import load_preset
 from lora import parse_targets
 from machinery.footprint import estimate
-from model import GPT, peak_flops
+from model import GPT
+from machinery.report import peak_flops
 from precision import DTYPES, set_tf32
-from engine import model_config
-from zero import traffic_formula, zero_formula
+from train import model_config
+from machinery.report import traffic_formula, zero_formula
 
 # our configurations are keyed "s<stage>[+ckpt|+sel[K]][+lora|+qlora]" (sel: selective, K:
 # every K-th block); QLoRA is LoRA over an nf4 base (train.py's --lora --quantize nf4); r, alpha
@@ -106,7 +108,7 @@ def costs_config():
 # the configurations: each steps, and says what it holds and what it sent
 
 class Ours(OurRun):
-    """One of our configurations, set up by engine.build as train.py sets it up."""
+    """One of our configurations, set up by train.build as train.py sets it up."""
 
     def __init__(self, key, cfg, data, vocab, device, rank, world_size):
         stage, ckpt, lora = parse_key(key)
@@ -201,7 +203,7 @@ def worker(rank, world_size, port, args, out_path):
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-        set_tf32(True)
+        set_tf32()
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size,
                             device_id=device if cuda else None)
     data, vocab = load_data()

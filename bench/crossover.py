@@ -1,5 +1,5 @@
 """
-Where --bf16 overtakes fp32 on a CPU: our step time (engine.build, ZeRO stage 0, one process) in
+Where --bf16 overtakes fp32 on a CPU: our step time (train.build, ZeRO stage 0, one process) in
 fp32 and in bf16 as the model widens. A CPU with bf16 matrix units (AVX512-BF16, AMX) runs bf16
 matmuls in hardware at up to twice fp32's rate or more, but a small model's step is dominated by
 what is not a big matmul (conversions, LayerNorm, the optimizer on its fp32 master), so the

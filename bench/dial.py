@@ -1,7 +1,7 @@
 """
 Activation memory as a dial: what each --grad-ckpt setting saves and what it costs, measured.
 
-bench.costs's rows (our ZeRO stage, each set up by engine.build) for every setting in --ckpt,
+bench.costs's rows (our ZeRO stage, each set up by train.build) for every setting in --ckpt,
 timed in alternating rounds (each round builds every setting afresh in a rotated order), each
 beside the same stage without checkpointing: the activations saved for backward per micro-step
 (model.saved_activation_bytes, beside memory.py's estimate), the step time (paired by round:

@@ -1,6 +1,6 @@
 """
 GPT-2 124M on one GPU in bf16: ms/iter, MFU and peak memory of our training (ZeRO stage 0,
-stage 3, --grad-ckpt, --compile, each set up by engine.build) beside a plain PyTorch loop of the
+stage 3, --grad-ckpt, --compile, each set up by train.build) beside a plain PyTorch loop of the
 same model (fp32 weights under bf16 autocast, fused AdamW), compiled and not. Sized for a few
 minutes of GPU time: 6 configurations of 70 steps (by FLOPs, well under 0.1 s each on an
 H100-class GPU) and two compilations.
@@ -27,10 +27,12 @@ import torch
 
 from bench.common import (OurRun, PlainRun, Stopwatch, adamw, comma_list, command, default_device,
                           parser, report, spread, table, time_block)
-from configurator import TrainConfig, load_preset
-from model import GPT, peak_flops
+from configurator import TrainConfig
+from machinery.flags import load_preset
+from model import GPT
+from machinery.report import peak_flops
 from precision import resolve_dtype
-from engine import model_config
+from train import model_config
 
 VOCAB = 50257  # GPT-2's BPE
 CONFIGS = {

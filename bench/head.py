@@ -1,5 +1,6 @@
 """
-The loss head's memory, measured: the textbook head beside ours (loss.py), at GPT-2's vocabulary.
+The loss head's memory, measured: the textbook head beside ours (beyond/chunked_loss.py),
+at GPT-2's vocabulary.
 
 The textbook head slices the padded logits (a 16-bit copy), casts them to fp32 (a copy),
 takes an fp32 log-softmax (kept for backward) and in backward makes the fp32 gradient, its

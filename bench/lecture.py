@@ -15,7 +15,8 @@ if __package__ in (None, ""):  # run as a script: import from the repository roo
 
 from machinery.activations import BYTES
 from machinery.footprint import QUANT_BYTES, estimate, model_state_bytes
-from memory import GB, fmt, max_batch, shape_for, table
+from memory import max_batch
+from machinery.estimator import GB, fmt, shape_for, table
 
 # the lecture's techniques, each on top of the ones above it:
 # (name, dtype, ZeRO stage, activation checkpointing, LoRA rank, quantize)

@@ -2,7 +2,7 @@
 The training loop's own overhead, and tokens/s per dtype, on one process.
 
 loop: (a) the textbook PyTorch step (forward, backward, clip_grad_norm_, fused AdamW) against
-(b) our step (engine.build's ZeRO stage 0 and GradScaler, train.py's loop calls) in alternating
+(b) our step (train.build's ZeRO stage 0 and GradScaler, train.py's loop calls) in alternating
 rounds, and (c) train.py itself, logging every step; target: (b) within 5% of (a).
 precision: our step in fp32, bf16 and fp16 (GradScaler dynamic for fp16).
 
@@ -27,10 +27,11 @@ import torch
 from bench.common import (OurRun, PlainRun, Stopwatch, adamw, command, cpu_units, default_device,
                           load_data, paired_ratio, parser, report, run_train, spread, table,
                           time_block)
-from configurator import TrainConfig, load_preset
+from configurator import TrainConfig
+from machinery.flags import load_preset
 from model import GPT
 from precision import DTYPES, resolve_dtype
-from engine import model_config
+from train import model_config
 
 TARGET = 1.05  # our step may take at most 5% longer than the plain one
 
@@ -49,7 +50,7 @@ def loop_overhead(args, device):
     steps = args.steps or 200
     rounds = max(2, steps // 20)  # short rounds: a and b see the same machine
     per_round = max(1, steps // rounds)
-    torch.manual_seed(cfg.seed)  # the weights engine.build starts from
+    torch.manual_seed(cfg.seed)  # the weights train.build starts from
     plain = GPT(model_config(cfg, vocab)).to(device)
     opt = adamw(plain, cfg)
     if args.compile:  # the whole model, as nanoGPT compiles it

@@ -30,32 +30,43 @@ and is gathered as it is; qwZ quantizes only buckets of parameters of the workin
 The second shard lives from a unit's forward to the end of backward (or the next publish):
 checkpoints see only the primary shards, so runs resume across ZeRO-3 and ZeRO++ alike.
 """
-import os
-
 import torch
+import torch.distributed as dist
 
-from collectives import Traffic, all_gather_params, all_to_all, node_groups
+from collectives import Traffic, all_gather_params, all_to_all
+from configurator import ZEROPP_PARTS as PARTS, parse_zeropp
 from quant import absmax_quantize
 from zero import MAX_IN_FLIGHT
 from zero3 import ZeRO3
 
-PARTS = ("qwz", "hpz", "qgz")
 QWZ_BLOCK = 256  # weights: an fp32 scale per 256 int8 codes, 1.6% more bytes
 QGZ_BLOCK = 64  # gradients: int4 needs smaller blocks; a scale per 64 codes, 0.5 bits more
 
 
-def parse_zeropp(text):
-    """'qwz,hpz' -> ('qwz', 'hpz'); a ValueError names an unknown part."""
-    parts = tuple(p.strip() for p in text.split(",") if p.strip())
-    for p in parts:
-        if p not in PARTS:
-            raise ValueError(f"--zeropp {text}: {p!r} is not one of {', '.join(PARTS)}")
-    return parts
+# ----------------------------------------------------------------------------------------------
+# Node groups (ZeRO++'s hierarchy). Ranks r = node * k + local, k ranks per node.
+# Every rank must call dist.new_group for every subgroup, in the same order, even for the
+# groups it is not in: so all of them are made at once, once per process.
+
+_node_groups = {}  # (the default group, world size, k) -> (this rank's node group, cross group)
 
 
-def default_node_size(world_size):
-    """Ranks per node: torchrun's LOCAL_WORLD_SIZE, else every rank in one node."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+def node_groups(world_size, node_size, rank):
+    """(the group of this rank's node, the group of the ranks with its local rank on every
+    node). A group of one rank, or the whole world, is None: nothing to make."""
+    key = (dist.group.WORLD, world_size, node_size)
+    if key not in _node_groups:
+        k, nodes = node_size, world_size // node_size
+        mine = [None, None]
+        if 1 < k < world_size:
+            for m in range(nodes):
+                g = dist.new_group(ranks=list(range(m * k, (m + 1) * k)))
+                mine[0] = g if rank // k == m else mine[0]
+            for j in range(k):
+                g = dist.new_group(ranks=list(range(j, world_size, k)))
+                mine[1] = g if rank % k == j else mine[1]
+        _node_groups[key] = tuple(mine)
+    return _node_groups[key]
 
 
 # -- blockwise codes, packed with their scales into one int8 row per destination -------------
@@ -112,7 +123,7 @@ class ZeROpp(ZeRO3):
         self.qwz, self.hpz, self.qgz = (p in zeropp for p in PARTS)
         self.node_size, self.nodes, self.qgz_bits = k, N // k, qgz_bits
         self.local_rank = rank % k
-        # made once per process, by every rank in the same order (collectives.node_groups)
+        # made once per process, by every rank in the same order (node_groups)
         self.node_group, self.cross_group = node_groups(N, k, rank) if N > 1 else (None, None)
         super().__init__(model, stage, **kwargs)
         self.traffic = Traffic(node_size=k)

@@ -4,16 +4,16 @@ term by term, and the transient working set of the loss head. memory.py adds the
 
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 4:
 per layer s*b*h*(34 + 5*a*s/h) bytes of activations in 16 bits, 2*s*b*h with full recomputation;
-Sec. 5, selective recomputation: what activation_ckpt.py's `selective` keeps is priced by KEPT.
-model.saved_activation_bytes measures what these formulas predict; tests/test_memory.py holds
-the two equal to the byte on CPU.
+Sec. 5, selective recomputation: what beyond/activation_dial.py's `selective` keeps is
+priced by KEPT. meter.saved_activation_bytes measures what these formulas predict;
+tests/test_memory.py holds the two equal to the byte on CPU.
 """
 import math
 
 import torch
 import torch.nn as nn
 
-from beyond import chunked_loss
+from beyond.chunked_loss import chunk_rows
 from beyond.activation_dial import policy
 from beyond.fp8 import FP8Linear, convert as fp8_convert
 from lora import LoRALinear, apply_lora
@@ -23,7 +23,7 @@ from quant import QuantLinear
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "nf4": 0.5}  # bytes per value
 
 def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_targets=(),
-                     device="cuda", build=None, fp8=False):
+                     device="cuda", build=None, fp8=False, chunked_loss=False):
     """Bytes autograd saves for backward in one micro-step of the model cfg describes (model.py's
     GPT, or build(cfg)'s), with LoRA if lora_rank: {"layer": the last block's terms, "outside":
     the rest, "per_layer": the last block's sum, "total"}. A shapes-only copy of the model is
@@ -37,6 +37,7 @@ def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_
             fp8_convert(model)
     E = BYTES[dtype]
     flow = Flow(batch, seq, E, stat=4 if device == "cuda" else E, live=False)
+    flow.chunked_loss = chunked_loss  # the loss head: model.py's plain one, or chunked
     outside, blocks = SAVED[type(model)](model, flow, policy(grad_ckpt))
     return {"layer": blocks[-1], "outside": outside, "per_layer": sum(blocks[-1].values()),
             "total": sum(sum(t.values()) for t in blocks) + sum(outside.values())}
@@ -141,8 +142,8 @@ def gpt(model, flow, grad_ckpt):
     """The whole model, in its forward's order: (terms outside the blocks, one dict per block).
     The embeddings keep their int64 ids when they train; a checkpointed block (grad_ckpt, an
     activation_dial.Policy, says which) keeps its input, and under `selective` what KEPT
-    lists; the loss head keeps the 16-bit logits, a logsumexp per row and the targets
-    (loss.py), never an fp32 log-softmax."""
+    lists; the loss head keeps the targets and either the fp32 log-softmax (model.py) or
+    the 16-bit logits and a logsumexp per row (beyond/chunked_loss.py)."""
     t, f, cfg = model.transformer, flow, model.config
     outside = {}
     if trainable(t.wte):
@@ -163,8 +164,12 @@ def gpt(model, flow, grad_ckpt):
     outside.update(walk("ln_f", t.ln_f, f))
     if trainable(model.lm_head):
         outside["lm_head input"] = f.values(cfg.n_embd)
-    outside["logits (b*s*padded vocab; loss.py)"] = f.values(cfg.padded_vocab)
-    outside["logsumexp per row (fp32)"] = 4 * f.b * f.s
+    if f.chunked_loss:  # beyond/chunked_loss.py: the 16-bit logits, a logsumexp per row
+        outside["logits (b*s*padded vocab; chunked loss)"] = f.values(cfg.padded_vocab)
+        outside["logsumexp per row (fp32)"] = 4 * f.b * f.s
+    else:  # model.py's head: the fp32 log-softmax of the real columns, and a total weight
+        outside["log-softmax (b*s*vocab, fp32)"] = 4 * f.b * f.s * cfg.vocab_size
+        outside["cross-entropy's total weight (fp32)"] = 4
     outside["targets (int64)"] = 8 * f.b * f.s
     return outside, blocks
 
@@ -228,10 +233,13 @@ KEPT = {LayerNorm: lambda name, m, flow: {}, CausalSelfAttention: kept_attention
         nn.Linear: kept_linear, QuantLinear: kept_linear, LoRALinear: kept_linear}
 
 
-def head_working_bytes(cfg, batch, seq, dtype):
-    """The loss head's transient bytes at its peak, in its backward, beyond what is saved: the
-    16-bit gradient of the logits (b*s*padded vocab) and one chunk's fp32 softmax and its
-    scaled copy (loss.py). The textbook head held an fp32 copy of all the logits, its fp32
-    log-softmax and their fp32 gradient here: 12 bytes per logit more."""
-    rows = min(batch * seq, chunked_loss.chunk_rows(cfg.vocab_size))
-    return BYTES[dtype] * batch * seq * cfg.padded_vocab + 2 * 4 * rows * cfg.vocab_size
+def head_working_bytes(cfg, batch, seq, dtype, chunked_loss=False):
+    """The loss head's transient bytes at its peak, in its backward, beyond what is saved:
+    the 16-bit gradient of the logits (b*s*padded vocab), and then either one chunk's fp32
+    softmax and its scaled copy (beyond/chunked_loss.py) or, for model.py's plain head, the
+    fp32 copy of the logits and two fp32 gradients of all of them: 12 bytes a logit more."""
+    grad = BYTES[dtype] * batch * seq * cfg.padded_vocab
+    if not chunked_loss:
+        return grad + 3 * 4 * batch * seq * cfg.vocab_size
+    rows = min(batch * seq, chunk_rows(cfg.vocab_size))
+    return grad + 2 * 4 * rows * cfg.vocab_size

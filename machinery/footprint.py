@@ -17,11 +17,11 @@ import math
 import torch
 
 import optim
+from quant import QuantizedWeight
 from machinery.activations import BYTES, activation_bytes, head_working_bytes
-from buckets import plan_buckets
+from zero import MAX_IN_FLIGHT, plan_buckets
 from lora import apply_lora
 from model import GPT
-from zero import MAX_IN_FLIGHT, zero_formula
 from beyond.zeropp import working_bytes
 
 # stored bytes per quantized weight, as quant.py stores nf4 by default: two 4-bit codes per byte
@@ -134,33 +134,10 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
     return out
 
 
-def model_state_report(zero, world_size):
-    """What each rank holds (ZeRO.state_bytes(), gathered from every rank: a collective) beside
-    the ZeRO paper's formula: (a small table that fits 80 columns, a row for metrics.jsonl)."""
-    held = zero.state_bytes()
-    per_rank = [held] * world_size
-    if world_size > 1:
-        torch.distributed.all_gather_object(per_rank, held)
-    paper = zero_formula(zero.psi, zero.stage, world_size, zero.dtype, zero.optimizer)
-    master = "fp32 master + " if zero.dtype != torch.float32 else ""
-    pairs = [("weights", held["params"], paper["params"], ""),
-             ("gradients", held["grads"], paper["grads"], ""),
-             ("optimizer side", held["master"] + held["optimizer"], paper["optimizer_side"],
-              f"{master}{zero.optimizer} state"),
-             ("total", held["total"], paper["total"], "")]
-    lines = [f"model state per rank, ZeRO-{zero.stage} on {world_size} rank(s), Ψ = "
-             f"{zero.psi:,} trainable:", f"  {'':16}{'measured':>10}  {'ZeRO paper':>10}"]
-    lines += [f"  {name:16}{ours / 2**20:>6.2f} MiB  {p / 2**20:>6.2f} MiB  {note}".rstrip()
-              for name, ours, p, note in pairs]
-    return "\n".join(lines), {"event": "model_state", "psi": zero.psi, "stage": zero.stage,
-                              "world_size": world_size, "per_rank": per_rank, "formula": paper,
-                              "optimizer": zero.optimizer}
-
-
 def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_ckpt=False,
              lora_rank=0, lora_targets=("q", "v"), quantize=None, psi=None, bucket_mb=25.0, rank=0,
              prefetch=True, fp32_grad_accum=False, device="cuda", optimizer="adamw", build=None,
-             zeropp=(), node_size=0, fp8=False, fp8_history=16):
+             zeropp=(), node_size=0, fp8=False, fp8_history=16, chunked_loss=False):
     """Everything one GPU holds, counted on the model cfg describes (model.py's GPT, or
     build(cfg)'s, built shapes-only). psi overrides its parameter count (then cfg only shapes
     the activations). Peak: model state + the larger of the forward/backward working set and the
@@ -183,7 +160,7 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     state = model_state_bytes(trainable, stage, N, dtype, buckets, rank, frozen, quantized,
                               quantize, layout, fp32_grad_accum, optimizer)
     acts = activation_bytes(cfg, batch, seq, dtype, grad_ckpt, lora_rank, lora_targets, device,
-                            build, fp8)
+                            build, fp8, chunked_loss)
     # --fp8: per linear an amax history and cast counters (fp8.FP8Matmul's buffers), and in a
     # block's backward the largest cast's fp32 copy, FP8 result and transposed copy (6 bytes a
     # value of the widest input, b*s x 4h): an estimate, not a measurement
@@ -205,7 +182,7 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     cap = int(bucket_mb * 2**20 / E) if stage == 2 else 12 * h * h + 13 * h
     sizes = buckets or [min(trainable, cap)] * 2
     in_flight = reduce_in_flight_bytes(sizes, stage, N, dtype)
-    head = head_working_bytes(cfg, batch, seq, dtype)
+    head = head_working_bytes(cfg, batch, seq, dtype, chunked_loss)
     # the step's fp32 copy of the owned gradient slice (none when the gradients are fp32 already)
     step = 0 if fp32_grad_accum else state["master"]
     peak = state["total"] + fp8_state + max(acts["total"] + gathered + max(head, in_flight + cast),
@@ -222,3 +199,15 @@ def reduce_in_flight_bytes(buckets, stage, world_size, dtype):
         return 0  # stages 0-1 reduce their persistent gradient buffers in place
     padded = sorted((math.ceil(n / world_size) * world_size for n in buckets), reverse=True)
     return BYTES[dtype] * sum(padded[:MAX_IN_FLIGHT])
+
+
+def quantized_bytes(model):
+    """{name: {"params", "bytes", "bits_per_param"}} per quantized weight, by summing the buffers
+    actually stored (codes, scales; not the shared 16-value code table)."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedWeight):
+            nbytes = sum(b.numel() * b.element_size() for n, b in m.named_buffers() if n != "code")
+            n = math.prod(m.shape)
+            out[name] = {"params": n, "bytes": nbytes, "bits_per_param": 8 * nbytes / n}
+    return out

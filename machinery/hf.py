@@ -28,7 +28,7 @@ from contextlib import ExitStack
 import torch
 from safetensors import safe_open
 
-from lora import fingerprint_tensors  # lora.py's definition of a base's name
+from machinery.adapters import fingerprint_tensors  # the definition of a base's name
 from model import GPTConfig
 from machinery.tensorfile import replace_atomically, write_safetensors
 from machinery.validate import check_hf_types, check_model_args
@@ -293,7 +293,7 @@ def load_into(model, source, cache_dir=None):
 
 
 def base_fingerprint(source, cache_dir=None):
-    """lora.base_fingerprint of GPT(read_config(source)) loaded from source in fp32 (what
+    """adapters.base_fingerprint of GPT(read_config(source)) loaded from source in fp32 (what
     sample.py loads as this base), read a tensor at a time: a 16-bit or cropped run names its
     base without ever holding an fp32 copy of the model."""
     model_args = read_config(source, cache_dir)

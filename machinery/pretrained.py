@@ -12,11 +12,11 @@ import os
 
 import torch
 
-from machinery import hf
-from checkpoint import Reader
+from checkpoint import CheckpointError, Reader, list_checkpoints
 from configurator import ConfigError
+from machinery import hf, validate
 from machinery.hf import HFError
-from model import GPT
+from model import GPT, GPTConfig
 
 # the model flags a Hugging Face config.json sets (block_size too, which may be smaller)
 SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "bias", "block_size")
@@ -101,4 +101,88 @@ def load_hf(source, config, device, dtype, lora=False):
         model.base_id = hf.base_fingerprint(source) if lora else None
     except HFError as e:
         raise ConfigError(f"--init-from {e}")
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# In: sample.py's weights
+
+class LoadError(Exception):
+    """A checkpoint or model sample.py cannot read: one line."""
+
+
+def find_checkpoint(out_dir):
+    """The newest ckpt-NNNNNNN folder train.py wrote in out_dir (or an out_dir/ckpt.pt file)."""
+    ckpts = list_checkpoints(out_dir)
+    if not ckpts and os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
+        return os.path.join(out_dir, "ckpt.pt")  # a single-file checkpoint (nanoGPT's layout)
+    if not ckpts:
+        raise LoadError(f"no checkpoint in {out_dir} (train.py writes ckpt-NNNNNNN folders "
+                          f"there): train one first, e.g. `python train.py --out-dir {out_dir}`,"
+                          " or pass --ckpt PATH")
+    return ckpts[-1]
+
+
+def load_checkpoint(path):
+    """A checkpoint of ours (a folder in either format, or one file holding model,
+    model_args and meta), read with weights_only=True: {model, model_args, meta[, iter]}."""
+    if os.path.isdir(path):
+        try:
+            reader = Reader(path)
+            return {"model_args": reader.model_args(), "model": reader.weights(),
+                    "meta": reader.header["meta"], "iter": reader.header["iter"]}
+        except CheckpointError as e:
+            raise LoadError(str(e))
+    if not os.path.isfile(path):
+        raise LoadError(f"no checkpoint at {path}: train one first, e.g. "
+                          f"`python train.py --out-dir {os.path.dirname(path) or '.'}`")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        # torch's messages run over many lines: keep the one that names the cause. weights_only
+        # refuses any global outside its allow-list ("Trying to load unsupported GLOBAL ...")
+        why = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), None)
+        if why:
+            raise LoadError(f"refused {path}: it holds Python objects, "
+                              f"which could run code ({why})")
+        raise LoadError(f"cannot read {path}: truncated, corrupt or not a checkpoint "
+                          f"({type(e).__name__})")
+    if not isinstance(ckpt, dict) or not {"model", "model_args", "meta"} <= ckpt.keys():
+        raise LoadError(f"{path} is not a checkpoint of train.py "
+                          "(it needs model, model_args and meta)")
+    return ckpt
+
+
+def load_hf_for_sampling(source):
+    """A Hugging Face GPT-2 (a hub name, a folder, a weights file): its ckpt dict, GPT-2 BPE."""
+    try:
+        model_args, weights = hf.load_pretrained(source)
+    except hf.HFError as e:
+        raise LoadError(str(e))
+    if model_args["vocab_size"] != 50257:  # the ids tiktoken's GPT-2 encoding knows
+        raise LoadError(f"{source} has a vocabulary of {model_args['vocab_size']} tokens, "
+                          "not GPT-2 BPE's 50257: sample.py could not decode its ids")
+    return {"model": weights, "model_args": model_args,
+            "meta": {"tokenizer": "gpt2", "vocab_size": 50257}}
+
+
+def weights_to_sample(ckpt, init_from, out_dir):
+    """sample.py's source: --ckpt PATH, --init-from a Hugging Face GPT-2, or the newest
+    checkpoint in --out-dir. Returns (what it read, {model, model_args, meta[, iter]})."""
+    path = ckpt or (None if init_from else find_checkpoint(out_dir))
+    hf_folder = path is not None and os.path.isfile(os.path.join(path, "config.json"))
+    if init_from or hf_folder:
+        return init_from or path, load_hf_for_sampling(init_from or path)
+    return path, load_checkpoint(path)
+
+
+def model_of(ckpt):
+    """The GPT a loaded checkpoint describes, holding its weights; its sizes are checked
+    before anything is built (a header may claim 10^5 layers)."""
+    try:
+        validate.check_model_args(ckpt["model_args"])
+        model = GPT(GPTConfig(**ckpt["model_args"]))
+        model.load_weights(ckpt["model"])  # strict: every name and shape must match model.py
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise LoadError("checkpoint does not fit model.py: " + " ".join(str(e).split()))
     return model

@@ -20,6 +20,10 @@ import re
 import shutil
 import socket
 
+import torch.distributed as dist
+
+from machinery.tensorfile import torch_save
+
 LOCK = "lock"
 _held = set()  # the out-dirs whose lock this process holds
 
@@ -90,6 +94,26 @@ def take_lock(out_dir):
         os.remove(tmp)
 
 
+def open_run(cfg, start_it, rank, world_size, print0):
+    """Make out_dir this run's (rank 0 takes its lock; every rank learns a refusal) and open
+    metrics.jsonl: before the run's first write, after every check of the resume."""
+    error = note = None
+    if rank == 0:
+        try:
+            note = take_lock(cfg.out_dir)
+        except (RunDirError, OSError) as e:
+            error = f"{e}" if isinstance(e, RunDirError) else f"cannot write {cfg.out_dir}: {e}"
+    if world_size > 1:
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0)
+        error = shared[0]
+    if error:
+        raise RunDirError(error)
+    if note:
+        print0(note)
+    return Metrics(cfg.out_dir, start_it, rank == 0, print0)
+
+
 def release_locks():
     """Remove the locks this process holds (at the end of a run, or after its error)."""
     for path in list(_held):
@@ -114,6 +138,46 @@ def mark_save(tmp):
     """Name this process as the owner of the save folder tmp (before any file goes in)."""
     with open(os.path.join(tmp, "owner.json"), "w") as f:
         json.dump(_owner(), f)
+
+
+def write_save(out_dir, final, files, rank, world_size, any_rank, keep_last):
+    """Write one save's files ({name: object} on each rank) into FINAL.tmp, then commit it:
+    the rename to FINAL once every rank's files are written and fsynced (any_rank(failed)
+    tells every rank whether any failed). Keeps the newest keep_last checkpoints. Returns
+    None, or what failed: then nothing is committed and the .tmp folder is gone."""
+    tmp, error = final + ".tmp", None
+    try:
+        if rank == 0:  # a crash mid-save leaves a .tmp folder: no checkpoint, cleared here
+            clear_stale_saves(out_dir)  # unless a live run is writing it
+            os.makedirs(tmp)
+            mark_save(tmp)
+        _barrier(world_size)
+        for name, obj in files.items():
+            torch_save(obj, os.path.join(tmp, name))
+    except OSError as e:
+        error = e
+    # every rank learns whether every rank's files are complete before anything is committed
+    if any_rank(error is not None):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier(world_size)
+        return str(error or "failed on another rank")
+    if rank == 0:
+        os.remove(os.path.join(tmp, "owner.json"))
+        shutil.rmtree(final, ignore_errors=True)  # the same iteration saved again (a final save)
+        os.replace(tmp, final)  # the commit point: a folder without .tmp is complete
+        fd = os.open(out_dir, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        for old in list_checkpoints(out_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier(world_size)
+    return None
+
+
+def _barrier(world_size):
+    if world_size > 1:
+        dist.barrier()
 
 
 def clear_stale_saves(out_dir):

@@ -250,7 +250,7 @@ def check_piece(piece, name, span, keys):
 
 
 # ----------------------------------------------------------------------------------------------
-# adapters (lora.load_adapter calls this before apply_lora)
+# adapters (adapters.load_adapter calls this before apply_lora)
 
 def check_adapter(settings, tensors, n_embd):
     """An adapter's settings (rank, alpha, dropout, targets) against their types and ranges, and

@@ -129,7 +129,7 @@ def run_train(argv, nproc=1, wrap=None):
 
 
 def make_zero(model, stage, **kwargs):
-    """ZeRO for stages 0-2, ZeRO3 for stage 3 (engine.build picks the same way)."""
+    """ZeRO for stages 0-2, ZeRO3 for stage 3 (train.build picks the same way)."""
     from zero import ZeRO
     from zero3 import ZeRO3
     if stage == 3:

@@ -12,12 +12,16 @@ import torch
 import lora
 import quant
 from machinery import validate
-from beyond.activation_dial import Offload, Policy, install_offload, policy
+from beyond.activation_dial import Policy, policy
+from beyond.offload import Offload, install_offload
 from machinery.activations import activation_bytes
-from configurator import ConfigError, TrainConfig, parse_args
+from configurator import ConfigError, TrainConfig
+from machinery.flags import parse_args
 from conftest import make_zero, run_distributed, run_train, zero_step
-from memory import advise, estimate, parse_bytes, shape_for
-from model import GPT, GPTConfig, saved_activation_bytes
+from memory import advise, estimate
+from machinery.estimator import parse_bytes, shape_for
+from model import GPT, GPTConfig
+from machinery.meter import saved_activation_bytes
 from precision import GradScaler
 
 SETTINGS = [Policy(k, K) for k in ("full", "selective") for K in (1, 2, 3)]
@@ -31,8 +35,6 @@ def test_flags():
     assert parse_args(["--grad-ckpt", "selective"]).grad_ckpt == "selective"
     assert parse_args(["--grad-ckpt", "--no-grad-ckpt"]).grad_ckpt == "none"
     assert parse_args(["--grad-ckpt", "--grad-ckpt-every", "2"]).grad_ckpt_every == 2
-    assert TrainConfig(grad_ckpt=True).grad_ckpt == "full"  # code from when it was a switch
-    assert TrainConfig(grad_ckpt=False).grad_ckpt == "none"
     for argv, message in ((["--grad-ckpt", "some"], "--grad-ckpt some: use none, full, selective"),
                           (["--grad-ckpt-every", "0"], "--grad-ckpt-every must be at least 1"),
                           (["--grad-ckpt-every", "2"], "add --grad-ckpt \\[full\\|selective\\]")):
@@ -44,9 +46,11 @@ def test_flags():
 
 
 def test_preset_with_a_bool_and_an_old_checkpoint(tmp_path):
-    preset = tmp_path / "old.py"
+    preset = tmp_path / "old.py"  # from when --grad-ckpt was a switch: refused, with the fix
     preset.write_text("grad_ckpt = True\n")
-    assert parse_args(["--config", str(preset)]).grad_ckpt == "full"
+    with pytest.raises(ConfigError, match="grad_ckpt must be str \\('none', 'full', "
+                                          "'selective'\\), got True"):
+        parse_args(["--config", str(preset)])
     # the checkpoint's config is compared only for the settings that matter (not this one)
     header = {"model_args": {}, "config": {"grad_ckpt": True, "lora": False}}
     validate.check_compatible(header, {}, None, "ckpt", config={"grad_ckpt": "selective",
@@ -211,7 +215,7 @@ def test_offload_round_trip_and_threshold():
 
 
 def test_offload_is_a_no_op_on_a_cpu(capsys):
-    from engine import build
+    from train import build
     cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, offload_activations=True)
     build(cfg, 40, torch.device("cpu"), torch.float32)
     assert capsys.readouterr().out.count("--offload-activations: a no-op on a CPU") == 1

@@ -98,7 +98,7 @@ def test_cost_rows_compare_with_memory_py_and_pair_ratios():
     says so; a time ratio is the median of per-round ratios (a slow round of both cancels), and a
     target is judged on that ratio."""
     from machinery.footprint import estimate
-    from engine import model_config
+    from train import model_config
     cfg, vocab = costs.costs_config(), 65
     gpt = model_config(cfg, vocab)
     info, psi = {}, estimate(gpt)["psi"]
@@ -143,10 +143,10 @@ def test_write_section_keeps_the_prose_around_the_markers(tmp_path):
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_our_step_is_train_py_step(data_root, tmp_path, dtype):
     """common.our_step is what train.py's loop runs on a step: the same losses, to the bit."""
-    from configurator import parse_args
+    from machinery.flags import parse_args
     from data.prepare import load_meta
     from precision import DTYPES
-    from engine import build
+    from train import build
     from train import get_lr, main
     argv = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
             "--batch-size", "4", "--eval-iters", "1", "--eval-interval", "100", "--max-iters", "4",

@@ -11,7 +11,7 @@ import torch._dynamo
 
 from conftest import zero_step
 from configurator import TrainConfig
-from engine import build
+from train import build
 
 SHAPE = dict(n_layer=3, n_head=2, n_embd=32, block_size=16, batch_size=4, dropout=0.0,
              lora_targets="all", bucket_mb=0.0001)
@@ -40,7 +40,7 @@ def graphs():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_compiled_blocks_train_like_eager(stage):
     xs = batches(4)
-    for grad_ckpt, lora in ((False, False), (True, False), (True, True), ("selective", True)):
+    for grad_ckpt, lora in (("none", False), ("full", False), ("full", True), ("selective", True)):
         cfg = TrainConfig(**SHAPE, zero=stage, grad_ckpt=grad_ckpt, lora=lora)
         eager = losses(*build(cfg, VOCAB, torch.device("cpu"), torch.float32), xs)
         model, zero, scaler = build(TrainConfig(**{**vars(cfg), "compile": True}), VOCAB,

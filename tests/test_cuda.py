@@ -12,7 +12,7 @@ import torch
 import checkpoint
 from conftest import ROOT, make_zero, run_distributed, zero_step
 from model import GPT, GPTConfig
-from precision import GradScaler, set_tf32
+from precision import GradScaler
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -20,9 +20,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.fixture(autouse=True)
 def tf32_off():
     """The tolerances here are fp32's: TF32 off for each test, and back as it was after it."""
-    before = set_tf32(False)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
     yield
-    set_tf32(before)
+    torch.set_float32_matmul_precision(before)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
@@ -91,7 +92,7 @@ def _nccl_zero3(rank, world_size):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world_size,
                             device_id=torch.device("cuda", rank))
-    set_tf32(False)
+    torch.set_float32_matmul_precision("highest")
     out = []
     for stage in (0, 3):
         torch.manual_seed(0)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from conftest import ROOT, run_train
-from configurator import parse_args
+from machinery.flags import parse_args
 from memory import main as memory_main
 
 

@@ -16,7 +16,8 @@ from checkpoint import CheckpointError, Reader, list_checkpoints
 from conftest import make_zero, run_distributed, run_train
 from machinery.activations import activation_bytes
 from machinery.footprint import estimate
-from model import GPTConfig, saved_activation_bytes
+from model import GPTConfig
+from machinery.meter import saved_activation_bytes
 
 CFG = dict(arch="llama", block_size=16, vocab_size=40, n_layer=2, n_head=2, n_embd=32,
            dropout=0.0, bias=False)
@@ -27,9 +28,9 @@ TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", 
 
 
 def as_llama(main, argv):
-    """What a fork's edit of model.py amounts to: engine.py builds the fork's model."""
-    import engine
-    engine.GPT = llama.Llama
+    """What a fork's edit of model.py amounts to: train.py builds the fork's model."""
+    import train
+    train.GPT = llama.Llama
     main(argv)
 
 

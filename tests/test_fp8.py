@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from beyond import fp8
-from configurator import ConfigError, TrainConfig, parse_args
+from configurator import ConfigError, TrainConfig
+from machinery.flags import parse_args
 from conftest import ROOT, run_distributed, run_train, zero_step
-from engine import build
+from train import build
 
 SHAPE = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, dropout=0.0,
              bucket_mb=0.0001, dtype="bf16", fp8=True)
@@ -136,11 +137,11 @@ def test_compile_grad_ckpt_and_lora_with_fp8():
     """--compile and --grad-ckpt train as eager does (bf16: to its rounding); under LoRA the
     frozen base computes in FP8 and only the adapters move."""
     eager, _ = train_losses(TrainConfig(**SHAPE, fp8_scaling="delayed"))
-    ckpt, _ = train_losses(TrainConfig(**SHAPE, fp8_scaling="delayed", grad_ckpt=True))
+    ckpt, _ = train_losses(TrainConfig(**SHAPE, fp8_scaling="delayed", grad_ckpt="full"))
     assert ckpt == eager  # the recompute casts exactly as the forward did
     compiled, _ = train_losses(TrainConfig(**SHAPE, fp8_scaling="delayed", compile=True))
     torch.testing.assert_close(compiled, eager, rtol=0, atol=2e-2)
-    cfg = TrainConfig(**SHAPE, lora=True, lora_targets="all", grad_ckpt=True)
+    cfg = TrainConfig(**SHAPE, lora=True, lora_targets="all", grad_ckpt="full")
     losses, model = train_losses(cfg)
     assert losses[-1] < losses[0]
     attn = model.transformer.h[0].attn.c_attn
@@ -212,7 +213,8 @@ def test_fp8_activations_are_counted_to_the_byte(targets, grad_ckpt):
     cast (rows padded to 16: 3 x 24 = 72 -> 80) and its two scales; a frozen base keeps no cast."""
     from machinery.activations import activation_bytes
     from lora import apply_lora
-    from model import GPT, GPTConfig, saved_activation_bytes
+    from model import GPT, GPTConfig
+    from machinery.meter import saved_activation_bytes
     cfg = GPTConfig(block_size=24, vocab_size=50, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
     torch.manual_seed(0)
     model = GPT(cfg).bfloat16()

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from machinery import hf
 import lora
+from machinery import adapters
 import quant
 from machinery.hf import HFError
 from model import GPT, GPTConfig
@@ -149,7 +150,7 @@ def test_peft_adapter(tmp_path, targets):
                 p.normal_(0, 0.1)
     sd = model.state_dict()
     hf.save_hf({k: v for k, v in sd.items() if "lora_" not in k}, ARGS, tmp_path / "base")
-    hf.save_peft_adapter(lora.adapter_state(sd), model.lora_settings, tmp_path / "adapter")
+    hf.save_peft_adapter(adapters.adapter_state(sd), model.lora_settings, tmp_path / "adapter")
     base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base")
     with torch.no_grad():
         no_adapter = theirs(base)

@@ -12,9 +12,10 @@ import torch
 
 import checkpoint
 import lora
+from machinery import adapters
 import quant
 from conftest import make_zero, run_distributed, zero_step
-from lora import AdapterError
+from machinery.adapters import AdapterError
 from model import GPT, GPTConfig
 from precision import GradScaler
 from data.loader import get_batch
@@ -156,42 +157,42 @@ def test_adapter_save_load_swap(tmp_path):
                 if "lora_B" in n:
                     p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
         paths[name], outs[name] = str(tmp_path / f"{name}.safetensors"), run(model)
-        lora.save_adapter(paths[name], lora.adapter_state(model.state_dict()), model.lora_settings,
-                          lora.base_fingerprint(model))
+        adapters.save_adapter(paths[name], adapters.adapter_state(model.state_dict()), model.lora_settings,
+                          adapters.base_fingerprint(model))
     assert not (outs["A"] == base_out).all()
     assert sorted(os.listdir(tmp_path)) == ["A.safetensors", "B.safetensors"]
 
     model = make_model()  # no LoRA yet: load_adapter applies it from the file's settings
     assert torch.equal(run(model), base_out)
-    assert lora.load_adapter(model, paths["A"])["targets"] == ["q", "v", "mlp_fc"]
+    assert adapters.load_adapter(model, paths["A"])["targets"] == ["q", "v", "mlp_fc"]
     assert torch.equal(run(model), outs["A"])
-    lora.load_adapter(model, paths["B"])
+    adapters.load_adapter(model, paths["B"])
     assert torch.equal(run(model), outs["B"])
     lora.remove_adapter(model)
     assert torch.equal(run(model), base_out)  # back to the base, bitwise
 
     with pytest.raises(AdapterError, match="trained on base"):
-        lora.load_adapter(make_model(seed=1), paths["A"])  # another base
+        adapters.load_adapter(make_model(seed=1), paths["A"])  # another base
     with pytest.raises(AdapterError, match="settings"):
-        lora.load_adapter(make_model(rank=8, targets="q,v,mlp_fc"), paths["A"])
+        adapters.load_adapter(make_model(rank=8, targets="q,v,mlp_fc"), paths["A"])
     other = make_model(rank=4, targets="q,v,mlp_fc")
     other.lora_settings["rank"] = 8  # settings that claim a match, shapes that do not
     with pytest.raises(AdapterError, match="settings"):
-        lora.load_adapter(other, paths["A"])
+        adapters.load_adapter(other, paths["A"])
     with open(paths["A"], "r+b") as f:  # a corrupt file: half of it
         f.truncate(os.path.getsize(paths["A"]) // 2)
     with pytest.raises(AdapterError, match="not a readable adapter"):
-        lora.load_adapter(make_model(), paths["A"])
+        adapters.load_adapter(make_model(), paths["A"])
 
 
 def test_adapter_shape_mismatch(tmp_path):
     model = make_model(rank=4, targets="q")
-    state = lora.adapter_state(model.state_dict())
+    state = adapters.adapter_state(model.state_dict())
     state["transformer.h.0.attn.c_attn.lora_A"] = torch.zeros(3, C)
     path = str(tmp_path / "bad.safetensors")
-    lora.save_adapter(path, state, model.lora_settings, lora.base_fingerprint(model))
+    adapters.save_adapter(path, state, model.lora_settings, adapters.base_fingerprint(model))
     with pytest.raises(AdapterError, match="shapes differ"):
-        lora.load_adapter(make_model(), path)
+        adapters.load_adapter(make_model(), path)
 
 
 def test_qlora_lowers_the_loss():
@@ -272,14 +273,14 @@ def _lora_under_zero(rank, world_size):
         full = checkpoint.state_dict(zero, model)  # a collective: every rank calls it
         if rank != 0:
             continue
-        adapter = lora.adapter_state(full)
+        adapter = adapters.adapter_state(full)
         assert adapter.keys() == ref.keys()
         for n, t in adapter.items():  # full shapes, not ZeRO-3's shape-[0] shards
             torch.testing.assert_close(t, ref[n], rtol=1e-5, atol=5e-6, msg=f"stage {stage} {n}")
-        assert lora.base_fingerprint(full) == lora.base_fingerprint(lora_model(mode))  # base intact
+        assert adapters.base_fingerprint(full) == adapters.base_fingerprint(lora_model(mode))  # base intact
         if stage == 3:
             with pytest.raises(AdapterError, match="ZeRO-3"):
-                lora.adapter_state(model.state_dict())
+                adapters.adapter_state(model.state_dict())
 
 
 def test_lora_under_zero_world_2():

@@ -10,13 +10,15 @@ import torch
 
 import lora
 import memory
-from configurator import parse_args
+from machinery import estimator
+from machinery.flags import parse_args
 from conftest import make_zero, run_distributed
 from machinery.activations import BYTES, activation_bytes
 from machinery.footprint import bucket_sizes, estimate, model_state_bytes, param_count, param_numels
 from memory import advise, main
-from model import GPT, GPTConfig, saved_activation_bytes
-from zero import zero_formula
+from model import GPT, GPTConfig
+from machinery.meter import saved_activation_bytes
+from machinery.report import zero_formula
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # n_embd 9: every bucket has an odd size, so on 2 ranks the last one owns padding
@@ -212,9 +214,9 @@ def test_advise_prints_a_command_train_py_accepts(capsys):
     cmd = main(["--params", "70e9", "--world-size", "8", "--gpu-mem", "80GB", "--advise"])
     assert "--zero 3" in cmd and cmd.endswith("--grad-ckpt --lora --lora-rank 8 --lora-targets q,v")
     # on one GPU the bf16 base alone (140 GB) does not fit: QLoRA
-    lines, cmd = advise(memory.shape_for(70e9), 1, 80e9, psi=int(70e9))
+    lines, cmd = advise(estimator.shape_for(70e9), 1, 80e9, psi=int(70e9))
     assert cmd.endswith("--grad-ckpt --lora --lora-rank 8 --lora-targets q,v --quantize nf4")
-    lines, cmd = advise(memory.shape_for(70e9), 1, 24e9, psi=int(70e9))
+    lines, cmd = advise(estimator.shape_for(70e9), 1, 24e9, psi=int(70e9))
     assert cmd is None and "does not fit" in lines[-1]
 
 

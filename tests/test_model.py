@@ -7,7 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, peak_flops
+from model import GPT, GPTConfig
+
+from machinery.report import peak_flops
 
 
 TINY = dict(block_size=16, vocab_size=11, n_layer=2, n_head=2, n_embd=16, dropout=0.0)

@@ -13,7 +13,7 @@ from conftest import make_zero, run_distributed, zero_step
 from data.loader import get_batch
 from precision import GradScaler
 from test_zero import B, DATA, SEED, T, make_model
-from zero import zero_formula
+from machinery.report import zero_formula
 
 
 def lion_reference(p, g, m, lr, betas, wd):

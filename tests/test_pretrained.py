@@ -20,16 +20,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from machinery import hf
-import lora
+from machinery import adapters
 import export as export_cli
+from machinery import exporter
 from machinery import pretrained
 import sample
 from checkpoint import Reader, list_checkpoints
 from conftest import ROOT, TEXT, run_train
-from configurator import ConfigError, parse_args
+from configurator import ConfigError
+from machinery.flags import parse_args
 from model import GPT, GPTConfig
 from data.loader import get_batch
-from engine import build
+from train import build
 from train import main
 
 transformers = pytest.importorskip("transformers", reason="pip install -r requirements-test.txt")
@@ -123,7 +125,7 @@ def test_lora_zero2_run_exports_a_peft_adapter(gpt2, tmp_path, capsys):
     model = GPT(GPTConfig(**hf.read_config(gpt2[0])))  # as sample.py --init-from builds it
     hf.load_into(model, gpt2[0])
     base_logits = ours(model)
-    lora.load_adapter(model, str(tmp_path / "run" / "adapter.safetensors"))
+    adapters.load_adapter(model, str(tmp_path / "run" / "adapter.safetensors"))
     expected = ours(model)
     assert (expected - base_logits).abs().max() > 1e-3  # the adapter moved the logits
     base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
@@ -147,7 +149,7 @@ def test_qlora_merge_exports_plain_weights(gpt2, tmp_path, capsys):
     rc, out, err = export(capsys, ckpt, "--to", "hf", tmp_path / "hf", "--merge")
     assert rc == 0 and "merged" in out and "dequantized" in out, err
     assert not os.path.exists(tmp_path / "hf" / "adapter")
-    trained = export_cli.rebuild(Reader(ckpt))  # quantized base + LoRA, as it trained
+    trained = exporter.rebuild(Reader(ckpt))  # quantized base + LoRA, as it trained
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     torch.testing.assert_close(theirs(loaded), ours(trained), atol=1e-5, rtol=0)
 
@@ -156,7 +158,7 @@ def test_qlora_merge_exports_plain_weights(gpt2, tmp_path, capsys):
     with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
         weights = {k: f.get_tensor(k) for k in f.keys()}
     assert weights["transformer.h.0.attn.c_attn.weight.codes"].dtype == torch.uint8
-    again = export_cli.rebuild(Reader(ckpt))
+    again = exporter.rebuild(Reader(ckpt))
     again.load_weights(weights)
     assert torch.equal(ours(again), ours(trained))
 
@@ -172,7 +174,7 @@ def test_lora_fingerprint_is_the_fp32_base(gpt2):
     assert not model.lm_head.weight[50257:].any()  # model.py's padded rows
     fp32 = GPT(GPTConfig(**hf.read_config(gpt2[0])))
     hf.load_into(fp32, gpt2[0])
-    assert model.base_id == lora.base_fingerprint(fp32)
+    assert model.base_id == adapters.base_fingerprint(fp32)
 
 
 # ----------------------------------------------------------------------------------------------

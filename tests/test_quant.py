@@ -5,6 +5,7 @@ import torch
 
 import lora
 import quant
+from machinery.footprint import quantized_bytes
 from test_lora import C, batch, make_model
 
 
@@ -35,7 +36,7 @@ def test_quantization_error_and_bytes():
     assert q8.codes.dtype == torch.int8 and q8.codes.numel() == w.numel()
     model = torch.nn.Module()
     model.a, model.b, model.c = q8, nf4, nf4_dq
-    bits = {k: v["bits_per_param"] for k, v in quant.quantized_bytes(model).items()}
+    bits = {k: v["bits_per_param"] for k, v in quantized_bytes(model).items()}
     assert bits["a"] == pytest.approx(8 + 32 / 64)  # one fp32 scale per row of 64 inputs
     assert bits["b"] == pytest.approx(4 + 32 / 64)  # one fp32 absmax per block of 64
     assert bits["c"] == pytest.approx(4 + 8 / 64 + 64 / (64 * 256))  # 4.129

@@ -1,6 +1,7 @@
-"""The sizes a reader can hold, checked so that they cannot drift: no source file over 450
-lines, no line over 100 characters, no function over 80 lines (train.py's main over 120), every
-source file opening with a docstring (presets in config/ are `name = value` lines only), and the README's per-file line counts equal to `wc -l`."""
+"""The sizes a reader can hold, checked so that they cannot drift: no line over 100
+characters, no function over 80 lines (train.py's main over 120), every source file opening
+with a docstring (presets in config/ are `name = value` lines only), and the README's
+per-file line counts equal to `wc -l`. The top level's total is tests/test_layout.py's."""
 import ast
 import os
 import re
@@ -25,11 +26,10 @@ def lines(path):
         return f.read().splitlines()
 
 
-def test_files_and_lines_are_short():
-    long_files = [f"{f}: {len(lines(f))}" for f in sources() if len(lines(f)) > 450]
+def test_lines_are_short():
     long_lines = [f"{f}:{i + 1}" for f in sources() for i, line in enumerate(lines(f))
                   if len(line) > 100]
-    assert not long_files and not long_lines, (long_files, long_lines[:10])
+    assert not long_lines, long_lines[:10]
 
 
 def test_functions_are_short_and_files_say_what_they_are():
@@ -48,12 +48,18 @@ def test_functions_are_short_and_files_say_what_they_are():
 
 
 def test_readme_line_counts_are_wc_l():
-    """The README's tour (and docs/) quote each file's length as `file.py` (N lines): N must be
-    its length."""
+    """The README's tree gives each file's length (`path.py  N  what it is`), docs/ quote it as
+    `file.py` (N lines): N must be its length, and the tree must list every .py file of the
+    top level, beyond/ and machinery/."""
     docs = [os.path.join("docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs")))]
     readme = "".join(open(os.path.join(ROOT, f), encoding="utf-8").read()
                      for f in ["README.md"] + docs if f.endswith(".md"))
     quoted = re.findall(r"`([\w/.]+\.py)` \((\d[\d,]*) lines\)", readme)
-    assert len(quoted) >= 10, "the tour of the code lists the files with their line counts"
+    quoted += re.findall(r"^([\w/]+\.py) +(\d+)  ", readme, flags=re.M)
+    listed = {f for f, _ in quoted}
+    ours = [f for f in sources() if not f.endswith("__init__.py")
+            and ("/" not in f or f.split("/")[0] in ("beyond", "machinery"))]
+    missing = [f for f in ours if f not in listed]
+    assert not missing, f"the README's tree does not list {missing}"
     wrong = [(f, n, len(lines(f))) for f, n in quoted if int(n.replace(",", "")) != len(lines(f))]
     assert not wrong, f"README line counts drifted (file, README, wc -l): {wrong}"

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from checkpoint import Reader, list_checkpoints
 from conftest import ROOT, free_port, run_train
-from configurator import ConfigError, parse_args
+from configurator import ConfigError
+from machinery.flags import parse_args
 from data.loader import get_batch
 from train import main
 
@@ -155,7 +156,7 @@ def test_two_rank_bf16_zero2_matches_zero0_and_one_process(data_root, tmp_path):
 def test_grad_ckpt_saves_at_least_two_thirds_of_activation_memory():
     """Saved-tensor bytes on the CPU preset: with --grad-ckpt at most a third of those without."""
     from configurator import TrainConfig
-    from model import saved_activation_bytes
+    from machinery.meter import saved_activation_bytes
     from model import GPT, GPTConfig
     cfg = TrainConfig()
     torch.manual_seed(0)

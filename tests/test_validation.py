@@ -19,16 +19,18 @@ from safetensors import safe_open
 import checkpoint
 from machinery import hf
 import lora
+from machinery import adapters
 import export
 from machinery import pretrained
 from machinery import rundir
 import sample
 from machinery import validate
 from checkpoint import CheckpointError, Reader, list_checkpoints
-from configurator import ConfigError, parse_args
+from configurator import ConfigError
+from machinery.flags import parse_args
 from conftest import ROOT, TEXT, free_port, make_zero
 from data.prepare import prepare
-from lora import AdapterError
+from machinery.adapters import AdapterError
 from model import GPT, GPTConfig
 from precision import GradScaler
 from machinery.rundir import RunDirError
@@ -92,7 +94,7 @@ def test_1_another_vocabulary_of_the_same_size_is_refused(data_root, runs, tmp_p
         assert f.metadata()["vocab"] == validate.vocab_id(meta)
     model = GPT(GPTConfig(**Reader(list_checkpoints(runs / "cons")[-1]).header["model_args"]))
     with pytest.raises(AdapterError, match="vocabulary"):
-        lora.load_adapter(model, adapter, vocab="char:0123456789abcdef")
+        adapters.load_adapter(model, adapter, vocab="char:0123456789abcdef")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,8 +234,8 @@ def adapter_file(tmp_path, settings=None, vocab=None):
     model = GPT(GPTConfig(**HF_ARGS))
     lora.apply_lora(model, rank=4, targets=("q", "v"))
     path = str(tmp_path / "adapter.safetensors")
-    lora.save_adapter(path, lora.adapter_state(model.state_dict()), model.lora_settings,
-                      lora.base_fingerprint(model), *([vocab] if vocab else []))
+    adapters.save_adapter(path, adapters.adapter_state(model.state_dict()), model.lora_settings,
+                      adapters.base_fingerprint(model), *([vocab] if vocab else []))
     if settings is not None:  # the same tensors under edited settings
         with safe_open(path, framework="pt") as f:
             tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
@@ -253,10 +255,10 @@ def test_7_adapter_settings_are_checked_before_apply_lora(tmp_path):
         path = adapter_file(tmp_path, {**ok, **edit})
         torch.manual_seed(0)
         fresh = GPT(GPTConfig(**HF_ARGS))  # the adapter's own base
-        quick(lambda: lora.load_adapter(fresh, path), AdapterError, message)
+        quick(lambda: adapters.load_adapter(fresh, path), AdapterError, message)
     torch.manual_seed(0)
     base = GPT(GPTConfig(**HF_ARGS))
-    lora.load_adapter(base, adapter_file(tmp_path, ok, vocab="char:x"), vocab="char:x")  # fits
+    adapters.load_adapter(base, adapter_file(tmp_path, ok, vocab="char:x"), vocab="char:x")  # fits
 
 
 def test_8_edited_checkpoint_headers_are_one_line(runs, tmp_path):

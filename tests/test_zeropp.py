@@ -11,12 +11,13 @@ import torch
 import torch.distributed as dist
 
 import configurator
+from machinery import flags
 from machinery import footprint
 from beyond import zeropp
 from collectives import Traffic, all_gather_params
 from conftest import run_distributed, run_train, zero_step
 from data.loader import get_batch
-from engine import build
+from train import build
 from lora import apply_lora
 from model import GPT, GPTConfig
 from precision import GradScaler
@@ -280,14 +281,14 @@ def test_checkpoints_resume_across_zero3_and_zeropp(data_root, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--zeropp", "qwz"], "add --zero 3"),
     (["--zero", "3", "--zeropp", "qwz,fast"], "'fast' is not one of"),
-    (["--zero", "3", "--qgz-bits", "2"], "--qgz-bits is 4 or 8")])
+    (["--zero", "3", "--qgz-bits", "2"], "--qgz-bits 2: use 4, 8")])
 def test_bad_zeropp_flags_are_one_line(argv, message):
     with pytest.raises(configurator.ConfigError, match=message):
-        configurator.parse_args(argv)
+        flags.parse_args(argv)
 
 
 def test_a_node_size_that_does_not_divide_the_world_is_one_line():
-    cfg = configurator.parse_args(["--zero", "3", "--zeropp", "hpz", "--node-size", "3"])
+    cfg = flags.parse_args(["--zero", "3", "--zeropp", "hpz", "--node-size", "3"])
     with pytest.raises(configurator.ConfigError, match="does not divide the world size 2"):
         build(cfg, 65, torch.device("cpu"), torch.float32, 0, 2)
 

@@ -1,0 +1,134 @@
+"""
+Guards the reading of checkpoints: either format, every claim checked before it is used.
+
+A checkpoint is a folder: ckpt.pt (consolidated, memory-mapped) or meta.pt and one
+shard-RANK.pt per rank (sharded). The Reader opens only the files that hold what is asked
+for, and checks each before any element is copied (validate.py): the header's types,
+ranges and layout, every piece's length and crc32. A bad file is one CheckpointError line
+that names the older checkpoint to resume from instead.
+"""
+import os
+
+import numpy as np
+import torch
+
+from machinery import rundir, validate
+
+
+class CheckpointError(Exception):
+    """A missing, corrupt, truncated or mismatched checkpoint: one line, no traceback."""
+
+
+def _load(path, mmap=False):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+    except Exception as e:  # truncated zip, a pickle that wants to run code, ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot read {path}: {first[:200]}")
+
+
+class Reader:
+    """Reads either format. read(name, key, lo, hi) returns elements [lo, hi) of a flattened
+    tensor's "master", its optimizer state keys (trainable) or "value" (frozen), assembled from
+    whatever pieces were written; only the files that hold them are opened (`opened`)."""
+
+    def __init__(self, path):
+        if not os.path.isdir(path):
+            raise CheckpointError(f"no checkpoint at {path}")
+        self.path, self.shards, self.opened = path, {}, []
+        if os.path.exists(os.path.join(path, "ckpt.pt")):
+            self.header = self._open("ckpt.pt", mmap=True)  # tensors are read when touched
+        elif os.path.exists(os.path.join(path, "meta.pt")):
+            self.header = self._open("meta.pt")
+        else:
+            raise CheckpointError(f"{path} has neither ckpt.pt nor meta.pt: not a complete "
+                                  "checkpoint (pass another, or delete it)")
+        if not isinstance(self.header, dict) or \
+                self.header.get("format") not in ("consolidated", "sharded"):
+            raise CheckpointError(f"{path} is not a nanoZeRO checkpoint")
+        self.file = os.path.join(path, self.opened[0])
+        if "adam_step" in self.header and "opt_step" not in self.header:
+            raise CheckpointError(f"{path} was written by an earlier nanoZeRO (no checksums, "
+                                  "AdamW's keys only): resume it with that version, or start "
+                                  "fresh in another --out-dir")
+        self.hint = rundir.resume_hint(path)  # a bad file names what to resume from instead
+        self._checked(self.file, validate.check_header, self.header)  # before any claim is used
+        self.verified = set()  # ckpt.pt's (name, key) whose checksum was checked
+
+    def _checked(self, file, check, *args):
+        """check(*args) (validate.py), its refusal a CheckpointError naming the file."""
+        try:
+            return check(*args)
+        except ValueError as e:
+            raise CheckpointError(f"{file}: {e} (a corrupt or edited file); {self.hint}")
+
+    def _open(self, name, mmap=False):
+        self.opened.append(name)
+        return _load(os.path.join(self.path, name), mmap)
+
+    def _shard(self, r):
+        if r not in self.shards:
+            shard, file = self._open(f"shard-{r:05d}.pt"), f"{self.path}/shard-{r:05d}.pt"
+            if not isinstance(shard, dict) or shard.get("save_id") != self.header["save_id"]:
+                raise CheckpointError(f"{file} belongs to another save "
+                                      "than its meta.pt: the folder was edited; use another")
+            # every piece's length and crc32, before any element is copied
+            self._checked(file, validate.check_shard, shard, self.header["layout"][r],
+                          self.header["frozen"], self.header["state_keys"])
+            self.shards[r] = shard
+        return self.shards[r]
+
+    def numel(self, name):
+        shape = self.header["shapes"].get(name)
+        if shape is None:
+            raise CheckpointError(f"{self.path} has no tensor {name!r}")
+        return int(np.prod(shape))
+
+    def read(self, name, key, lo, hi):
+        h = self.header
+        if not 0 <= lo <= hi <= self.numel(name):
+            raise CheckpointError(f"{self.path}: {name} has {self.numel(name)} elements, "
+                                  f"not [{lo}, {hi})")
+        if h["format"] == "consolidated":
+            # as many elements as its shape says, and its crc32, before any copy
+            t = self._checked(self.file, validate.check_entry, h, name, key, self.verified)
+            return t.reshape(-1)[lo:hi]
+        # the pieces that overlap [lo, hi), each opened and checked before any copy; the
+        # layout tiles every tensor exactly once (validate.check_header): every element is there
+        parts = []
+        for r, layout in enumerate(h["layout"]):
+            if name in layout and max(lo, layout[name][0]) < min(hi, layout[name][1]):
+                parts.append(self._shard(r)["pieces"][name])
+                if key not in parts[-1]:
+                    raise CheckpointError(f"{self.path} holds no {key} of {name!r}")
+        out = torch.empty(hi - lo, dtype=parts[0][key].dtype if parts else torch.float32)
+        for piece in parts:
+            a, b = max(lo, piece["lo"]), min(hi, piece["hi"])
+            out[a - lo:b - lo] = piece[key][a - piece["lo"]:b - piece["lo"]]
+        return out
+
+    def weights(self):
+        """Every tensor whole (fp32 masters, frozen ones in their dtype), as files hold them:
+        for GPT.load_weights."""
+        state = {}
+        for name, shape in self.header["shapes"].items():
+            key = "value" if name in self.header["frozen"] else "master"
+            state[name] = self.read(name, key, 0, self.numel(name)).view(shape)
+        return state
+
+    def model_args(self):
+        """The header's GPTConfig kwargs, checked against its tensors' shapes: build a model
+        from these, never from a bare header (it may claim 10^5 layers)."""
+        h = self.header
+        self._checked(self.file, validate.check_shapes_fit, h["model_args"], h["shapes"])
+        return h["model_args"]
+
+    def rng(self, rank):
+        h = self.header
+        state = h["rng"][rank] if h["format"] == "consolidated" else self._shard(rank)["rng"]
+        self._checked(self.file, validate.check_rng, state)  # before any generator is set
+        return state
+
+

@@ -1,0 +1,89 @@
+"""
+Guards how a run starts and ends: signals, agreed stops, one-line errors, a clean teardown.
+
+  - SIGTERM (a preemption) or Ctrl-C asks every rank to finish its step, save and exit 0
+  - a run whose every step overflows stops, with the reason, before it saves NaN weights
+  - --nan-at makes one rank's loss NaN at one step: the lesson in skipped steps
+  - an error a user can fix is one line on stderr (exit 2), printed by one rank for all
+  - the process group is torn down together, after every rank has written its last byte
+"""
+import gc
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def stop_on_signals():
+    """A dict whose "signal" becomes the number of a SIGTERM / SIGINT once one arrives."""
+    stop = {"signal": None}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.update(signal=signum))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit: an OSError, not death
+    return stop
+
+
+def agree(flag, device, world_size):
+    """True on every rank when it is True on any (one tiny all-reduce)."""
+    t = torch.tensor([float(flag)], device=device)
+    if world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def exhausted(cfg, scaler, it):
+    """Why a run whose steps all overflow stops (without saving)."""
+    if scaler.dynamic:
+        return (f"by step {it - 1} the loss is non-finite at any scale, even the minimum "
+                f"{cfg.min_loss_scale:g} (a NaN, not an overflow): stopped without saving; "
+                "lower --learning-rate or find the NaN and resume")
+    return (f"{scaler.FIXED_GIVE_UP} steps in a row, up to step {it - 1}, overflowed at the "
+            f"fixed loss scale {scaler.get_scale():g}, which cannot back off: stopped without "
+            "saving; use --loss-scale dynamic (or a smaller value), or find the NaN")
+
+
+def inject_nan(model, step, rank, world_size, grad_accum, start_it):
+    """--nan-at STEP: the last rank's loss is NaN on every micro-step of that step, so only
+    its gradients go bad; every rank must still skip the step together. A forward hook on
+    the model: the training loop stays the lecture's."""
+    forwards = [start_it * grad_accum]  # training forwards so far, counted as micro-steps
+
+    def hook(module, args, output):
+        if not (module.training and torch.is_grad_enabled()):
+            return None  # evaluation
+        it = forwards[0] // grad_accum
+        forwards[0] += 1
+        logits, loss = output
+        if it == step and rank == world_size - 1 and loss is not None:
+            return logits, loss * float("nan")
+        return None
+
+    model.register_forward_hook(hook)
+
+
+def finish(model, zero, world_size):
+    """Free the model, ZeRO's buffers and their finished collectives while the process
+    group exists (freed at interpreter exit instead, gloo can abort the process), then leave
+    together: a gloo rank that tears down while a peer still saves can abort
+    ("terminate called without an active exception")."""
+    del model, zero
+    gc.collect()
+    if world_size > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_main(main, name, errors):
+    """Run main(); an error in `errors` is one line on stderr (exit 2). Under torchrun rank 0
+    speaks for all, unless the error is rank_local (only this rank can see it)."""
+    try:
+        main()
+    except errors as e:
+        if int(os.environ.get("RANK", 0)) == 0 or getattr(e, "rank_local", False):
+            print(f"{name}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:  # an error after init: leave no communicator behind (NCCL warns, may hang)
+        if dist.is_initialized():
+            dist.destroy_process_group()

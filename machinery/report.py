@@ -1,0 +1,230 @@
+"""
+Guards the lecture's claim: every number is measured and printed beside the paper's.
+
+train.py calls these in one line each. They read the run, never change it:
+
+  1. the start-up table: the model state each rank holds, measured (ZeRO.state_bytes)
+     beside the ZeRO paper's formula (zero_formula)
+  2. the bytes saved for backward in the first micro-step (meter.py)
+  3. one row per logged step: loss, time, MFU, loss scale, skipped steps, the gradient
+     norm, and the traffic measured beside the paper's 2Ψ or 3Ψ (traffic_formula)
+  4. the replica check at the end: data parallelism's invariant, all weights bitwise equal
+
+The same rows go to metrics.jsonl (rundir.Metrics), one JSON object per row.
+"""
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+import optim
+from collectives import all_reduce_sum
+from machinery import meter
+from zero import replica_digest
+
+# ----------------------------------------------------------------------------------------------
+# the paper's numbers
+
+def zero_formula(psi, stage, world_size, dtype, optimizer="adamw"):
+    """The ZeRO paper's model-state bytes per rank for Ψ parameters, (2 + 2 + K)Ψ.
+
+    K = 12 in 16 bits with AdamW: an fp32 master (4) and two fp32 moments (8).
+    The optimizer's part of K is optim.STATE_BYTES (AdamW 8, SGD and Lion 4).
+    In fp32 a weight and a gradient are 4 bytes each, and there is no master copy:
+    the fp32 weights are the master."""
+    w = 4 if dtype == torch.float32 else 2  # bytes of a working weight / gradient
+    k = optim.STATE_BYTES[optimizer] + (0 if dtype == torch.float32 else 4)  # + the master
+    sharded = lambda by_stage: world_size if stage >= by_stage else 1
+    opt, grads = k * psi / sharded(1), w * psi / sharded(2)
+    params = w * psi / sharded(3)
+    return {"params": params, "grads": grads, "optimizer_side": opt,
+            "total": params + grads + opt}
+
+
+def traffic_formula(psi, stage, world_size, grad_accum=1, frozen=0):
+    """Elements each rank sends per optimizer step, as the ZeRO paper counts them.
+
+      stages 0-1  2Ψ: a reduce-scatter and an all-gather (an all-reduce is both)
+      stage 2     (accum + 1)Ψ: it reduce-scatters on every micro-step
+      stage 3     3Ψ per micro-step: gather, re-gather, reduce-scatter
+
+    Our stage 3 measures a little less: the root unit skips its backward gather.
+    Stage 3 also gathers `frozen` elements (LoRA's base) twice per micro-step."""
+    if world_size == 1:
+        return 0
+    per_psi = {0: 2, 1: 2, 2: grad_accum + 1, 3: 3 * grad_accum}[stage]
+    return per_psi * psi + (stage == 3) * 2 * grad_accum * frozen
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. the start-up table
+
+def model_state_report(zero, world_size):
+    """What each rank holds (ZeRO.state_bytes(), gathered from every rank: a collective)
+    beside the ZeRO paper's formula: (a table that fits 80 columns, a metrics.jsonl row)."""
+    held = zero.state_bytes()
+    per_rank = [held] * world_size
+    if world_size > 1:
+        dist.all_gather_object(per_rank, held)
+    paper = zero_formula(zero.psi, zero.stage, world_size, zero.dtype, zero.optimizer)
+    master = "fp32 master + " if zero.dtype != torch.float32 else ""
+    pairs = [("weights", held["params"], paper["params"], ""),
+             ("gradients", held["grads"], paper["grads"], ""),
+             ("optimizer side", held["master"] + held["optimizer"], paper["optimizer_side"],
+              f"{master}{zero.optimizer} state"),
+             ("total", held["total"], paper["total"], "")]
+    lines = [f"model state per rank, ZeRO-{zero.stage} on {world_size} rank(s), Ψ = "
+             f"{zero.psi:,} trainable:", f"  {'':16}{'measured':>10}  {'ZeRO paper':>10}"]
+    lines += [f"  {name:16}{ours / 2**20:>6.2f} MiB  {p / 2**20:>6.2f} MiB  {note}".rstrip()
+              for name, ours, p, note in pairs]
+    row = {"event": "model_state", "psi": zero.psi, "stage": zero.stage,
+           "world_size": world_size, "per_rank": per_rank, "formula": paper,
+           "optimizer": zero.optimizer}
+    return "\n".join(lines), row
+
+
+def start(cfg, model, zero, metrics, print0):
+    """The run's first rows: the start-up table (printed and logged with the whole
+    configuration), then, once the first micro-step has run, its activations."""
+    line, row = model_state_report(zero, zero.world_size)
+    print0(line)
+    metrics.log({**row, "dtype": cfg.dtype, "config": asdict(cfg)})
+    meter_first_forward(model, cfg, print0, metrics)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. the activations of the first micro-step
+
+def meter_first_forward(model, cfg, print0, metrics):
+    """Measure the next training forward's saved tensors, print and log them once."""
+    def done(nbytes):
+        print0(f"activations saved for backward: {nbytes / 2**20:.2f} MiB per micro-step")
+        metrics.log({"event": "activations", "saved_bytes": nbytes, "grad_ckpt": cfg.grad_ckpt})
+    meter.measure_next_forward(model, done)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. a logged step
+
+# Dense peak TFLOP/s per GPU from the vendors' data sheets, for MFU: (name as
+# torch.cuda.get_device_name gives it, 16-bit (bf16 / fp16), TF32 (fp32 matmuls with TF32 on,
+# as train.py sets; V100 and T4 have no TF32: their plain fp32)). First match wins: the
+# specific variants (NVL, PCIe, GB200 before B200, A10G before A10) come first; the plain name
+# is the SXM part. A10G has no public data sheet: None, so MFU asks for --peak-tflops.
+PEAK_TFLOPS = [
+    ("GB200", 2500, 1250), ("B200", 2250, 1100),
+    ("H200 NVL", 835, 418), ("H200", 989, 495), ("H100 NVL", 835, 418), ("H100 PCIe", 756, 378),
+    ("H100", 989, 495), ("H800 PCIe", 756, 378), ("H800", 989, 495), ("H20", 148, 74),
+    ("A100", 312, 156), ("L40S", 362, 183), ("L40", 181, 90.5), ("L4", 121, 60),
+    ("A10G", None, None), ("A10", 125, 62.5), ("RTX 4090", 165, 82.6), ("RTX 3090", 71, 35.6),
+    ("V100", 125, 15.7), ("T4", 65, 8.1),
+]
+
+
+def peak_flops(device_name, dtype):
+    """Dense peak FLOP/s of the GPU called device_name in this dtype; None when unknown or
+    no GPU (then MFU is not shown; --peak-tflops sets it)."""
+    for key, half, tf32 in PEAK_TFLOPS:
+        if key.lower() in (device_name or "").lower():
+            peak = tf32 if dtype == torch.float32 else half
+            return None if peak is None else peak * 1e12
+    return None
+
+
+class StepLog:
+    """Logged steps: time per step averaged since the last log, MFU (leaving out the first
+    interval: warm-up, compilation), the traffic beside the paper's, once per run."""
+
+    def __init__(self, cfg, model, zero, scaler, metrics, print0, grad_accum, start_it):
+        self.cfg, self.model, self.zero, self.scaler = cfg, model, zero, scaler
+        self.metrics, self.print0, self.grad_accum = metrics, print0, grad_accum
+        device = zero.device
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        self.peak = cfg.peak_tflops * 1e12 or peak_flops(gpu, zero.dtype)
+        self.t, self.since, self.mfu, self.warm = time.time(), start_it, None, False
+
+    def pause(self, seconds):
+        """Evaluation time is not step time."""
+        self.t += seconds
+
+    def new_step(self):
+        """Count only this step's collectives."""
+        self.zero.traffic = type(self.zero.traffic)(node_size=self.zero.traffic.node_size)
+
+    def log(self, it, lr, loss_sum, found_inf, grad_norm, zero_frac):
+        """Read the step's numbers off the device (the loop's only .item() calls)."""
+        cfg, zero, N = self.cfg, self.zero, self.zero.world_size
+        dt = (time.time() - self.t) / (it + 1 - self.since)
+        tps = cfg.batch_size * self.grad_accum * N * cfg.block_size / dt
+        mfu = self.model.estimate_mfu(tps / N, self.peak) if self.warm else None
+        if mfu is not None:  # a running average, as nanoGPT keeps it
+            self.mfu = mfu if self.mfu is None else 0.9 * self.mfu + 0.1 * mfu
+        first, self.warm = not self.warm, True
+        self.t, self.since = time.time(), it + 1
+        row = {"iter": it, "loss": all_reduce_sum(loss_sum, N).item() / N, "lr": lr,
+               "ms": dt * 1000, "tokens_per_sec": tps, "mfu": self.mfu,
+               "loss_scale": self.scaler.get_scale(), "skipped": bool(found_inf.item()),
+               "grad_norm": grad_norm.item(), "grad_zero_frac": zero_frac.item(),
+               "cuda_max_mem": (torch.cuda.max_memory_allocated(zero.device)
+                                if zero.device.type == "cuda" else None)}
+        row.update(self._traffic())
+        if cfg.fp8:  # the casts' underflow and saturation fractions
+            from beyond import fp8
+            row.update(fp8.read_stats(self.model))
+        self._print(it, row, dt, tps, first)
+        self.metrics.log(row)
+        return row
+
+    def _traffic(self):
+        cfg, zero, t = self.cfg, self.zero, self.zero.traffic
+        theory = {"intra": None, "inter": None}
+        if zero.stage == 3 and zero.world_size > 1:  # bytes by link: ZeRO++'s theory
+            from beyond.zeropp import link_theory
+            theory = link_theory(zero, cfg.zeropp, cfg.qgz_bits, self.grad_accum)
+        formula = traffic_formula(zero.psi, cfg.zero, zero.world_size, self.grad_accum,
+                                  zero.frozen_numel)
+        return {"comm_elements": t.elements, "comm_bytes": t.bytes,
+                "comm_theory_elements": formula,
+                "comm_bytes_intra": t.bytes_intra, "comm_bytes_inter": t.bytes_inter,
+                "comm_theory_bytes_intra": theory["intra"],
+                "comm_theory_bytes_inter": theory["inter"],
+                "comm_by": t.by}  # bytes by collective and link
+
+    def _print(self, it, row, dt, tps, first):
+        cfg, say = self.cfg, self.print0
+        eta = (cfg.max_iters - it - 1) * dt  # at this interval's pace
+        say(f"iter {it}/{cfg.max_iters}: loss {row['loss']:.4f}, lr {row['lr']:.2e}, "
+            f"{row['ms']:.1f} ms, {tps:,.0f} tok/s"
+            + (f", mfu {self.mfu * 100:.2f}%" if self.mfu else "")
+            + f", ETA {int(eta // 60)}m{int(eta % 60):02d}s"
+            + (f", inf/NaN gradient: step skipped (loss scale now {row['loss_scale']:g})"
+               if row["skipped"] else ""))
+        if not first or self.zero.world_size == 1:
+            return
+        # the lecture's numbers, measured, beside the paper's: once
+        psi, t = self.zero.psi, self.zero.traffic
+        mib = lambda n: "?" if n is None else f"{n / 2**20:.2f}"
+        say(f"traffic per step and rank: {row['comm_elements'] / psi:.2f}Ψ measured "
+            f"({mib(row['comm_bytes'])} MiB), {row['comm_theory_elements'] / psi:.2f}Ψ in "
+            f"the ZeRO paper (Ψ = {psi:,})")
+        if row["comm_theory_bytes_intra"] is not None:  # ZeRO-3 and ZeRO++: by link
+            say(f"  by link: {mib(t.bytes_intra)} MiB inside nodes, {mib(t.bytes_inter)} "
+                f"MiB between them, {t.node_size or self.zero.world_size} ranks a node "
+                f"(theory {mib(row['comm_theory_bytes_intra'])} | "
+                f"{mib(row['comm_theory_bytes_inter'])})")
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. the end of a run
+
+def check_replicas(zero, model, metrics, it, print0):
+    """Every rank must hold bitwise the same full parameters (under ZeRO-3 none holds them)."""
+    zero.wait_published()
+    digest = "sharded" if zero.stage == 3 else replica_digest(model)
+    digests = [digest] * zero.world_size
+    if zero.world_size > 1:
+        dist.all_gather_object(digests, digest)
+    if len(set(digests)) > 1:
+        print0(f"WARNING: ranks hold different parameters: {digests}")
+    metrics.log({"event": "end", "iter": it, "replica_sha256": digests})
