@@ -69,7 +69,8 @@ def make_run(key, cfg, data, device):
         model = GPT(model_config(cfg, VOCAB)).to(device)  # fp32 weights: autocast computes
         net = torch.compile(model) if key == "plain+compile" else model
         return PlainRun(net, adamw(model, cfg), cfg, data, device, torch.bfloat16)
-    run_cfg = replace(cfg, zero=3 if key == "s3" else 0, grad_ckpt=key == "s0+ckpt",
+    ckpt = "full" if key == "s0+ckpt" else "none"
+    run_cfg = replace(cfg, zero=3 if key == "s3" else 0, grad_ckpt=ckpt,
                       compile=key.endswith("compile") and key != "plain+compile",
                       fp8="fp8" in key)  # dynamic scaling: no history for fp8.end_step
     return OurRun(run_cfg, data, VOCAB, device)

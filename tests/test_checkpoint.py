@@ -424,15 +424,16 @@ def _files_read(rank, world_size, folder):
     the shards whose pieces overlap the ranges it owns now."""
     import checkpoint
     from conftest import make_zero
+    from machinery import ckpt_reader
     from model import GPT, GPTConfig
     from precision import GradScaler
-    opened, load = [], checkpoint._load
+    opened, load = [], ckpt_reader._load
 
     def counted(path, *args):
         opened.append(os.path.basename(path))
         return load(path, *args)
 
-    checkpoint._load = counted
+    ckpt_reader._load = counted
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=30, n_layer=2, n_head=2, n_embd=32))
     zero = make_zero(model, 3, rank=rank, world_size=world_size)
