@@ -40,9 +40,23 @@ import optim
 from collectives import all_gather_object
 from machinery import rundir, validate
 from machinery.ckpt_reader import CheckpointError, Reader  # the files, read and checked
-from machinery.pieces import full_tensors, optimizer_header, owned_pieces, state_keys, stored
+from machinery.pieces import full_tensors, optimizer_header, owned_pieces, stored
 from machinery.rundir import list_checkpoints
 from machinery.validate import crc
+
+
+def stored_shapes(model):
+    """{name: shape} of every tensor as files hold it: the model's own declaration (GPT's
+    leaves out the zero rows its vocabulary is padded with), else each tensor's shape, the
+    tied one under its first name."""
+    if hasattr(model, "stored_shapes"):
+        return model.stored_shapes()
+    shapes, seen = {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            shapes[name] = list(t.shape)
+    return shapes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -75,7 +89,7 @@ def state_dict(zero, model):
     """What model.state_dict() would give if no rank held a shard: its names, order and shapes
     (the padded vocabulary rows as the zeros they are), fp32 master weights for what trains and
     the frozen tensors as they are; on rank 0's host, None elsewhere. A collective."""
-    full = full_tensors(zero, model.stored_shapes(), keys=("master",))
+    full = full_tensors(zero, stored_shapes(model), keys=("master",))
     if zero.rank != 0:
         return None
     out = {}
@@ -97,11 +111,11 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
     # the collectives first (gathers, metadata), then the writes: a rank whose write fails
     # cannot leave the others waiting in a collective
     save_id = all_gather_object(uuid.uuid4().hex, world_size)[0]
-    shapes = model.stored_shapes()
+    shapes = stored_shapes(model)
     trainable = {zero.names[id(p)] for b in zero.buckets for p in b.params}
     opt_header = optimizer_header(zero)
     # a diverged run (inf / NaN master weights) is never saved over the last good checkpoint
-    if _any_rank(not all(s.master.isfinite().all() for s in zero.segments), zero):
+    if _any_rank(not all(s.flat.isfinite().all() for s in zero.segments), zero):
         previous = list_checkpoints(out_dir)
         raise CheckpointError(f"not saving {final}: the master weights hold inf/NaN (the run "
                               "diverged); " + (f"{previous[-1]} is the newest good checkpoint"
@@ -120,7 +134,8 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
         if rank == 0:
             files["meta.pt"] = dict(common, format="sharded", layout=layout)
     else:
-        tensors = full_tensors(zero, shapes, ("master",) + tuple(opt_header["state_keys"]))
+        keys = sorted({k for ks in opt_header["state_keys"].values() for k in ks})
+        tensors = full_tensors(zero, shapes, ("master", *keys), opt_header["state_keys"])
         rngs = all_gather_object(rng_state(), world_size)
         crcs = {name: {k: crc(t) for k, t in entry.items()} for name, entry in tensors.items()}
         files = {"ckpt.pt": dict(common, format="consolidated", tensors=tensors, crc=crcs,
@@ -158,14 +173,15 @@ def _read_owned(reader, zero, shapes):
     """Each piece this rank owns, as stored (padded vocabulary rows are not: they stay zero):
     ([(segment, {key: tensor})], [(frozen values, tensor)])."""
     trainable, frozen = [], []
-    if zero.segments and state_keys(zero) != tuple(reader.header["state_keys"]):
-        raise CheckpointError(f"{reader.path} holds optimizer state {reader.header['state_keys']}"
-                              f", this run's {zero.optimizer} keeps {list(state_keys(zero))}: "
-                              "the same --optimizer and torch are needed to resume")
     for s in zero.segments:
+        saved, mine = validate.keys_of(reader.header, s.name), optim.state_keys(zero.opt, s.master)
+        if tuple(mine) != saved:
+            raise CheckpointError(f"{reader.path} holds optimizer state {list(saved)} of "
+                                  f"{s.name}, this run's {zero.optimizer} keeps {mine}: the "
+                                  "same --optimizer and torch are needed to resume")
         lo, hi = stored(shapes, s.name, s.lo, s.hi)
         if lo < hi:
-            keys = ("master",) + tuple(reader.header["state_keys"])
+            keys = ("master",) + saved
             trainable.append((s, {k: reader.read(s.name, k, lo, hi) for k in keys}))
     for name, lo, hi, values in zero.frozen_pieces():
         lo, hi = stored(shapes, name, lo, hi)
@@ -179,7 +195,7 @@ def restore(path, zero, model, scaler, config, model_args, vocab_meta):
     """Load a checkpoint into a freshly built run (any stage, any world size). Every rank reads
     only what it owns. Returns (iteration to continue from, a note to print or None). The
     scaler is restored only when the precision is the same as when it was saved."""
-    shapes, error = model.stored_shapes(), None
+    shapes, error = stored_shapes(model), None
     try:
         reader = Reader(path)
         h = reader.header
@@ -195,9 +211,9 @@ def restore(path, zero, model, scaler, config, model_args, vocab_meta):
     # everything is read: only now is the run changed
     for s, saved in trainable:
         n, state = len(saved["master"]), zero.opt.state[s.master]
-        s.master[:n].copy_(saved["master"])
-        for k in state_keys(zero):
-            state[k][:n].copy_(saved[k])
+        s.flat[:n].copy_(saved["master"])
+        for k in saved.keys() - {"master"}:
+            state[k].view(-1)[:n].copy_(saved[k])
     optim.set_step_count(zero.opt, [s.master for s in zero.segments], h["opt_step"])
     for values, saved in frozen:
         values[:len(saved)].copy_(saved)

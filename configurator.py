@@ -94,8 +94,8 @@ class TrainConfig:
                             check="int >= 0")
     # the optimizer (optim.py) and its schedule: linear warmup, cosine decay to min_lr
     optimizer: str = opt("adamw", "adamw | sgd (with momentum --beta1) | lion (Chen et al. "
-                                  "2023: take a 3-10x smaller --learning-rate)",
-                         choices=("adamw", "sgd", "lion"))
+                                  "2023: take a 3-10x smaller --learning-rate) | muon "
+                                  "(AdamW for embeddings, head, gains)")
     learning_rate: float = opt(1e-3, "peak learning rate", check="> 0")
     max_iters: int = opt(2000, "optimizer steps", check="int >= 1")
     weight_decay: float = opt(0.1, "decoupled weight decay on 2-D weights", check=">= 0")
@@ -208,6 +208,9 @@ def check_config(cfg):
     if cfg.fp8 and cfg.quantize:
         raise ConfigError("--fp8 needs no --quantize (a quantized base would be quantized "
                           "twice)")
+    if cfg.optimizer == "muon" and cfg.zero == 3:  # it needs whole matrices (beyond/muon.py)
+        raise ConfigError("--optimizer muon orthogonalises each weight matrix whole; ZeRO-3 "
+                          "shards every matrix over the ranks: use --zero 2 (or 0, 1)")
     if cfg.zeropp:
         try:
             parse_zeropp(cfg.zeropp)

@@ -1,26 +1,25 @@
 """
-The optimizer, built in one place: AdamW and SGD with momentum (torch's fused kernels), and Lion
-(our own, a few elementwise lines). ZeRO (zero.py) hands it this rank's fp32 master slice; every
-optimizer here is elementwise, so each stage can shard its state like the master weights.
+The optimizer, built in one place, from a name, a class or a function. ZeRO (zero.py) hands it
+this rank's fp32 master: 1-D pieces of flat buckets, or a parameter's own shape where the rank
+owns all of it. An elementwise optimizer shards like the master weights at every stage.
 
-  - Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization" (AdamW): two fp32 moments,
-    8 bytes a parameter.
-  - SGD with momentum (Polyak 1964; torch.optim.SGD): one fp32 buffer, 4 bytes a parameter.
-  - Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms" (Lion), Algorithm 2: the
-    update is the sign of an interpolation of the momentum and the gradient, one buffer, 4 bytes.
+  - Loshchilov & Hutter 2019 (AdamW): two fp32 moments, 8 bytes a parameter
+  - SGD with momentum (Polyak 1964): one fp32 buffer, 4 bytes
+  - Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms" (Lion), Algorithm 2:
+    the sign of an interpolation of momentum and gradient, one buffer, 4 bytes
+  - Muon (beyond/muon.py): each weight matrix's update orthogonalised; whole matrices
 
 The ZeRO paper's (2 + 2 + K)Ψ takes its K from here: the fp32 master (4 bytes, 16-bit runs
-only) plus STATE_BYTES. Every optimizer skips a step on the device when `found_inf` (a device
-tensor, set on the optimizer as torch.amp.GradScaler sets it) is 1: the weights, the state and
-any step count stay exactly as they were, and nothing waits for the device.
-
-Start-up makes the state by the optimizer's own code, not with hand-written keys: one step that
-found_inf skips (init_state). Checkpoints then save every state tensor by its key.
+only) plus STATE_BYTES. A step with an inf/NaN gradient is skipped: on the device by an
+optimizer that reads torch.amp's `found_inf` (`_step_supports_amp_scaling`: torch's fused
+kernels, Lion, Muon), by the engine for any other, which then waits for the flag. The state
+is made at start-up by the optimizer's own code (init_state); checkpoints save it by key.
 """
 import torch
 
-OPTIMIZERS = ("adamw", "sgd", "lion")
-STATE_BYTES = {"adamw": 8, "sgd": 4, "lion": 4}  # fp32 optimizer state per parameter
+OPTIMIZERS = ("adamw", "sgd", "lion", "muon")  # --optimizer: the one list of names
+STATE_BYTES = {"adamw": 8, "sgd": 4, "lion": 4, "muon": 4}  # fp32 state a parameter (Muon's
+# matrices: a momentum; its embeddings, head and 1-D parameters take AdamW's 8)
 
 
 class Lion(torch.optim.Optimizer):
@@ -30,6 +29,7 @@ class Lion(torch.optim.Optimizer):
         m      = beta2 * m + (1 - beta2) * g
     The sign gives every coordinate a step of exactly lr: take a learning rate 3-10x smaller
     than AdamW's (the paper, Sec. 5), and a larger weight decay to keep lr * wd alike."""
+    _step_supports_amp_scaling = True  # reads found_inf: skips on the device
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
@@ -54,35 +54,65 @@ class Lion(torch.optim.Optimizer):
                 m.add_((g - m) * ((1 - beta2) if keep is None else (1 - beta2) * keep))
 
 
-def build(name, groups, lr, betas, eps):
-    """The optimizer `name` over param groups (each with its weight_decay). betas: AdamW's and
-    Lion's (beta1, beta2); SGD takes beta1 as its momentum."""
-    if name == "adamw":  # fused: one multi-tensor kernel for the update, and it takes found_inf
+def build(optimizer, groups, lr, betas=(0.9, 0.95), eps=1e-8):
+    """The optimizer over param groups (each with its weight_decay). `optimizer` is:
+      a name   adamw | sgd (beta1 as its momentum) | lion | muon, with lr, betas, eps
+      a class  a torch.optim.Optimizer subclass, called as cls(groups, lr=lr)
+      else     a function of the groups: functools.partial(torch.optim.SGD, lr=0.1), say
+    """
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        return optimizer(groups, lr=lr)
+    if callable(optimizer):
+        return optimizer(groups)
+    if optimizer == "adamw":  # fused: one multi-tensor kernel for the update, and found_inf
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
-    if name == "sgd":  # weight decay as torch's SGD has it: coupled, added to the gradient
+    if optimizer == "sgd":  # weight decay as torch's SGD has it: coupled, added to the gradient
         return torch.optim.SGD(groups, lr=lr, momentum=betas[0], fused=True)
-    if name == "lion":
+    if optimizer == "lion":
         return Lion(groups, lr=lr, betas=betas)
-    raise ValueError(f"unknown optimizer {name!r}: use one of {', '.join(OPTIMIZERS)}")
+    if optimizer == "muon":  # a technique from after the lecture
+        from beyond.muon import MuonAdamW
+        return MuonAdamW(groups, lr=lr, betas=betas, eps=eps)
+    raise ValueError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}, "
+                     "a torch.optim.Optimizer subclass or a function of the param groups")
+
+
+def check_name(name):
+    """--optimizer: a ValueError, one line, before any work, for a name build() lacks."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"--optimizer {name}: use one of {', '.join(OPTIMIZERS)}")
+
+
+def skip_on_host(opt):
+    """Whether the engine must read found_inf and skip the step itself."""
+    return not getattr(opt, "_step_supports_amp_scaling", False)
 
 
 @torch.no_grad()
 def init_state(opt, params):
-    """Make the optimizer's state now, by its own code: one step on zero gradients that
-    found_inf skips. The kernels create what they keep (AdamW's moments and step count, SGD's
-    momentum buffer, Lion's exp_avg) and change nothing else. SGD's fused kernel leaves a new
-    momentum buffer unwritten on a skipped step (torch makes it with empty_like): zeroed here,
-    which with dampening 0 is what its first real step would put there."""
+    """Make the optimizer's state now, by its own code, changing no weight: one step on zero
+    gradients, skipped by found_inf (or at lr 0, the weights put back), then the state zeroed:
+    what its first real step would find (SGD's fused kernel leaves a new buffer unwritten)."""
     for p in params:
         p.grad = torch.zeros_like(p)
-    opt.found_inf = torch.ones((), dtype=torch.float32, device=params[0].device)
-    opt.step()
-    opt.found_inf = None
+    if skip_on_host(opt):
+        saved, lrs = [p.clone() for p in params], [g["lr"] for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["lr"] = 0.0
+        opt.step()
+        for p, old in zip(params, saved):
+            p.copy_(old)
+        for g, lr in zip(opt.param_groups, lrs):
+            g["lr"] = lr
+    else:
+        opt.found_inf = torch.ones((), dtype=torch.float32, device=params[0].device)
+        opt.step()
+        opt.found_inf = None
     for p in params:
         p.grad = None
-        for key, t in opt.state[p].items():
-            if torch.is_tensor(t) and t.dim() > 0:
-                t.zero_()
+        for t in opt.state[p].values():
+            if torch.is_tensor(t):
+                t.zero_()  # per-element state, and a step count the lr-0 step advanced
 
 
 def state_keys(opt, param):
@@ -93,11 +123,11 @@ def state_keys(opt, param):
 def step_count(opt, param):
     """The optimizer's step count for param (AdamW's "step"), or None if it keeps none."""
     t = opt.state[param].get("step")
-    return None if t is None else int(t.item())
+    return None if t is None else int(t.item() if torch.is_tensor(t) else t)
 
 
 def set_step_count(opt, params, step):
     """A resumed step count (AdamW's bias correction needs it), where the optimizer keeps one."""
     for p in params:
-        if "step" in opt.state[p]:
+        if torch.is_tensor(opt.state[p].get("step")):
             opt.state[p]["step"].fill_(step)

@@ -31,11 +31,11 @@ from checkpoint import CheckpointError
 from configurator import ConfigError, grad_accum_for
 from machinery.flags import parse_args
 from data.loader import Batches, estimate_loss, load_data
-from lora import apply_lora, parse_targets
-from machinery import adapters, lifecycle, report, rundir
+from lora import apply_lora
+from machinery import adapters, lifecycle, report, rundir, validate
 from machinery.rundir import RunDirError
 from model import GPT, GPTConfig
-from precision import DTYPES, GradScaler, grad_zero_frac, resolve_dtype, set_tf32
+from precision import DTYPES, GradScaler, grad_zero_frac, set_tf32
 from quant import quantize_base
 from zero import ZeRO
 from zero3 import ZeRO3
@@ -94,11 +94,14 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
     init_weights: a state_dict to start from (--init-from a checkpoint of ours); init_hf: a
     Hugging Face GPT-2 folder or file (--init-from gpt2)."""
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    # 1. the model, in its working dtype: fp32 weights cast to bf16 / fp16
+    # 1. the model, in its working dtype: fp32 weights cast to bf16 / fp16. The fp32 values
+    #    stay the source the fp32 master is seeded from: a master made from 16-bit weights
+    #    would keep only their 16 bits (up to 2^-9 relative lost, for good)
     if init_hf:  # built on the meta device and filled tensor by tensor: no fp32 copy
         from machinery import pretrained
         model = pretrained.load_hf(init_hf, model_config(cfg, vocab_size), device, dtype,
                                    cfg.lora)
+        source = pretrained.hf_weights(init_hf)  # the file's, read a tensor at a time
     else:
         model = GPT(model_config(cfg, vocab_size))
         if init_weights is not None:
@@ -108,6 +111,7 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
                 raise ConfigError(f"--init-from does not fit this model: {e}")
         # an adapter file names its base: the weights before LoRA and quantization
         model.base_id = adapters.base_fingerprint(model) if cfg.lora else None
+        source = init_weights if init_weights is not None else model.state_dict()
         model = model.to(device=device, dtype=dtype)
     # 2. LoRA before ZeRO: ZeRO packs what requires grad when it is built, so only the
     #    adapters reach its buffers and the optimizer
@@ -145,7 +149,7 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
     if cfg.compile:
         compile_model(model)
     # 6. ZeRO last: it packs the parameters as they now are into its flat buckets
-    zero = make_engine(cfg, model, dtype, rank, world_size, grad_accum)
+    zero = make_engine(cfg, model, dtype, rank, world_size, grad_accum, source)
     # 7. the loss scaler: dynamic for fp16; bf16 and fp32 need no scale
     auto = "dynamic" if cfg.dtype == "fp16" else "none"
     scale = auto if cfg.loss_scale == "auto" else cfg.loss_scale
@@ -157,7 +161,7 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
     return model, zero, scaler
 
 
-def make_engine(cfg, model, dtype, rank, world_size, grad_accum):
+def make_engine(cfg, model, dtype, rank, world_size, grad_accum, source=None):
     """ZeRO stages 0-2 (zero.py), 3 (zero3.py) or ZeRO++ (beyond/zeropp.py)."""
     Engine, extra = (ZeRO3, {"prefetch": cfg.prefetch}) if cfg.zero == 3 else (ZeRO, {})
     node_size = cfg.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -169,11 +173,15 @@ def make_engine(cfg, model, dtype, rank, world_size, grad_accum):
         Engine = ZeROpp
         extra.update(zeropp=parse_zeropp(cfg.zeropp), node_size=node_size,
                      qgz_bits=cfg.qgz_bits)
-    zero = Engine(model, cfg.zero, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                  weight_decay=cfg.weight_decay, bucket_mb=cfg.bucket_mb, rank=rank,
-                  world_size=world_size, reduce_dtype=DTYPES.get(cfg.reduce_dtype),
-                  fp32_grad_accum=cfg.fp32_grad_accum and grad_accum > 1
-                  and dtype != torch.float32, optimizer=cfg.optimizer, **extra)
+    try:  # a model the engine cannot take (ranks apart, a missing blocks()): one line
+        zero = Engine(model, cfg.zero, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                      weight_decay=cfg.weight_decay, bucket_mb=cfg.bucket_mb, rank=rank,
+                      world_size=world_size, reduce_dtype=DTYPES.get(cfg.reduce_dtype),
+                      fp32_grad_accum=cfg.fp32_grad_accum and grad_accum > 1
+                      and dtype != torch.float32, optimizer=cfg.optimizer,
+                      master_weights=source, **extra)
+    except ValueError as e:
+        raise ConfigError(str(e))
     zero.traffic.node_size = node_size  # bytes by link (collectives.Traffic)
     return zero
 
@@ -194,12 +202,7 @@ def main(argv=None):
     cfg = parse_args(argv)
     rank, world_size, device = init_distributed(cfg)
     print0 = print if rank == 0 else (lambda *a, **k: None)
-    try:
-        dtype = resolve_dtype(cfg.dtype, device)
-        if cfg.lora:  # names of the model's declared LINEARS: checked before any work
-            parse_targets(cfg.lora_targets, GPT.LINEARS)
-    except ValueError as e:
-        raise ConfigError(str(e))
+    dtype = validate.check_run(cfg, GPT, device)  # what the flags ask, before any work
     # --init-from: weights of ours (init) or a Hugging Face GPT-2 (init_hf), whose
     # config.json sets the model flags not given, and the vocabulary the data must be in
     init = init_hf = base_meta = None
@@ -275,13 +278,13 @@ def main(argv=None):
         zero_frac = grad_zero_frac(grads) if logging else None  # fp16 underflow: zeros
         found_inf = scaler.unscale_(grads)  # divide by the loss scale; an inf/NaN anywhere?
         grad_norm = zero.clip_grad_norm_(cfg.grad_clip)  # global norm over every rank's slice
-        zero.step(lr, found_inf)  # the optimizer on this rank's fp32 slice; skipped on inf
+        zero.step(lr, found_inf)  # the optimizer on this rank's fp32 slice (skipped on an
+        # inf/NaN); the gradient buffers then start the next step from zero
         zero.publish(wait=False)  # fp32 master -> weights (stages 1-2: all-gathers,
         # waited for bucket by bucket in the next forward's pre-hooks: they overlap it)
         scaler.update(found_inf)  # halve the scale after an overflow, grow it after a run
         if cfg.fp8:  # delayed scaling: this step's amaxes (MAX over ranks) join the history
             fp8.end_step(model)
-        zero.zero_grad()  # the next step's gradients start from zero
         # ---- everything after this is logging and saving -----------------------------------
 
         if logging:  # the only steps that wait for the device

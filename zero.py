@@ -27,6 +27,7 @@ Read this file in three parts:
 """
 import hashlib
 import math
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ import torch
 import optim
 from collectives import (Traffic, all_gather_params, all_reduce_grads, all_reduce_sum,
                          gather_group, reduce_scatter_grads)
+from machinery import lifecycle
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,24 +140,36 @@ def frozen_tensors(module, keep=lambda t: True):
 
 @dataclass
 class Segment:
-    """The piece [lo, hi) of one flattened parameter that this rank owns: what AdamW steps
-    (as `master`, an fp32 view into the master slice) and what a checkpoint saves by name."""
+    """The piece [lo, hi) of one flattened parameter that this rank owns: what the optimizer
+    steps (`master`, an fp32 view into the master slice, in the parameter's own shape when the
+    piece is all of it) and what a checkpoint saves by name (`flat`: the same, 1-D)."""
     name: str  # the parameter's name in model.state_dict()
     param: torch.Tensor  # the working parameter
     lo: int
     hi: int
     start: int  # where the piece begins inside its bucket's owned slice
-    master: torch.Tensor = None
+    flat: torch.Tensor = None
+    block_matrix: bool = False  # a 2-D weight of one of the model's blocks (Muon's)
+    master: torch.Tensor = None  # flat, or flat.view(param.shape) when the piece is whole
+
+    def __post_init__(self):
+        if self.flat is not None:
+            self.master = self.flat.view(self.param.shape) if self.whole else self.flat
+
+    @property
+    def whole(self):
+        return self.lo == 0 and self.hi == self.param.numel()
 
 
 class Bucket:
     """Tensors packed into one flat buffer (padded to a multiple of N) that they become views
     of. This rank owns [lo, hi): that range's optimizer state (stage 2+: gradient) lives here."""
 
-    def __init__(self, tensors, rank, world_size, dtype, device, pad=True):
+    def __init__(self, tensors, rank, world_size, dtype, device, pad=True, unit=1):
         self.params = tensors
         numel = sum(t.numel() for t in tensors)
-        self.numel = math.ceil(numel / world_size) * world_size if pad else numel
+        # padded to N equal slices of whole units (unit: a matrix's numel for Muon's layout)
+        self.numel = math.ceil(numel / (world_size * unit)) * world_size * unit if pad else numel
         shard = self.numel // world_size if pad else self.numel
         self.lo, self.hi = (rank * shard, (rank + 1) * shard) if pad else (0, self.numel)
         self.flat = torch.zeros(self.numel, dtype=dtype, device=device)
@@ -173,7 +187,7 @@ class Bucket:
     def owned_grad(self):  # this rank's reduced gradient slice
         return self.grad_shard if self.grad_shard is not None else self.flat_grad[self.lo:self.hi]
 
-    def make_segments(self, names, master):
+    def make_segments(self, names, master, block_matrices=()):
         """Cut the owned range into one Segment per tensor that overlaps it; `master` is the
         fp32 copy (or, in fp32, the view) of the owned range, None for frozen tensors."""
         for p, offset in zip(self.params, self.offsets):
@@ -182,7 +196,13 @@ class Bucket:
                 start = lo - self.lo
                 view = None if master is None else master[start:start + hi - lo]
                 self.segments.append(Segment(names[id(p)], p, lo - offset, hi - offset, start,
-                                             view))
+                                             view, id(p) in block_matrices))
+
+
+def declared_blocks(model):
+    """The model's blocks() (model.py's GPT declares them), or None if it declares none."""
+    blocks = getattr(model, "blocks", None)
+    return blocks() if callable(blocks) else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,14 +235,24 @@ MAX_IN_FLIGHT = 2
 
 class ZeRO:
     """Owns the trainable parameters' flat buckets, this rank's fp32 master slice and its
-    optimizer (optim.py: AdamW by default).
-    The model must be on its device, in its working dtype (fp32, bf16 or fp16). Per micro-step
-    backward(loss, sync); per step master_grads, clip_grad_norm_, step, publish, zero_grad."""
+    optimizer (optim.py: AdamW by default). The model must be on its device, in its working
+    dtype (fp32, bf16 or fp16), and built alike on every rank (checked).
+
+    Per micro-step backward(loss, sync), or in a loop of your own loss.backward() then
+    finish_backward() (no_sync() around all but the last micro-step of accumulation, as DDP's);
+    per step master_grads, clip_grad_norm_, step, publish, zero_grad.
+
+    optimizer: a name, a torch.optim.Optimizer subclass or a function of the param groups
+    (optim.build); decay(name, param) picks the parameters weight_decay applies to (default:
+    the matrices and embeddings). master_weights: {name: fp32 tensor}, the full-precision
+    source the master is seeded from (the checkpoint or the fp32 init the 16-bit weights were
+    cast from), else the working weights are."""
     STAGES = (0, 1, 2)
 
     def __init__(self, model, stage, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8,
                  bucket_mb=25.0, rank=0, world_size=1, group=None, fp32_grad_accum=False,
-                 reduce_dtype=None, optimizer="adamw"):
+                 reduce_dtype=None, optimizer="adamw", decay=None, master_weights=None,
+                 whole_matrices=None):
         if stage not in self.STAGES:
             raise ValueError(f"{type(self).__name__} runs ZeRO stages {self.STAGES}, not {stage}")
         self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
@@ -239,6 +269,7 @@ class ZeRO:
             self.names.setdefault(id(t), n)
         self.gathered_bytes = self.peak_gathered_bytes = 0  # full buffers gathered now / at most
         self.frozen = frozen_tensors(model)  # model state too: counted by state_bytes()
+        lifecycle.check_same_weights([p for _, p in named] + self.frozen, world_size, group)
         self.dtype, self.device = named[0][1].dtype, named[0][1].device
         self.psi = sum(p.numel() for _, p in named)  # Ψ, each weight counted once
         self.frozen_numel = sum(t.numel() for t in self.frozen)
@@ -250,6 +281,13 @@ class ZeRO:
         # fp32 as torchtitan and Megatron do by default (a 16-bit sum over many ranks rounds).
         # One rank moves nothing, so nothing is cast there.
         self.reduce_dtype = reduce_dtype or self.dtype
+        # a matrix optimizer (Muon) needs each block matrix whole: then a rank owns whole ones
+        self.whole_matrices = whole_matrices if whole_matrices is not None else \
+            optimizer == "muon" or getattr(optimizer, "needs_whole_matrices", False)
+        self.matrices = set()
+        if self.whole_matrices:
+            from beyond import muon
+            self.matrices = muon.block_matrices(model)
         self.buckets = self._make_buckets(model, [p for _, p in named])  # (1) pack
         # where each trainable parameter lives: its bucket, its offset in the flat buffer
         self.where = {id(p): (b, offset) for b in self.buckets
@@ -260,21 +298,22 @@ class ZeRO:
         # 2018): an update below ~2^-8 of a weight rounds away in bf16 and would be lost.
         self.master = [self._owned_weights(b).float() for b in self.buckets]  # (2) master
         for b, master in zip(self.buckets, self.master):
-            b.make_segments(self.names, master)
+            b.make_segments(self.names, master, self.matrices)
         self.segments = [s for b in self.buckets for s in b.segments]
-        # decay 2-D weights (matmuls, embeddings), not biases or LayerNorm gains
-        decay = [s.master for s in self.segments if s.param.dim() >= 2]
-        no_decay = [s.master for s in self.segments if s.param.dim() < 2]
-        # optim.py builds it (AdamW, SGD with momentum, Lion) and makes its state now, by its
-        # own code: start-up measures what training holds
-        self.optimizer = optimizer
-        self.opt = optim.build(optimizer, [{"params": decay, "weight_decay": weight_decay},
-                                           {"params": no_decay, "weight_decay": 0.0}],
-                               lr=lr, betas=betas, eps=eps)
+        if master_weights is not None and self.dtype != torch.float32:
+            self._seed_master(master_weights)
+        # optim.py builds it and makes its state now, by its own code: start-up measures
+        # what training holds
+        self.optimizer = optimizer if isinstance(optimizer, str) else \
+            getattr(optimizer, "__name__", type(optimizer).__name__)
+        self.opt = optim.build(optimizer, self._param_groups(weight_decay, decay), lr=lr,
+                               betas=betas, eps=eps)
         if self.segments:  # a rank may own nothing but padding
             optim.init_state(self.opt, [s.master for s in self.segments])
 
         self.sync, self.next_bucket, self.in_flight = True, 0, []
+        self.unpublished = False  # a step's new weights not yet published
+        model.register_forward_pre_hook(lambda m, args: self.wait_published([]), prepend=True)
         self.publishing = {}  # bucket index -> (its publish all-gather, the shard it sends)
         self.publish_order = list(range(len(self.buckets)))
         if self.stage in (1, 2):
@@ -283,13 +322,45 @@ class ZeRO:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)  # -> (3)
 
+    def _param_groups(self, weight_decay, decay):
+        """The optimizer's groups: weight decay on what decay(name, param) picks (default: the
+        matrices and embeddings, not the biases and norm gains); for a matrix optimizer, its
+        whole block matrices in groups of their own, marked "matrices"."""
+        decay = decay or (lambda name, p: p.dim() >= 2)
+        matrix = lambda s: self.whole_matrices and s.block_matrix and s.whole
+        groups = []
+        for matrices in (False, True) if self.whole_matrices else (False,):
+            for decays in (True, False):
+                group = {"params": [s.master for s in self.segments if matrix(s) == matrices
+                                    and decay(s.name, s.param) == decays],
+                         "weight_decay": weight_decay if decays else 0.0}
+                groups.append(dict(group, matrices=True) if matrices else group)
+        return groups
+
+    @torch.no_grad()
+    def _seed_master(self, source):
+        """(2) The fp32 master from the full-precision source (PITFALLS-free: a master made
+        from 16-bit weights keeps only their 16 bits, up to 2^-9 relative lost for good)."""
+        for s in self.segments:
+            if s.name in source:
+                values = source[s.name].reshape(-1)[s.lo:s.hi]  # stored rows: no vocab padding
+                s.flat[:len(values)].copy_(values)
+
     def _make_buckets(self, model, params):
-        """Stages 0-2: buckets of about bucket_mb, last layer first; each gets its gradient."""
+        """Stages 0-2: buckets of about bucket_mb, last layer first; each gets its gradient.
+        With whole matrices (stages 1-2), each shape of block matrix gets a bucket of its own,
+        padded to N equal slices of whole matrices: a rank then owns whole ones."""
+        rest, whole = params, []  # whole: (a shape's block matrices, a matrix's numel)
+        if self.whole_matrices and self.stage in (1, 2):
+            from beyond import muon
+            rest, whole = muon.whole_matrix_buckets(params, self.matrices)
         cap = max(1, int(self.bucket_mb * 2**20 / params[0].element_size()))
+        plans = [([rest[i] for i in indices], 1) for indices in
+                 plan_buckets([p.numel() for p in rest], cap)] if rest else []
         buckets = []
-        for indices in plan_buckets([p.numel() for p in params], cap):
-            b = Bucket([params[i] for i in indices], self.rank, self.world_size, self.dtype,
-                       self.device, pad=self.stage >= 1)
+        for tensors, unit in plans + whole:
+            b = Bucket(tensors, self.rank, self.world_size, self.dtype, self.device,
+                       pad=self.stage >= 1, unit=unit)
             if self.stage <= 1:
                 b.flat_grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
                 if self.grad_dtype == self.dtype:  # the parameters' .grad are views into it
@@ -307,10 +378,17 @@ class ZeRO:
 
     def _grad_ready(self, p):  # autograd's hook: p's gradient of this micro-step is complete
         b, offset = self.where[id(p)]
-        if b.flat_grad is not None and b.flat_grad.dtype != p.dtype:
+        view = None if b.flat_grad is None else b.flat_grad[offset:offset + p.numel()]
+        if view is not None and view.dtype != p.dtype:
             # fp32 accumulation (stages 0-1): add the 16-bit gradient in, free it
-            b.flat_grad[offset:offset + p.numel()] += p.grad.reshape(-1)
+            view += p.grad.reshape(-1)
             p.grad = None
+        elif view is not None and p.grad.data_ptr() != view.data_ptr():
+            # stages 0-1 reduce the bucket, not p.grad: a p.grad that is not the bucket's view
+            # (set to None by PyTorch's zero_grad(), made afresh by autograd; or replaced) is
+            # copied in and pointed back at it, as DDP's reducer does. Never dropped.
+            view.copy_(p.grad.reshape(-1))
+            p.grad = view.view_as(p)
         if not self.sync:
             return  # stages 0-1, not the last micro-step: gradients accumulate locally
         b.ready += 1
@@ -366,16 +444,39 @@ class ZeRO:
     def backward(self, loss, sync=True):
         """loss.backward(), the gradient collectives overlapped. sync=False on all but the last
         micro-step of gradient accumulation (stages 0-1 then communicate nothing)."""
-        self.sync, self.next_bucket = sync or self.stage >= 2, 0
-        for b in self.buckets:
-            b.ready = 0
-        loss.backward()
+        with nullcontext() if sync else self.no_sync():
+            loss.backward()
+            self.finish_backward()
+
+    @contextmanager
+    def no_sync(self):
+        """Around the backward of every micro-step but the last, as DDP's no_sync: stages 0-1
+        accumulate gradients locally and communicate nothing (stages 2-3 reduce each one)."""
+        self.sync = self.stage >= 2
+        try:
+            yield
+        finally:
+            self.sync = True
+
+    def finish_backward(self):
+        """The end of a backward, after loss.backward() (backward() calls it; a loop of your
+        own calls it itself): launch the buckets that never completed (their parameters went
+        unused; one set to None has a zero gradient), land every reduction still in flight."""
         if self.sync:
+            for b in self.buckets[self.next_bucket:]:
+                if b.flat_grad is not None and b.flat_grad.dtype == self.dtype:
+                    for p, offset in zip(b.params, b.offsets):
+                        if p.grad is None:  # unused since zero_grad(set_to_none=True)
+                            b.flat_grad[offset:offset + p.numel()].zero_()
+                            p.grad = b.flat_grad[offset:offset + p.numel()].view_as(p)
             while self.next_bucket < len(self.buckets):  # buckets with unused parameters
                 self._reduce(self.buckets[self.next_bucket])
                 self.next_bucket += 1
             while self.in_flight:  # land what is still in flight, oldest first
                 self._land_one(*self.in_flight.pop(0))
+        self.next_bucket = 0  # the next backward counts afresh
+        for b in self.buckets:
+            b.ready = 0
 
     def _land_one(self, work, send, reduced, into):
         """Wait for one launched reduction and put its result in place. `send` is held only so
@@ -396,10 +497,21 @@ class ZeRO:
         """This rank's gradient slice as the fp32 master gradients (a copy of a 16-bit slice, the
         slice itself when fp32), set as each segment's master.grad and returned."""
         for b in self.buckets:
+            if b.flat_grad is not None and b.flat_grad.dtype == self.dtype:
+                self._check_views(b)
             grad = b.owned_grad().float()
             for s in b.segments:
-                s.master.grad = grad[s.start:s.start + s.hi - s.lo]
+                s.master.grad = grad[s.start:s.start + s.hi - s.lo].view_as(s.master)
         return [s.master.grad for s in self.segments]
+
+    def _check_views(self, b):
+        """Stages 0-1 reduced the bucket during backward: a p.grad replaced after it would be
+        silently ignored. Refused instead."""
+        for p, offset in zip(b.params, b.offsets):
+            if p.grad is not None and p.grad.data_ptr() != b.flat_grad[offset:].data_ptr():
+                raise RuntimeError(f"{self.names[id(p)]}.grad was replaced after backward, "
+                                   "when its bucket had been reduced: change gradients in "
+                                   "place (p.grad.mul_()), or before finish_backward()")
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm):
@@ -417,16 +529,26 @@ class ZeRO:
         return norm
 
     @torch.no_grad()
-    def step(self, lr, found_inf=None):
-        """The optimizer on this rank's fp32 master slice. found_inf (a device tensor, 1.0 when
-        any rank's gradient held an inf/NaN) makes it skip the whole update on the device: the
-        weights, its state and any step count stay as they were."""
-        for g in self.opt.param_groups:
+    def step(self, lr=None, found_inf=None):
+        """The optimizer on this rank's fp32 master slice, at lr (None: the optimizer's own);
+        then the gradient buffers are zeroed for the next step, and the new weights are
+        published before the next forward at the latest. found_inf (a device tensor, 1.0 when
+        any rank's gradient held an inf/NaN) skips the whole update: on the device where the
+        optimizer reads it, else by the engine, which then waits for the flag."""
+        if self.segments and self.segments[0].master.grad is None:
+            self.master_grads()  # a loop of your own: no scaler, no clipping before the step
+        for g in self.opt.param_groups if lr is not None else ():
             g["lr"] = lr
-        self.opt.found_inf = found_inf  # read by the optimizer's step (optim.py)
-        self.opt.step()
+        if found_inf is not None and optim.skip_on_host(self.opt):
+            skip = bool(found_inf.item())
+        else:
+            skip, self.opt.found_inf = False, found_inf  # read by the optimizer's step
+        if not skip:
+            self.opt.step()
         for s in self.segments:
             s.master.grad = None
+        self.zero_grad()  # the next step's gradients start from zero
+        self.unpublished = True  # publish() runs before the next forward, if nothing else did
 
     @torch.no_grad()
     def publish(self, wait=True):
@@ -437,6 +559,7 @@ class ZeRO:
         that reads it, so they overlap the next forward. Whatever else reads the weights calls
         wait_published() first. After a skipped step this publishes unchanged weights: skipping
         would need the inf flag read."""
+        self.unpublished = False
         for i in self.publish_order:
             b, master = self.buckets[i], self.master[i]
             if self.stage == 0:
@@ -453,6 +576,8 @@ class ZeRO:
 
     def wait_published(self, indices=None):
         """Wait for the publish all-gathers of these buckets (default: all still in flight)."""
+        if self.unpublished:  # a step whose weights nobody published yet
+            self.publish(wait=False)
         for i in list(self.publishing) if indices is None else indices:
             entry = self.publishing.pop(i, None)
             if entry is not None:
@@ -461,8 +586,9 @@ class ZeRO:
     def _order_publish(self, model):
         """Stages 1-2: which forward first reads each bucket (-1: the root, before any block),
         the publish order that follows, and the pre-hooks that wait for each bucket there.
-        Hooks on the blocks and the model, never inside them: a compiled block stays whole."""
-        blocks = model.blocks()
+        Hooks on the blocks and the model, never inside them: a compiled block stays whole.
+        A model without blocks() waits for every bucket before its forward."""
+        blocks = declared_blocks(model) or []
         block_of = {id(p): i for i, blk in enumerate(blocks) for p in blk.parameters()}
         first = [min(block_of.get(id(p), -1) for p in b.params) for b in self.buckets]
         self.publish_order = sorted(range(len(self.buckets)), key=lambda i: first[i])

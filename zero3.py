@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from collectives import all_gather_params
-from zero import Bucket, ZeRO, frozen_tensors
+from zero import Bucket, ZeRO, declared_blocks, frozen_tensors
 
 
 class ShardedBucket(Bucket):
@@ -80,7 +80,15 @@ class ZeRO3(ZeRO):
         """(1) shard: one unit per block, then the root. Returns the trainable buckets in the
         order their gradients complete: last block first, the root (the tied embedding's
         gradient comes last) at the end."""
-        blocks = model.blocks()  # the model declares them (model.py)
+        blocks = declared_blocks(model)  # the model declares them (model.py)
+        if blocks is None:
+            raise ValueError(f"ZeRO-3 gathers the model a block at a time: declare "
+                             f"{type(model).__name__}.blocks(), its repeated layers in forward "
+                             "order (see model.py's GPT), or use stage 0-2")
+        if self.whole_matrices:
+            raise ValueError("a matrix optimizer (Muon) steps each block matrix whole; ZeRO-3 "
+                             "shards every matrix over the ranks: use ZeRO stage 0-2, which "
+                             "give each rank whole matrices")
         in_blocks = {id(t) for blk in blocks for t in list(blk.parameters()) + list(blk.buffers())}
         self.units = [self._make_unit(blk, lambda t: True) for blk in blocks]
         self.root = self._make_unit(model, lambda t: id(t) not in in_blocks, root=True)
@@ -191,8 +199,8 @@ class ZeRO3(ZeRO):
         if not b.unit.root:
             self._free([b])  # (6) ...and free: its gradients are out, the weights' last use
 
-    def backward(self, loss, sync=True):
-        super().backward(loss, sync)
+    def finish_backward(self):
+        super().finish_backward()
         for unit in self.all_units:  # the root, and the first block's frozen weights
             self._free(unit.buckets)
         self.in_backward = False
@@ -200,6 +208,7 @@ class ZeRO3(ZeRO):
     @torch.no_grad()
     def publish(self, wait=True):
         """(7) step: the updated fp32 master -> the shard; the next forward gathers it."""
+        self.unpublished = False
         for b, master in zip(self.buckets, self.master):
             if master.data_ptr() != b.shard.data_ptr():  # in fp32 the shard is the master
                 b.shard.copy_(master)

@@ -44,7 +44,7 @@ def gradient(data, vocab, dtype, k, fp32_accum):
     for micro in range(k):
         x, y = batch(data, cfg, micro, torch.device("cpu"))  # a different batch per micro-step
         zero.backward(model(x, y)[1] / k, sync=micro == k - 1)
-    return torch.cat(zero.master_grads())
+    return torch.cat([g.reshape(-1) for g in zero.master_grads()])
 
 
 def gradient_errors(micro_steps):

@@ -77,7 +77,9 @@ def main(argv=None):
                                                      None))
             best[label, "save"] = min(t, best.get((label, "save"), t))
             best[label, "restore"] = min(r, best.get((label, "restore"), r))
-    state = pieces.full_tensors(zero, model.stored_shapes(), ("master",) + pieces.state_keys(zero))
+    keys_of = pieces.state_keys(zero)
+    keys = ("master", *sorted({k for ks in keys_of.values() for k in ks}))
+    state = pieces.full_tensors(zero, model.stored_shapes(), keys, keys_of)
     alone = timed(lambda: [validate.crc(t) for e in state.values() for t in e.values()])
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
     if not args.out:

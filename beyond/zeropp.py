@@ -186,8 +186,8 @@ class ZeROpp(ZeRO3):
         self.gathered_bytes += nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
-    def backward(self, loss, sync=True):
-        super().backward(loss, sync)
+    def finish_backward(self):
+        super().finish_backward()
         self._drop_secondaries()  # the next forward gathers (and keeps) afresh
 
     @torch.no_grad()

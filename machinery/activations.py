@@ -17,6 +17,7 @@ from beyond.chunked_loss import chunk_rows
 from beyond.activation_dial import policy
 from beyond.fp8 import FP8Linear, convert as fp8_convert
 from lora import LoRALinear, apply_lora
+import model as model_py  # model.GPT when called: a fork's edit of it is walked
 from model import GPT, MLP, CausalSelfAttention, LayerNorm
 from quant import QuantLinear
 
@@ -30,7 +31,7 @@ def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_
     walked in forward order, each module priced by its entry in SAVED. grad_ckpt: a bool (True
     = full), a name or an activation_dial.Policy (which blocks, what they keep)."""
     with torch.device("meta"):  # nothing allocated
-        model = (build or GPT)(cfg)
+        model = (build or model_py.GPT)(cfg)
         if lora_rank:
             apply_lora(model, lora_rank, targets=lora_targets)
         if fp8:  # the block linears' products in FP8 (fp8.py)

@@ -76,7 +76,7 @@ class Reader:
                                       "than its meta.pt: the folder was edited; use another")
             # every piece's length and crc32, before any element is copied
             self._checked(file, validate.check_shard, shard, self.header["layout"][r],
-                          self.header["frozen"], self.header["state_keys"])
+                          self.header)
             self.shards[r] = shard
         return self.shards[r]
 

@@ -10,6 +10,7 @@ from configurator import ConfigError, grad_accum_for, parse_zeropp
 from machinery.flags import config_from, load_preset, make_parser
 from lora import parse_targets
 from machinery.footprint import estimate
+import model as model_py  # model.GPT when called: a fork's edit of it is estimated
 from model import GPTConfig
 
 HEADROOM = 0.10  # fraction of the GPU kept free for what the estimate leaves out
@@ -96,6 +97,10 @@ def parse_flags(argv):
         if (getattr(a, name) or 1) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     tc = config_from(a)
+    try:
+        optim.check_name(tc.optimizer)
+    except ValueError as e:
+        raise ConfigError(str(e))
     if tc.quantize == "int8":
         raise ConfigError("memory.py models the nf4 base (QLoRA's): use --quantize nf4")
     return a, tc
@@ -111,8 +116,8 @@ def model_from_flags(a, tc, psi):
     shape = {k: getattr(a, k) or getattr(base, k) for k in ("n_layer", "n_embd", "n_head")}
     bias = bool(a.bias) if psi else tc.bias
     try:
-        cfg = GPTConfig(block_size=block, vocab_size=vocab, bias=bias,
-                        dropout=0.0 if psi else tc.dropout, **shape)
+        cfg = GPTConfig(arch=model_py.GPT.ARCH, block_size=block, vocab_size=vocab,  # a fork's
+                        bias=bias, dropout=0.0 if psi else tc.dropout, **shape)
     except ValueError as e:  # e.g. a width its heads do not divide
         raise ConfigError(str(e))
     preset = a.config and not psi
@@ -140,12 +145,13 @@ def dataset_note(flags, vocab):
     return None
 
 
-def print_estimate(e, cfg, gpu):
+def print_estimate(e, cfg, gpu, optimizer="adamw"):
     """estimate()'s answer per GPU, whether it fits, and the activations term by term."""
     st, act = e["state"], e["activations"]
     rows = [("weights", st["params"], "working weights (+ the frozen base)"),
             ("gradients", st["grads"], ""), ("fp32 master weights", st["master"], "16-bit only"),
-            ("optimizer state", st["optimizer"], "fp32 (AdamW: exp_avg, exp_avg_sq)"),
+            ("optimizer state", st["optimizer"], "fp32 (AdamW: exp_avg, exp_avg_sq)"
+             if optimizer == "adamw" else f"fp32, {optimizer}'s"),
             ("model state", st["total"], "= ZeRO.state_bytes() at start-up"),
             ("activations", act["total"],
              f"{cfg.n_layer} layers x {fmt(act['per_layer'])} + the rest, below"),
@@ -179,7 +185,8 @@ def print_run(a, tc, cfg, psi, gpu):
                  targets, tc.quantize or None, psi, tc.bucket_mb,
                  fp32_grad_accum=tc.fp32_grad_accum and accum > 1,
                  zeropp=parse_zeropp(tc.zeropp), node_size=tc.node_size, fp8=tc.fp8,
-                 fp8_history=tc.fp8_amax_history, chunked_loss=tc.chunked_loss)
+                 fp8_history=tc.fp8_amax_history, chunked_loss=tc.chunked_loss,
+                 optimizer=tc.optimizer)
     extras = ((f", {ckpt.flags()}" if ckpt else "") + (f", LoRA r={r} on {tc.lora_targets}"
               if r else "") + (f", {tc.quantize} base" if tc.quantize else "")
               + (", --fp8" if tc.fp8 else ""))
@@ -187,6 +194,6 @@ def print_run(a, tc, cfg, psi, gpu):
           f"vocab {cfg.vocab_size}, block {cfg.block_size}{', bias' if cfg.bias else ''}), "
           f"{e['trainable']:,} trainable; {tc.dtype}, ZeRO-{tc.zero}, {a.world_size} GPU(s), "
           f"micro-batch {batch} x {cfg.block_size} tokens{extras}")
-    print_estimate(e, cfg, gpu)
+    print_estimate(e, cfg, gpu, tc.optimizer)
     return e
 

@@ -17,7 +17,8 @@ from machinery import hf
 from machinery.adapters import adapter_state
 from machinery.tensorfile import write_safetensors
 from machinery.validate import check_adapter
-from model import GPT, GPTConfig
+import model as model_py
+from model import GPTConfig
 from precision import DTYPES
 from quant import QuantizedWeight, quantize_base
 
@@ -36,7 +37,7 @@ def rebuild(reader, weights=None):
     h = reader.header
     model_args, cfg = reader.model_args(), h["config"]
     weights = reader.weights() if weights is None else weights
-    model = GPT(GPTConfig(**model_args))
+    model = model_py.GPT(GPTConfig(**model_args))  # a fork's, if model.py was edited
     if cfg.get("lora"):
         try:
             settings = dict(rank=cfg["lora_rank"], alpha=cfg["lora_alpha"],
@@ -82,13 +83,16 @@ def export(ckpt, to, out, dtype=None, merge=False):
     if to == "safetensors" and dtype:
         raise ExportError("--dtype is for --to hf: --to safetensors keeps the checkpoint's dtypes")
     check_writable(out, to)
-    arch = reader.header.get("model_args", {}).get("arch")
-    if arch != GPT.ARCH:  # hf.py writes GPT-2's layout (Conv1D, the tied head, wpe)
-        raise ExportError(f"{ckpt} holds a {arch!r} model: the export writes GPT-2's "
-                          f"architecture only ({GPT.ARCH!r})")
     model_args = reader.model_args()
-    weights = reader.weights()
-    model = rebuild(reader, weights)  # every check before the first byte is written
+    arch, ours = model_args.get("arch"), model_py.GPT.ARCH  # ours: a fork's, if model.py is
+    if to == "hf" and arch != "gpt2":  # hf.py writes GPT-2's layout (Conv1D, tied head, wpe)
+        raise ExportError(f"{ckpt} holds a {arch!r} model: the export writes GPT-2's "
+                          "architecture only ('gpt2'); --to safetensors writes any model")
+    if arch != ours:
+        raise ExportError(f"{ckpt} holds a {arch!r} model, model.py builds {ours!r}: export "
+                          "it from the code that trained it")
+    weights = reader.weights()  # every element read, its checksum compared, before a byte
+    model = rebuild(reader, weights)  # as it trained: LoRA, a quantized base; names checked
     if to == "safetensors" and not merge:  # as the checkpoint holds them; load_weights reads it
         return write_weights(weights, model_args, out)
     quantized = dequantize_base(model)  # QLoRA: the base the adapter trained on, as plain fp32

@@ -19,9 +19,10 @@ import torch
 import optim
 from quant import QuantizedWeight
 from machinery.activations import BYTES, activation_bytes, head_working_bytes
+from beyond.muon import block_matrices
 from zero import MAX_IN_FLIGHT, plan_buckets
 from lora import apply_lora
-from model import GPT
+import model as model_py  # model.GPT when called: a fork's edit of it is counted
 from beyond.zeropp import working_bytes
 
 # stored bytes per quantized weight, as quant.py stores nf4 by default: two 4-bit codes per byte
@@ -34,7 +35,7 @@ def shapes_only(cfg, build=None, lora_rank=0, lora_targets=("q", "v")):
     lora_rank, built on the meta device: every shape, nothing allocated. The estimate counts
     what this model holds, not a formula of GPT-2's."""
     with torch.device("meta"):
-        model = (build or GPT)(cfg)
+        model = (build or model_py.GPT)(cfg)
         if lora_rank:
             apply_lora(model, lora_rank, targets=lora_targets)
     return model
@@ -102,7 +103,7 @@ def frozen_buckets(cfg, dtype, quantize=None, build=None):
 
 def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, frozen_psi=0,
                       quantized_psi=0, quantize=None, frozen_layout=None, fp32_grad_accum=False,
-                      optimizer="adamw"):
+                      optimizer="adamw", units=None):
     """Bytes of model state on one rank, as ZeRO.state_bytes() counts them at start-up.
     psi: trainable parameters (Ψ), in flat buffers of sizes `buckets` (default: one). Stages 1-3
     pad each buffer to a multiple of N, so every rank owns P/N elements (P: the padded total).
@@ -111,11 +112,14 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
     shards them with their unit: each of frozen_layout's (numel, bytes) buffers padded to a
     multiple of N (frozen_buckets()), or without a layout simply 1/N of them. fp32_grad_accum:
     the gradient buffer that accumulates micro-steps is fp32 (4 bytes, not 2). optimizer: its
-    state bytes per parameter come from optim.STATE_BYTES (AdamW 8, SGD-momentum and Lion 4)."""
+    state bytes per parameter come from optim.STATE_BYTES (AdamW 8, SGD-momentum and Lion 4).
+    units: each buffer's padding unit (Muon's: a matrix, zero.py pads to N whole ones)."""
     E, N, buckets = BYTES[dtype], world_size, buckets or [psi]
     G = 4 if fp32_grad_accum else E  # bytes per gradient element
     assert sum(buckets) == psi, "the buckets must hold exactly psi parameters"
-    padded = [math.ceil(n / N) * N if stage >= 1 else n for n in buckets]
+    units = units or [1] * len(buckets)
+    padded = [math.ceil(n / (N * u)) * N * u if stage >= 1 else n
+              for n, u in zip(buckets, units)]
     P = sum(padded)
     owned = P // N if stage >= 1 else P
     real = psi
@@ -132,6 +136,36 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
            "optimizer": optim.STATE_BYTES[optimizer] * real}  # e.g. AdamW's two fp32 moments
     out["total"] = sum(out.values())
     return out
+
+
+def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32_grad_accum):
+    """Model state under --optimizer muon (beyond/muon.py): Muon's momentum (4 bytes) for each
+    block-matrix element, AdamW's moments (8) for the rest; at stages 1-2 zero.py's layout, the
+    rest in buckets of bucket_mb, each shape of block matrix padded to N whole matrices."""
+    model = shapes_only(cfg, build)
+    mats = block_matrices(model)
+    params = list(model.parameters())  # in named_parameters() order, a tied weight once
+    rest = [p.numel() for p in params if id(p) not in mats]
+    mat = [p.numel() for p in params if id(p) in mats]
+    if stage == 0:  # every rank owns everything, unpadded: only K differs by element
+        out = model_state_bytes(sum(rest) + sum(mat), 0, world_size, dtype,
+                                fp32_grad_accum=fp32_grad_accum)
+        out["optimizer"] = 8 * sum(rest) + 4 * sum(mat)
+        out["total"] = sum(v for k, v in out.items() if k != "total")
+        return out
+    groups = {}  # shape -> numel of its matrices, last layer first
+    for p in reversed(params):
+        if id(p) in mats:
+            groups.setdefault(tuple(p.shape), []).append(p.numel())
+    cap = max(1, int(bucket_mb * 2**20 / BYTES[dtype]))
+    rest_buckets = [sum(rest[i] for i in b) for b in plan_buckets(rest, cap)]
+    parts = [model_state_bytes(sum(rest), stage, world_size, dtype, rest_buckets, rank,
+                               fp32_grad_accum=fp32_grad_accum, optimizer="adamw"),
+             model_state_bytes(sum(mat), stage, world_size, dtype,
+                               [sum(g) for g in groups.values()], rank,
+                               fp32_grad_accum=fp32_grad_accum, optimizer="muon",
+                               units=[g[0] for g in groups.values()])]
+    return {k: parts[0][k] + parts[1][k] for k in parts[0]}
 
 
 def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_ckpt=False,
@@ -159,6 +193,8 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     fp32_grad_accum = fp32_grad_accum and E != 4
     state = model_state_bytes(trainable, stage, N, dtype, buckets, rank, frozen, quantized,
                               quantize, layout, fp32_grad_accum, optimizer)
+    if optimizer == "muon" and params and not lora_rank:  # its own layout and state
+        state = muon_state_bytes(cfg, build, stage, N, dtype, bucket_mb, rank, fp32_grad_accum)
     acts = activation_bytes(cfg, batch, seq, dtype, grad_ckpt, lora_rank, lora_targets, device,
                             build, fp8, chunked_loss)
     # --fp8: per linear an amax history and cast counters (fp8.FP8Matmul's buffers), and in a

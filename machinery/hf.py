@@ -244,6 +244,29 @@ def _tensors(source, model_args, cache_dir):
             yield ours, (t.t() if transpose else t)
 
 
+class LazyWeights:
+    """{our name: tensor in our layout, fp32} of a model's files, each read when asked for:
+    never a whole fp32 copy of the model in host memory. The files stay open while it lives."""
+
+    def __init__(self, source, cache_dir=None):
+        model_args = read_config(source, cache_dir)
+        _, files = _folder_and_files(locate(source, cache_dir))
+        self.source, self.stack = source, ExitStack()
+        self.plan = {ours: (read, tr) for ours, read, tr
+                     in _read_plan(files, model_args, self.stack)}
+
+    def __contains__(self, name):
+        return name in self.plan
+
+    def __getitem__(self, name):
+        read, transpose = self.plan[name]
+        try:
+            t = read().float()
+        except Exception as e:
+            raise HFError(f"{self.source}: cannot read {name} ({_one_line(e)})") from None
+        return t.t() if transpose else t
+
+
 def _check_tied(head, wte):
     if not torch.equal(head.to(wte.device, wte.dtype), wte):
         raise HFError("lm_head.weight differs from transformer.wte.weight: GPT-2's head is tied")

@@ -42,7 +42,7 @@ def kept_by_checkpoints(model, count):
     (the policy's own metering(count): beyond/activation_dial.py)."""
     ckpt = getattr(model, "grad_ckpt", False)
     applies = getattr(ckpt, "applies", lambda i: bool(ckpt))
-    blocks = [b for i, b in enumerate(model.blocks()) if applies(i)]
+    blocks = [b for i, b in enumerate(model.blocks()) if applies(i)] if ckpt else []
     hooks = [b.register_forward_pre_hook(lambda m, args: count(args[0])) for b in blocks]
     try:
         with ckpt.metering(count) if hasattr(ckpt, "metering") else nullcontext():

@@ -28,8 +28,9 @@ def owned_pieces(zero, shapes):
         lo, hi = stored(shapes, s.name, s.lo, s.hi)
         if lo < hi:
             state, n = zero.opt.state[s.master], hi - lo
-            out[s.name] = {"lo": lo, "hi": hi, "master": s.master[:n].detach().cpu().clone(),
-                           **{k: state[k][:n].cpu().clone() for k in state_keys(zero)}}
+            out[s.name] = {"lo": lo, "hi": hi, "master": s.flat[:n].detach().cpu().clone(),
+                           **{k: state[k].reshape(-1)[:n].cpu().clone()
+                              for k in optim.state_keys(zero.opt, s.master)}}
     if zero.stage == 3 or zero.rank == 0:
         for name, lo, hi, values in zero.frozen_pieces():
             lo, stop = stored(shapes, name, lo, hi)
@@ -59,24 +60,31 @@ def _gathered(zero, b, owned):
 
 
 def state_keys(zero):
-    """The optimizer's per-element state keys (AdamW: exp_avg, exp_avg_sq; SGD: momentum_buffer;
-    Lion: exp_avg), as it made them: a checkpoint saves each, by key."""
-    return tuple(optim.state_keys(zero.opt, zero.segments[0].master)) if zero.segments else ()
+    """{tensor name: the optimizer's per-element state keys} for every trainable tensor, as the
+    optimizer made them (AdamW: exp_avg, exp_avg_sq; SGD: momentum_buffer; Muon's matrices:
+    momentum_buffer), agreed by every rank: a checkpoint saves each, by key. A collective."""
+    mine = {s.name: optim.state_keys(zero.opt, s.master) for s in zero.segments}
+    keys = {}
+    for every in all_gather_object(mine, zero.world_size):
+        keys.update(every)
+    return keys
 
 
 def optimizer_header(zero):
     """The optimizer's name, per-element state keys and step count, agreed by every rank (a
     rank that owns nothing but padding has neither keys nor a count)."""
-    count = optim.step_count(zero.opt, zero.segments[0].master) if zero.segments else None
-    every = all_gather_object((state_keys(zero), count), zero.world_size)
-    return {"optimizer": zero.optimizer, "state_keys": list(next((k for k, _ in every if k), ())),
-            "opt_step": max((c for _, c in every if c is not None), default=0)}
+    counts = [optim.step_count(zero.opt, s.master) for s in zero.segments]
+    every = all_gather_object(max((c for c in counts if c is not None), default=None),
+                              zero.world_size)
+    return {"optimizer": zero.optimizer, "state_keys": state_keys(zero),
+            "opt_step": max((c for c in every if c is not None), default=0)}
 
 
-def full_tensors(zero, shapes, keys):
+def full_tensors(zero, shapes, keys, keys_of=None):
     """Every tensor whole (as model.stored_shapes() says), by name, on rank 0's host ({} on the
-    other ranks): {name: {key: tensor}}, owned_pieces' keys. A collective: buckets are gathered
-    one at a time, each on the host before the next is gathered."""
+    other ranks): {name: {key: tensor}}, owned_pieces' keys; a state key only for the tensors
+    that have it (keys_of: state_keys()). A collective: buckets are gathered one at a time,
+    each on the host before the next is gathered."""
     out = {}
 
     def host(name, flat):  # the stored part of a tensor, on the host
@@ -85,14 +93,20 @@ def full_tensors(zero, shapes, keys):
     for b in zero.buckets:
         for key in keys:
             owned = torch.zeros(b.hi - b.lo, dtype=torch.float32, device=zero.device)
+            has = lambda name: key == "master" or key in (keys_of or {}).get(name, ())
+            if not any(has(zero.names[id(p)]) for p in b.params):
+                continue  # the same collectives on every rank: keys_of is agreed
             for s in b.segments:
-                src = s.master if key == "master" else zero.opt.state[s.master][key]
-                owned[s.start:s.start + s.hi - s.lo] = src
+                if has(s.name):
+                    src = s.flat if key == "master" else zero.opt.state[s.master][key]
+                    owned[s.start:s.start + s.hi - s.lo] = src.reshape(-1)
             with _gathered(zero, b, owned) as full:
                 if zero.rank == 0:
                     for p, offset in zip(b.params, b.offsets):
                         name = zero.names[id(p)]
-                        out.setdefault(name, {})[key] = host(name, full[offset:offset + p.numel()])
+                        if has(name):
+                            out.setdefault(name, {})[key] = host(name, full[offset:offset
+                                                                            + p.numel()])
     frozen = [b for u in zero.all_units for b in u.buckets if b.frozen] if zero.stage == 3 else []
     for b in frozen:  # ZeRO-3's frozen buckets: their shards gathered the same way
         with _gathered(zero, b, b.shard) as full:

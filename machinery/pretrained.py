@@ -16,6 +16,7 @@ from checkpoint import CheckpointError, Reader, list_checkpoints
 from configurator import ConfigError
 from machinery import hf, validate
 from machinery.hf import HFError
+import model as model_py
 from model import GPT, GPTConfig
 
 # the model flags a Hugging Face config.json sets (block_size too, which may be smaller)
@@ -69,6 +70,15 @@ def hf_flags(cfg):
             raise ConfigError(f"{flag} {mine} contradicts {path}'s config.json ({name} {theirs}):"
                               f" {fix}")
     return source, {"tokenizer": "gpt2", "vocab_size": model_args["vocab_size"]}
+
+
+def hf_weights(source):
+    """{our name: fp32 tensor} of a Hugging Face GPT-2, read from its file a tensor at a time
+    when asked: the full-precision source of a 16-bit run's fp32 master."""
+    try:
+        return hf.LazyWeights(source)
+    except HFError as e:
+        raise ConfigError(f"--init-from {e}")
 
 
 def check_vocab(meta, want, cfg):
@@ -181,7 +191,7 @@ def model_of(ckpt):
     before anything is built (a header may claim 10^5 layers)."""
     try:
         validate.check_model_args(ckpt["model_args"])
-        model = GPT(GPTConfig(**ckpt["model_args"]))
+        model = model_py.GPT(GPTConfig(**ckpt["model_args"]))  # a fork's, if edited
         model.load_weights(ckpt["model"])  # strict: every name and shape must match model.py
     except (TypeError, ValueError, RuntimeError) as e:
         raise LoadError("checkpoint does not fit model.py: " + " ".join(str(e).split()))

@@ -20,8 +20,11 @@ from dataclasses import fields
 
 import torch
 
+import optim
+from configurator import ConfigError
 from lora import TARGETS, parse_targets
 from model import GPTConfig
+from precision import resolve_dtype
 
 # the largest model a config or header may describe: GPT-2 xl is 48 x 1600 over 1024 positions
 # and 50257 tokens; these leave ample room and still build in seconds, never minutes
@@ -81,7 +84,10 @@ def check_model_args(args):
 
 def check_shapes_fit(args, shapes):
     """The model a header's model_args describe must be the one its shapes hold: as many blocks,
-    that width, context and vocabulary (so the model can be built at the size of the file)."""
+    that width, context and vocabulary (so the model can be built at the size of the file).
+    GPT-2's names only: a fork's model (another arch) is held to its BOUNDS alone."""
+    if args.get("arch", "gpt2") != "gpt2":
+        return
     blocks = {int(m.group(1)) for m in map(re.compile(r"transformer\.h\.(\d+)\.").match, shapes)
               if m}
     if blocks != set(range(args["n_layer"])):
@@ -130,12 +136,15 @@ def _check_scaler(s):
 def check_header(h):
     """meta.pt / ckpt.pt's header: types, ranges, and (sharded) a layout whose pieces tile each
     tensor exactly once and name only its tensors, one layout per rank of world_size."""
-    keys = lambda x: isinstance(x, list) and all(isinstance(k, str) for k in x)
+    names = lambda x: isinstance(x, list) and all(isinstance(k, str) for k in x)
+    # state_keys: {tensor: its keys} (a list, the same for every tensor, before Muon)
+    keys = lambda x: names(x) or isinstance(x, dict) and all(
+        isinstance(n, str) and names(k) for n, k in x.items())
     for key, ok, want in (("iter", is_int, "an integer"), ("opt_step", is_int, "an integer"),
                           ("world_size", is_int, "an integer"), ("stage", is_int, "0-3"),
                           ("save_id", lambda x: isinstance(x, str), "a string"),
                           ("optimizer", lambda x: isinstance(x, str), "a name"),
-                          ("state_keys", keys, "a list of names")):
+                          ("state_keys", keys, "lists of names")):
         if key not in h or not ok(h[key]):
             raise ValueError(f"{key} is {h.get(key)!r}: want {want}")
     if h["iter"] < 0 or h["opt_step"] < 0 or h["world_size"] < 1 or h["stage"] not in range(4):
@@ -214,13 +223,19 @@ def _check_crc(t, want, name, key):
                          f"{want:08x}): its bytes changed")
 
 
-def check_shard(shard, layout, frozen, state_keys):
+def keys_of(header, name):
+    """The optimizer state keys a checkpoint holds for a trainable tensor."""
+    keys = header["state_keys"]
+    return tuple(keys.get(name, ()) if isinstance(keys, dict) else keys)
+
+
+def check_shard(shard, layout, header):
     """A shard file's pieces against its rank's layout in meta.pt."""
     pieces = shard.get("pieces")
     if not isinstance(pieces, dict) or set(pieces) != set(layout):
         raise ValueError("it holds other tensors than meta.pt's layout says")
     for name, piece in pieces.items():
-        keys = ("value",) if name in frozen else ("master", *state_keys)
+        keys = ("value",) if name in header["frozen"] else ("master", *keys_of(header, name))
         check_piece(piece, name, layout[name], keys)
 
 
@@ -333,3 +348,40 @@ def check_compatible(header, model_args, vocab_meta, path, config=None, shapes=N
     extra = set(header.get("shapes", {})) - set(shapes or header.get("shapes", {}))
     if extra:
         raise ValueError(f"{path} holds {sorted(extra)[0]}, which this model lacks")
+
+
+# ----------------------------------------------------------------------------------------------
+# a fork's model: what the flags read off it (docs/forking.md)
+
+DECLARATIONS = {
+    "ARCH": "its architecture's name, which checkpoints carry",
+    "blocks": "its repeated layers in forward order, for ZeRO-3's units, --compile, "
+              "checkpointing, LoRA and FP8",
+    "LINEARS": "each block's linear layers, for LoRA, --quantize and FP8",
+    "head": "the final norm, LM head and loss, for --compile",
+}
+
+
+def check_declarations(cls, cfg):
+    """The model class declares what this run's flags will read off it: else one line."""
+    need = {"ARCH": True,
+            "blocks": cfg.zero == 3 or cfg.compile or cfg.grad_ckpt != "none" or cfg.lora
+            or cfg.fp8, "LINEARS": cfg.lora or cfg.fp8, "head": cfg.compile}
+    missing = [name for name, needed in need.items()
+               if needed and getattr(cls, name, None) is None]
+    if missing:
+        raise ValueError(f"{cls.__name__} declares no {missing[0]}: "
+                         f"{DECLARATIONS[missing[0]]} (see docs/forking.md)")
+
+
+def check_run(cfg, model_class, device):
+    """What a run's flags ask of the device, the optimizer and the model class, checked before
+    any work: a ConfigError, one line. Returns the working dtype."""
+    try:
+        check_declarations(model_class, cfg)  # a fork's model: what the flags read off it
+        optim.check_name(cfg.optimizer)
+        if cfg.lora:  # names of the model's declared LINEARS
+            parse_targets(cfg.lora_targets, model_class.LINEARS)
+        return resolve_dtype(cfg.dtype, device)
+    except ValueError as e:
+        raise ConfigError(str(e))

@@ -1,7 +1,8 @@
 """A fork of model.py, as a forker would write one: a Llama-style model (RMSNorm, SwiGLU, rotary
 position embeddings, no learned positions, an untied head, Llama's module names). It declares
-what the engine reads -- ARCH, LINEARS, blocks(), head() -- and adds its module kinds to
-activations.SAVED, and nothing of the engine changes (tests/test_fork.py drives it through)."""
+what the engine reads -- ARCH, LINEARS, blocks(), head(), stored_shapes() (GPT's) -- and adds
+its module kinds to activations.SAVED (what each saves) and KEPT (what a selectively
+checkpointed block keeps), and nothing of the engine changes (tests/test_fork.py drives it)."""
 import math
 
 import torch
@@ -15,14 +16,17 @@ from model import GPT
 
 
 class RMSNorm(nn.Module):
-    """Zhang & Sennrich 2019: x / rms(x) * g, no mean, no bias."""
+    """Zhang & Sennrich 2019: x / rms(x) * g, no mean, no bias. The statistics in fp32, as
+    Llama's own: in fp16 x^2 overflows from |x| = 256, and its backward with it."""
 
     def __init__(self, dim, eps=1e-5):
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return h.to(x.dtype) * self.weight
 
 
 def rotate(x, cos, sin):  # RoPE (Su et al. 2021) on (B, nh, T, hs), halves as in Llama
@@ -110,11 +114,13 @@ class Llama(GPT):
 
     def forward(self, idx, targets=None):
         x = self.embed_tokens(idx)
-        for block in self.layers:
-            if self.grad_ckpt and self.training and torch.is_grad_enabled():
+        for i, block in enumerate(self.layers):  # model.py's loop: True, or a policy
+            if not (self.grad_ckpt and self.training and torch.is_grad_enabled()):
+                x = block(x)
+            elif self.grad_ckpt is True:
                 x = checkpoint(block, x, use_reentrant=False)
             else:
-                x = block(x)
+                x = self.grad_ckpt(block, x, i)
         return self.head(x, targets)
 
     def head(self, x, targets=None):
@@ -128,12 +134,13 @@ class Llama(GPT):
 # -- what each of its module kinds saves for backward (activations.py's table) -------------------
 
 def rms_norm(name, m, f):
-    """pow keeps x, rsqrt its output r (one per row), x * r keeps both, (x * r) * g keeps x * r
-    when g trains."""
+    """pow keeps x in fp32 (x itself in fp32, a cast copy else), rsqrt its output r (fp32, one
+    per row), x * r keeps both, (x * r) * g keeps x * r in the working dtype when g trains."""
     if not (f.live or activations.trainable(m)):
         return {}
     f.live = True
-    terms = {f"{name} input": f.values(m.weight.numel()), f"{name} rsqrt": f.values(1)}
+    terms = {f"{name} input (fp32)": f.values(m.weight.numel(), 4),
+             f"{name} rsqrt (fp32)": f.values(1, 4)}
     if activations.trainable(m):
         terms[f"{name} normalized"] = f.values(m.weight.numel())
     return terms
@@ -181,8 +188,11 @@ def llama(model, f, grad_ckpt):
     f.live = activations.trainable(model.embed_tokens)
     blocks = []
     for i, block in enumerate(model.blocks()):
-        if grad_ckpt:
-            blocks.append({"block input (kept by the checkpoint)": f.values(model.config.n_embd)})
+        if grad_ckpt.applies(i):  # the checkpoint keeps the input (and, selective, KEPT's)
+            terms = {"block input (kept by the checkpoint)": f.values(model.config.n_embd)}
+            if grad_ckpt.kind == "selective":
+                terms.update(activations.walk(f"layers.{i}", block, f, activations.KEPT))
+            blocks.append(terms)
             f.live = f.live or any(p.requires_grad for p in block.parameters())
         else:
             blocks.append(activations.walk(f"layers.{i}", block, f))
@@ -193,4 +203,20 @@ def llama(model, f, grad_ckpt):
     return outside, blocks
 
 
+def kept_attention(name, m, f):
+    """Selective: qkv_proj's and o_proj's matmul outputs, SDPA's output and logsumexp."""
+    return {**activations.kept_linear(f"{name}.qkv_proj", m.qkv_proj, f),
+            f"{name}: attention output": f.values(m.n_embd),
+            f"{name}: logsumexp (fp32)": 4 * f.b * f.s * m.n_head,
+            **activations.kept_linear(f"{name}.o_proj", m.o_proj, f)}
+
+
+def kept_swiglu(name, m, f):
+    """Selective: the three matmuls' outputs; silu and the product are recomputed."""
+    return {k: v for path in ("gate_proj", "up_proj", "down_proj")
+            for k, v in activations.kept_linear(f"{name}.{path}", getattr(m, path), f).items()}
+
+
 activations.SAVED.update({Llama: llama, RMSNorm: rms_norm, Attention: attention, SwiGLU: swiglu})
+activations.KEPT.update({RMSNorm: lambda name, m, f: {}, Attention: kept_attention,
+                         SwiGLU: kept_swiglu})

@@ -28,9 +28,11 @@ TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", 
 
 
 def as_llama(main, argv):
-    """What a fork's edit of model.py amounts to: train.py builds the fork's model."""
+    """What a fork's edit of model.py amounts to: model.GPT is the fork's model, and train.py
+    (which imported it before the edit here) builds it."""
+    import model
     import train
-    train.GPT = llama.Llama
+    model.GPT = train.GPT = llama.Llama
     main(argv)
 
 
@@ -102,8 +104,12 @@ def test_memory_py_counts_what_the_fork_holds():
 
 
 @pytest.mark.parametrize("lora", [0, 4])
-@pytest.mark.parametrize("grad_ckpt", [False, True])
+@pytest.mark.parametrize("grad_ckpt", [False, True, "selective", "full/2"])
 def test_memory_py_counts_what_the_fork_saves(lora, grad_ckpt):
+    """Checkpointing off, every block, selective (its KEPT entries), every 2nd block: the fork's
+    forward runs each as model.py's does, and its formulas count what it saves."""
+    from beyond.activation_dial import setting
+    grad_ckpt = setting(grad_ckpt) if isinstance(grad_ckpt, str) else grad_ckpt
     cfg = GPTConfig(**CFG)
     torch.manual_seed(0)
     model = llama.Llama(cfg)
@@ -118,3 +124,69 @@ def test_memory_py_counts_what_the_fork_saves(lora, grad_ckpt):
     est = activation_bytes(cfg, 3, 16, "fp32", grad_ckpt, lora, "all", device="cpu",
                            build=llama.Llama)
     assert est["total"] == out[0], (est, out[0])
+    if not isinstance(grad_ckpt, bool):  # a dial setting (selective, every K-th block) keeps
+        full = activation_bytes(cfg, 3, 16, "fp32", True, lora, "all", device="cpu",  # more
+                                build=llama.Llama)["total"]  # than full checkpointing: it
+        assert out[0] > full  # ran as itself
+
+
+# ----------------------------------------------------------------------------------------------
+# a fork's ways out, its one-line refusals, fp16
+
+def fork_checkpoint(data_root, tmp_path, extra=()):
+    out = tmp_path / "fork"
+    run_train(TINY + ["--data-root", data_root, "--max-iters", "2", "--batch-size", "2",
+                      "--out-dir", str(out), *extra], 1, as_llama)
+    return out
+
+
+def test_a_forks_ways_out_export_sample_and_memory(data_root, tmp_path, monkeypatch, capsys):
+    """export.py --to safetensors, sample.py and memory.py on the fork's own model (model.py
+    edited: model.GPT is the fork's), not GPT-2's."""
+    import export
+    import memory
+    import model
+    import sample
+    monkeypatch.setattr(model, "GPT", llama.Llama)
+    path = list_checkpoints(fork_checkpoint(data_root, tmp_path))[-1]
+    target = str(tmp_path / "w.safetensors")
+    assert export.main([path, "--to", "safetensors", target]) == 0 and os.path.exists(target)
+    capsys.readouterr()
+    assert sample.main(["--ckpt", path, "--max-new-tokens", "5", "--num-samples", "1"]) == 0
+    assert "sampling from" in capsys.readouterr().err
+    est = memory.main(["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size",
+                       "16", "--vocab", "40"])
+    assert est["psi"] == sum(p.numel() for p in llama.Llama(GPTConfig(**CFG)).parameters())
+
+
+class NoBlocks(llama.Llama):
+    """A fork that declares no blocks()."""
+    blocks = None
+
+
+def as_no_blocks(main, argv):
+    import model
+    import train
+    model.GPT = train.GPT = NoBlocks
+    main(argv)
+
+
+def test_a_missing_declaration_is_one_line(data_root, tmp_path, monkeypatch):
+    """A fork that declares no blocks() runs ZeRO 0-2; ZeRO-3 says what to declare."""
+    import train
+    from configurator import ConfigError
+    args = TINY + ["--data-root", data_root, "--max-iters", "1", "--batch-size", "2"]
+    run_train(args + ["--out-dir", str(tmp_path / "z2"), "--zero", "2"], 1, as_no_blocks)
+    monkeypatch.setattr(train, "GPT", NoBlocks)
+    with pytest.raises(ConfigError, match="NoBlocks declares no blocks"):
+        train.main(args + ["--out-dir", str(tmp_path / "z3"), "--zero", "3"])
+
+
+def test_the_fork_trains_in_fp16(data_root, tmp_path):
+    """RMSNorm's statistics in fp32: fp16 steps are not all skipped, the loss falls."""
+    out = tmp_path / "fp16"
+    run_train(TINY + ["--data-root", data_root, "--max-iters", "6", "--batch-size", "4",
+                      "--fp16", "--out-dir", str(out)], 1, as_llama)
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    steps = [r for r in rows if "loss" in r]
+    assert sum(r["skipped"] for r in steps) <= 2 and steps[-1]["loss"] < steps[0]["loss"]

@@ -60,7 +60,8 @@ def test_state_is_made_by_the_optimizer_and_a_first_skip_changes_nothing(name):
             optim.init_state(opt, [p])
             assert optim.state_keys(opt, p) == {"adamw": ["exp_avg", "exp_avg_sq"],
                                                 "sgd": ["momentum_buffer"],
-                                                "lion": ["exp_avg"]}[name]
+                                                "lion": ["exp_avg"],  # muon: AdamW for
+                                                "muon": ["exp_avg", "exp_avg_sq"]}[name]  # 1-D
             assert torch.equal(p, torch.ones(20))
         for g in grads:
             p.grad = g.clone()

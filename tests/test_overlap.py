@@ -114,7 +114,7 @@ def _reduce_precision(rank, world_size):
                 x, y = get_batch(DATA, SEED, 0, micro, rank, world_size, B, T, 2)
                 zero.backward(model(x, y)[1] / 2, sync=micro == 1)
             zero.master_grads()
-            pieces = [{(s.name, s.lo, s.hi): s.master.grad for s in zero.segments}]
+            pieces = [{(s.name, s.lo, s.hi): s.master.grad.reshape(-1) for s in zero.segments}]
             pieces = pieces * world_size
             dist.all_gather_object(pieces, pieces[0])
             grads = {name: torch.zeros(g.numel()) for name, g in ref.items()}

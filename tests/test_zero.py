@@ -271,7 +271,7 @@ def test_fp32_gradient_accumulation_lands_closer_to_fp32(stage):
         for micro in range(steps):
             x, y = get_batch(DATA, SEED, 0, micro, 0, 1, B, T, steps)
             zero.backward(model(x, y)[1] / steps, sync=micro == steps - 1)
-        return torch.cat(zero.master_grads())
+        return torch.cat([g.reshape(-1) for g in zero.master_grads()])
 
     ref = accumulated(torch.float32, False)
     err = {acc: (accumulated(torch.bfloat16, acc) - ref).norm() / ref.norm() for acc in (False, True)}

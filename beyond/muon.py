@@ -1,0 +1,118 @@
+"""
+Muon under ZeRO: an optimizer that needs each weight matrix whole, and the layout that gives it.
+
+  - Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks" (the
+    update, Newton-Schulz quintic coefficients)
+  - Liu et al. 2025, "Muon is Scalable for LLM Training" (Moonlight), Sec. 2: decoupled
+    weight decay, and the update scaled by 0.2 * sqrt(max(rows, cols)) so that its RMS matches
+    AdamW's: Muon then shares AdamW's learning rate and weight decay
+  - nanochat's distributed Muon: ranks own whole matrices, reduce-scatter over stacks of
+    same-shape matrices, orthogonalise the owned ones, all-gather
+
+The idea for one matrix W (out, in) with gradient G:
+
+    M = beta * M + (1 - beta) * G               momentum
+    U = (1 - beta) * G + beta * M               Nesterov's look-ahead
+    O = newton_schulz(U)                        ~ U's orthogonal factor: all singular values ~1
+    W = W * (1 - lr * wd) - lr * 0.2 * sqrt(max(out, in)) * O
+
+Every direction of the update gets the same size, the rare ones as much as the common ones.
+Embeddings, the head and 1-D parameters (gains, biases) are not such matrices: AdamW steps
+them, in the same optimizer.
+
+Why ZeRO's flat sharding breaks it: zero.py cuts every bucket into N equal element ranges,
+so a rank owns a piece of a matrix, and the orthogonal factor of a piece is not a piece of
+the orthogonal factor. The layout that fixes it (zero.py's whole-matrix buckets): the block
+matrices of one shape, L of them, go into a bucket of their own, padded with zero matrices
+to a multiple of N. Its reduce-scatter then hands every rank L/N whole matrices, summed
+over ranks; the rank orthogonalises and steps them; the all-gather publishes them. The
+traffic is ZeRO's 2Ψ (plus the padding); the momentum is sharded by whole matrices, as
+ZeRO-1/2 shard AdamW's moments by elements. Stage 0 owns every matrix on every rank. ZeRO-3
+shards every matrix for the forward too: zero3.py refuses Muon in one line.
+"""
+import math
+
+import torch
+
+# Newton-Schulz quintic iteration (Jordan et al. 2024): five steps map singular values from
+# (0, 1] to about [0.7, 1.2], cheaper and more robust than the exact polar factor (an SVD)
+NS_COEFFICIENTS, NS_STEPS = (3.4445, -4.7750, 2.0315), 5
+
+
+def newton_schulz(G, steps=NS_STEPS):
+    """The orthogonal factor of G (out, in), approximately: U V^T of its SVD U S V^T.
+    In fp32 here (the master's dtype); Jordan et al. run it in bf16 on GPUs."""
+    a, b, c = NS_COEFFICIENTS
+    X = G / (G.norm() + 1e-7)  # singular values into (0, 1]
+    tall = X.size(0) > X.size(1)
+    X = X.t() if tall else X  # X X^T: the smaller of the two Gram matrices
+    for _ in range(steps):
+        A = X @ X.t()
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.t() if tall else X
+
+
+def block_matrices(model):
+    """ids of the 2-D weights inside the model's blocks() (a matrix optimizer's: not the
+    embeddings or the head); without blocks(), of every nn.Linear's weight."""
+    blocks = getattr(model, "blocks", None)
+    blocks = blocks() if callable(blocks) else None
+    modules = [m for blk in blocks for m in blk.modules()] if blocks is not None else \
+        [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return {id(p) for m in modules for p in m.parameters(recurse=False) if p.dim() == 2}
+
+
+def wants_whole_matrices(optimizer):
+    """Muon, or an optimizer that says needs_whole_matrices = True: it orthogonalises or
+    factors each matrix, so it cannot step an element range of one."""
+    return optimizer == "muon" or getattr(optimizer, "needs_whole_matrices", False)
+
+
+def whole_matrix_buckets(params, matrices):
+    """zero.py's layout for a matrix optimizer (stages 1-2): the parameters that are not block
+    matrices, and [(the block matrices of one shape, last layer first; a matrix's numel)]:
+    each such bucket is padded to N whole matrices, so a rank owns whole ones."""
+    groups = {}
+    for p in reversed(params):
+        if id(p) in matrices:
+            groups.setdefault(tuple(p.shape), []).append(p)
+    rest = [p for p in params if id(p) not in matrices]
+    return rest, [(g, g[0].numel()) for g in groups.values()]
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon for the param groups marked "matrices" (zero.py's whole block matrices), AdamW
+    (torch's fused kernel) for the others. Skips a step on the device where found_inf is 1,
+    as AdamW's fused kernel does: nothing waits for the flag."""
+    _step_supports_amp_scaling = True
+    needs_whole_matrices = True  # zero.py gives each rank whole block matrices
+
+    def __init__(self, groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, momentum=0.95):
+        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, momentum=momentum,
+                                      weight_decay=0.0, matrices=False))
+        adam = [g for g in self.param_groups if not g["matrices"]]
+        self.adam = torch.optim.AdamW(adam, lr=lr, betas=betas, eps=eps, fused=True)
+        self.adam.param_groups = adam  # the same group dicts: a new lr reaches both
+        self.adam.state = self.state  # one state: checkpoints read it by parameter
+        self.found_inf = None
+
+    @torch.no_grad()
+    def step(self):
+        self.adam.found_inf = self.found_inf
+        if any(p.grad is not None for g in self.adam.param_groups for p in g["params"]):
+            self.adam.step()
+        skip = self.found_inf  # a device tensor, 1.0 on a skipped step: read by no one here
+        keep = None if skip is None else 1.0 - skip
+        for group in (g for g in self.param_groups if g["matrices"]):
+            beta, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad if skip is None else torch.where(skip > 0, 0.0, p.grad)  # inf * 0
+                m = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                m.lerp_(g, (1 - beta) if keep is None else (1 - beta) * keep)
+                update = newton_schulz(g.lerp(m, beta)) * (0.2 * math.sqrt(max(p.shape)))
+                step = lr if keep is None else lr * keep  # 0 on a skipped step
+                if wd:
+                    p.mul_(1 - step * wd)
+                p.add_(update * -step)

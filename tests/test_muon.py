@@ -1,0 +1,123 @@
+"""Muon under ZeRO (beyond/muon.py): Newton-Schulz gives an orthogonal factor; ZeRO stages 1-2
+hand each rank whole block matrices (a shape's matrices padded to N whole ones), so 1 rank and
+2 ranks take the same steps (fp32, to 1e-6); k steps + save + resume + k steps == 2k steps
+bitwise at stages 0-2, consolidated and sharded, resharded from 2 ranks to 1; ZeRO-3 refuses
+it in one line; the model state holds Muon's momentum per matrix and AdamW's moments for the
+rest."""
+import pytest
+import torch
+
+import checkpoint
+from beyond.muon import newton_schulz
+from conftest import make_zero, run_distributed, zero_step
+from data.loader import get_batch
+from machinery.footprint import estimate
+from model import GPTConfig
+from precision import GradScaler
+from model import GPT
+from test_zero import B, DATA, SEED, T
+from test_zero import CFG as ZERO_CFG
+
+# no biases: the key bias's gradient is zero but for rounding, and AdamW's normalised step
+# turns its last bit into a step of lr either way (tests/test_zero.py's naive test says more)
+CFG = dict(ZERO_CFG, bias=False)
+
+LR, STEPS = 1e-2, 6
+HEADER = {"config": {"dtype": "fp32", "loss_scale": "none"}, "meta": {"vocab_size": 13},
+          "model_args": {}}
+
+
+def test_newton_schulz_orthogonalises():
+    torch.manual_seed(0)
+    for shape in ((30, 10), (10, 40)):  # tall and wide
+        U, _, V = torch.linalg.svd(torch.randn(shape), full_matrices=False)
+        G = U @ torch.diag(torch.logspace(-1.3, 0, min(shape))) @ V  # singular values 0.05-1
+        s = torch.linalg.svdvals(newton_schulz(G))
+        assert 0.6 < s.min() and s.max() < 1.25, (shape, s)  # all directions about equal
+
+
+def make_model():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**CFG))
+
+
+def engine(stage, rank, world_size):
+    model = make_model()
+    return model, make_zero(model, stage, lr=LR, bucket_mb=0.002, rank=rank,
+                            world_size=world_size, optimizer="muon")
+
+
+def train(model, zero, steps, rank, world_size, scaler):
+    """Every rank takes its slice of the global batch of 2 x B sequences."""
+    for step in steps:
+        x, y = get_batch(DATA, SEED, step, 0, rank, world_size, 2 * B // world_size, T, 1)
+        zero.backward(model(x, y)[1])
+        zero_step(zero, scaler, LR, 1.0)
+
+
+def _runs(rank, world_size, tmp):
+    scaler = GradScaler(init_scale=1.0, dynamic=False)
+    out = {}
+    for stage in (0, 1, 2):
+        model, zero = engine(stage, rank, world_size)
+        if stage:  # each rank owns whole block matrices, and Muon's momentum for them only
+            mats = [s for s in zero.segments if s.block_matrix]
+            assert mats and all(s.whole for s in mats)
+            mine = {s.name for s in mats}
+            every = [mine] * world_size
+            if world_size > 1:
+                torch.distributed.all_gather_object(every, mine)
+            assert len(set.union(*every)) == sum(map(len, every)) == 2 * 4  # no matrix twice
+            assert all(zero.opt.state[s.master]["momentum_buffer"].shape == s.param.shape
+                       for s in mats)
+        train(model, zero, range(STEPS), rank, world_size, scaler)
+        out[stage] = checkpoint.state_dict(zero, model)
+        # k + save + resume + k == 2k, bitwise; sharded at stage 1, consolidated else
+        model, zero = engine(stage, rank, world_size)
+        train(model, zero, range(STEPS // 2), rank, world_size, scaler)
+        fmt = "sharded" if stage == 1 else "consolidated"
+        path = checkpoint.save(f"{tmp}/n{world_size}s{stage}", STEPS // 2, zero, model, scaler,
+                               HEADER, fmt, 1)
+        model, zero = engine(stage, rank, world_size)
+        checkpoint.restore(path, zero, model, scaler, {"optimizer": "muon"}, {}, None)
+        train(model, zero, range(STEPS // 2, STEPS), rank, world_size, scaler)
+        resumed = checkpoint.state_dict(zero, model)
+        if rank == 0:
+            for k in out[stage]:
+                assert torch.equal(out[stage][k], resumed[k]), (stage, k)
+            torch.save(out[stage], f"{tmp}/n{world_size}s{stage}.pt")
+    with pytest.raises(ValueError, match="ZeRO-3 shards every matrix"):
+        engine(3, rank, world_size)
+
+
+def test_muon_one_and_two_ranks_and_an_exact_resume(tmp_path):
+    run_distributed(_runs, 2, str(tmp_path))
+    run_distributed(_runs, 1, str(tmp_path))
+    for stage in (0, 1, 2):
+        one, two = (torch.load(tmp_path / f"n{n}s{stage}.pt") for n in (1, 2))
+        for k in one:
+            torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-6, msg=(stage, k))
+    # resharded: the 2-rank stage-2 checkpoint (whole matrices, padded) on 1 rank, stage 1
+    scaler = GradScaler(init_scale=1.0, dynamic=False)
+    model, zero = engine(1, 0, 1)
+    path = checkpoint.list_checkpoints(tmp_path / "n2s2")[-1]
+    checkpoint.restore(path, zero, model, scaler, {"optimizer": "muon"}, {}, None)
+    train(model, zero, range(STEPS // 2, STEPS), 0, 1, scaler)
+    two = torch.load(tmp_path / "n2s2.pt")
+    for k, v in checkpoint.state_dict(zero, model).items():
+        torch.testing.assert_close(v, two[k], rtol=0, atol=1e-6, msg=k)
+
+
+def _state(rank, world_size):
+    for stage in (0, 1, 2):
+        model, zero = engine(stage, rank, world_size)
+        est = estimate(GPTConfig(**CFG), world_size, stage, "fp32", bucket_mb=0.002, rank=rank,
+                       optimizer="muon")
+        assert zero.state_bytes() == est["state"], (stage, zero.state_bytes(), est["state"])
+
+
+def test_memory_py_counts_muons_state():
+    """Muon keeps a momentum (4 bytes) per block-matrix element, AdamW its two moments (8) per
+    element of the rest: memory.py's estimate equals what the engine holds, padding and all,
+    at stages 0-2 on 2 ranks."""
+    run_distributed(_state, 2)
