@@ -339,8 +339,8 @@ class ZeRO:
 
     @torch.no_grad()
     def _seed_master(self, source):
-        """(2) The fp32 master from the full-precision source (PITFALLS-free: a master made
-        from 16-bit weights keeps only their 16 bits, up to 2^-9 relative lost for good)."""
+        """(2) The fp32 master from the full-precision source: a master made from 16-bit
+        weights keeps only their 16 bits, up to 2^-9 relative lost for good."""
         for s in self.segments:
             if s.name in source:
                 values = source[s.name].reshape(-1)[s.lo:s.hi]  # stored rows: no vocab padding
