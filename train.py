@@ -307,15 +307,15 @@ def main(argv=None):
 
 
 def resume(cfg, zero, model, scaler, gptconf, meta, print0):
-    """--resume: the newest checkpoint in out_dir restored (checkpoint.restore), then --fp8's
+    """--resume: rank 0's newest checkpoint restored (checkpoint.restore), then --fp8's
     amax histories, exactly. Returns (the iteration to go on from, the checkpoint or None,
     a note or None)."""
-    ckpts = checkpoint.list_checkpoints(cfg.out_dir) if cfg.resume else []
-    if not ckpts:
+    # rank 0's newest checkpoint, for every rank (each listing its own disk could differ)
+    path = checkpoint.newest_checkpoint(cfg.out_dir, zero.world_size) if cfg.resume else None
+    if not path:
         if cfg.resume:
             print0(f"--resume: no checkpoint in {cfg.out_dir} yet, starting fresh")
         return 0, None, None
-    path = ckpts[-1]
     start_it, note = checkpoint.restore(path, zero, model, scaler, asdict(cfg),
                                         asdict(gptconf), meta)
     saved = checkpoint.Reader(path).header.get("fp8")
