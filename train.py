@@ -122,10 +122,12 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
     if cfg.fp8:
         from beyond import fp8
         try:
-            fp8.check_available(device)
+            eager = fp8.check_available(device, cfg.compile)  # a warning on a GPU, or None
             fp8.convert(model, cfg.fp8_scaling, cfg.fp8_amax_history)
         except (RuntimeError, ValueError) as e:
             raise ConfigError(str(e))
+        if eager and rank == 0:
+            print(eager)
     # 4. activation checkpointing: read by the block loop in every forward
     if cfg.grad_ckpt == "full" and cfg.grad_ckpt_every == 1:
         model.grad_ckpt = True  # model.py's plain version: every block keeps its input
