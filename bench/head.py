@@ -25,6 +25,7 @@ GPU the head is bound by memory, not FLOPs: the bytes give its time at the HBM's
 
     python -m bench.head                         # 4 x 1024 tokens, GPT-2's 50,257 tokens
     python -m bench.head --rows 1024 --no-write
+    python -m bench.head --traffic               # the bytes per logit alone (counted: seconds)
 """
 import argparse
 import json
@@ -144,6 +145,7 @@ def main(argv=None):
     p = parser("head", __doc__)
     p.add_argument("--rows", type=int, default=4096, help="tokens in the batch (B x T)")
     p.add_argument("--vocab", type=int, default=VOCAB, help="tokens in the vocabulary")
+    p.add_argument("--traffic", action="store_true", help="only the bytes per logit")
     p.add_argument("--child", choices=("textbook", "ours"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rows < 1 or args.vocab < 2:
@@ -153,6 +155,13 @@ def main(argv=None):
         print(json.dumps(measure(args.child, args.rows, args.vocab)))
         return
     watch = Stopwatch()
+    if args.traffic:
+        body = ("Bytes each kernel of the loss reads and writes per logit, from the logits to "
+                f"their gradient ({args.vocab:,} tokens padded to a multiple of 64), counted "
+                "on the meta device; the time is what a bandwidth-bound head would take.")
+        report(command("head", argv), "head-traffic", body, traffic_table(args.vocab), watch,
+               not args.no_write, "The loss head's memory traffic")
+        return
     results = {which: run(which, args.rows, args.vocab) for which in ("textbook", "ours")}
     cfg = GPTConfig(vocab_size=args.vocab, n_embd=WIDTH, block_size=args.rows)
     terms = activation_bytes(cfg, 1, args.rows, "bf16", device="cpu")["outside"]

@@ -227,3 +227,16 @@ def test_nanogpt_against_a_fake_checkout(tmp_path, capsys):
     assert (fake / "data" / "shakespeare_char" / "input.txt").stat().st_size == 1115394
     assert "| 0 |" in out and "| median |" in out
     assert "nanoGPT: ms/step" in out and "| 31.0 |" in out  # iters 10, 11, 12: 31, 32, 30 ms
+
+
+def test_fp8_casts_are_timed_and_counted_without_their_products():
+    """bench.fp8 --casts: the casts of one linear timed beside its matmuls, with the FP8
+    products stubbed out (and put back after), and their bytes counted on the meta device:
+    each cast passes over its tensor several times (fp32 copy, scale, clamp, cast)."""
+    from bench import fp8 as bench_fp8
+    from beyond import fp8
+    real = fp8._scaled_mm
+    (M, K, N, ms, ratio), = bench_fp8.cast_times(torch.device("cpu"), [(32, 32, 48)], 1)
+    assert fp8._scaled_mm is real and set(ms) == {"fp32", "bf16", "casts"}
+    elements = 32 * 32 + 48 * 32 + 32 * 48  # x, w, the output gradient
+    assert bench_fp8.cast_bytes(M, K, N) > 10 * elements
