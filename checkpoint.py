@@ -39,7 +39,7 @@ import torch.distributed as dist
 import optim
 from collectives import all_gather_object
 from machinery import rundir, validate
-from machinery.ckpt_reader import CheckpointError, Reader  # the files, read and checked
+from machinery.ckpt_reader import CheckpointError, Reader, newest_checkpoint  # read, checked
 from machinery.pieces import full_tensors, optimizer_header, owned_pieces, stored
 from machinery.rundir import list_checkpoints
 from machinery.validate import crc

@@ -16,8 +16,9 @@ import math
 import sys
 
 from configurator import ConfigError
-from machinery.estimator import (GB, HEADROOM, dataset_note, fits, model_from_flags,
-                                 parse_bytes, parse_flags, print_run, save_flags)
+from machinery.estimator import (GB, HEADROOM, advise_plans, breakdown, dataset_note, fits,
+                                 model_from_flags, parse_bytes, parse_flags, print_run,
+                                 save_flags)
 from machinery.footprint import estimate
 
 
@@ -48,10 +49,10 @@ def command(world_size, shape_args, stage, dtype, batch, grad_ckpt=False, lora=F
 def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), batch_tokens=0,
            host_bytes=256e9, chunked_loss=True):
     """The lecture's decision flow, each step checked with estimate(): (lines, command or None).
-    LoRA keeps the ZeRO stage the steps before chose: on ZeRO-3 its frozen base is sharded too.
-    The command saves sharded checkpoints when rank 0's host could not assemble a consolidated
-    one (save_flags)."""
-    from beyond.activation_dial import Policy  # selective, every K-th block
+    The cheapest stage that fits wins, at its largest micro-batch: ZeRO-2 before ZeRO-3
+    (advise_plans). LoRA keeps the ZeRO stage the steps before chose: on ZeRO-3 its frozen
+    base is sharded too. The command saves sharded checkpoints when rank 0's host could not
+    assemble a consolidated one (save_flags)."""
     N = world_size
 
     def est(**run):
@@ -64,27 +65,19 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
     one = est(world_size=1)
     lines.append(f"batch 1 on one GPU, no ZeRO: peak {one['peak'] / GB:.2f} GB of "
                  f"{(1 - HEADROOM) * gpu_bytes / GB:.1f} GB usable ({gpu_bytes / GB:.0f} GB less "
-                 f"{HEADROOM:.0%}): " + ("fits" if fits(one, gpu_bytes) else "does not fit"))
-    # (ZeRO stage, grad_ckpt, LoRA rank, quantize, why), tried in order until a micro-batch fits
-    if fits(one, gpu_bytes) and N > 1:
-        plans = [(2, False, 0, None, f"yes: ZeRO-2 on {N} GPUs (the traffic of data parallelism, "
-                  "less memory) and a larger micro-batch")]
-    elif fits(one, gpu_bytes):
-        plans = [(0, False, 0, None, "yes: one GPU has nothing to shard; a larger micro-batch")]
-    else:
-        z, sharded = (3, " (ZeRO-3 still shards it)") if N > 1 else (0, "")
-        plans = [(3, False, 0, None, f"no: ZeRO-3 on {N} GPUs shards the weights too (1.5x the "
-                  "traffic)")] if N > 1 else []
-        # the least checkpointing that fits: the pointwise ops, every 2nd block, every block
-        plans += [(z, Policy("selective"), 0, None, "+ selective activation checkpointing: the "
-                   "blocks keep their matmuls' outputs, recompute the pointwise ops"),
-                  (z, Policy("full", 2), 0, None, "+ activation checkpointing of every 2nd "
-                   "block: it keeps only its input"),
-                  (z, True, 0, None, "+ activation checkpointing: each block keeps only its input"),
-                  (z, True, 8, None, "+ LoRA on q,v, r=8: only the adapters train, no gradients "
-                   f"or optimizer state for the base{sharded}"),
-                  (z, True, 8, "nf4", "+ QLoRA: the frozen base weights in 4-bit NF4")]
-    for stage, ckpt, r, quant, why in plans:
+                 f"{HEADROOM:.0%}): " + ("fits" if fits(one, gpu_bytes) else "does not fit")
+                 + "\n   " + breakdown(one))
+    # ZeRO-2 holds the 16-bit weights whole: tried where its model state can fit at all
+    zero2 = est(stage=2, grad_ckpt=True)
+    if not fits(one, gpu_bytes) and N > 1 and not fits(zero2, gpu_bytes):
+        lines.append(f"ZeRO-2 on {N} GPUs: its model state alone needs "
+                     f"{zero2['state']['total'] / GB:.2f} GB (the 16-bit weights whole, "
+                     f"{zero2['state']['params'] / GB:.2f} GB): no micro-batch fits")
+    best = None  # (run, micro-batch): the cheapest plan that fits
+    for stage, ckpt, r, quant, why in advise_plans(N, fits(one, gpu_bytes),
+                                                    fits(zero2, gpu_bytes)):
+        if best and (stage, ckpt) != (3, best[0]["grad_ckpt"]):
+            break  # a fitting ZeRO-2 competes only with ZeRO-3 at the same checkpointing
         run = dict(stage=stage, grad_ckpt=ckpt, lora_rank=r, quantize=quant)
         b = max_batch(lambda b: fits(est(batch=b, **run), gpu_bytes))
         if batch_tokens:  # --batch-tokens: a micro-batch whose global micro-step divides it
@@ -93,24 +86,34 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
         peak = est(batch=max(b, 1), **run)["peak"] / GB
         lines.append(f"{why}: " + (f"micro-batch up to {b} fits (peak {peak:.2f} GB)" if b
                                    else f"batch 1 needs {peak:.2f} GB"))
-        if b:
+        if best and b:  # a micro-step moves Ψ on ZeRO-2 (its reduce-scatter), 3Ψ on ZeRO-3
+            lines.append(f"a sequence moves Ψ/{best[1]} on ZeRO-2, 3Ψ/{b} on ZeRO-3: "
+                         + ("ZeRO-3" if b > 3 * best[1] else "ZeRO-2"))
+        if b and (best is None or b > 3 * best[1]):
+            best = (run, b)
+        if best and best[0]["stage"] != 2:
             break
-    else:
-        # would a full fine-tune fit on more of these GPUs?
+    if best is None:  # would a full fine-tune fit on more of these GPUs?
         more = [n for n in (2**k for k in range(13))
                 if fits(est(world_size=n, stage=3, grad_ckpt=True), gpu_bytes)]
         lines.append("does not fit: shorten the sequence or take bigger GPUs" + (
             f"; a full fine-tune with ZeRO-3 + checkpointing fits on {more[0]} of these GPUs"
             if more else ""))
+    elif best[0]["stage"] == 2 and not fits(one, gpu_bytes):  # where we leave the flowchart
+        lines.append("the lecture's flowchart goes to ZeRO-3 once batch 1 does not fit one GPU; "
+                     "ZeRO-2 fits here for the traffic of data parallelism, not 1.5x: stage 3 "
+                     "only when the 16-bit weights themselves do not fit")
     lines = [f"{i + 1}. {line}" for i, line in enumerate(lines)]
-    if not b:
+    if best is None:
         return lines, None
+    run, b = best
     saving = save_flags(est(batch=b, **run)["trainable"], "adamw", host_bytes)
     if saving:
         lines.append(f"{len(lines) + 1}. checkpoints: --ckpt-format sharded (a consolidated save "
                      f"would gather 12 bytes a parameter on rank 0's host, over half of "
                      f"--host-mem {host_bytes / GB:.0f} GB)")
-    return lines, command(N, [*shape_args, *saving], stage, dtype, b, ckpt, r > 0, quant)
+    return lines, command(N, [*shape_args, *saving], run["stage"], dtype, b, run["grad_ckpt"],
+                          run["lora_rank"] > 0, run["quantize"])
 
 
 def main(argv=None):

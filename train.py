@@ -126,10 +126,12 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
     if cfg.fp8:
         from beyond import fp8
         try:
-            fp8.check_available(device)
+            eager = fp8.check_available(device, cfg.compile)  # a warning on a GPU, or None
             fp8.convert(model, cfg.fp8_scaling, cfg.fp8_amax_history)
         except (RuntimeError, ValueError) as e:
             raise ConfigError(str(e))
+        if eager and rank == 0:
+            print(eager)
     # 4. activation checkpointing: read by the block loop in every forward
     if cfg.grad_ckpt == "full" and cfg.grad_ckpt_every == 1:
         model.grad_ckpt = True  # model.py's plain version: every block keeps its input
@@ -189,9 +191,10 @@ def make_engine(cfg, model, dtype, rank, world_size, grad_accum, source=None):
 def compile_model(model):
     """torch.compile each block's forward and the loss head (final LayerNorm, LM head,
     loss), where the memory-bound work (LayerNorms, residual adds, GELU, the softmax)
-    fuses."""
-    for block in model.blocks():
-        block.forward = torch.compile(block.forward)
+    fuses. A selective checkpoint goes inside the compiled forward (activation_dial.py)."""
+    inside = getattr(model.grad_ckpt, "compiled", lambda forward, i: forward)
+    for i, block in enumerate(model.blocks()):
+        block.forward = torch.compile(inside(block.forward, i))
     model.head = torch.compile(model.head)
 
 
@@ -309,15 +312,15 @@ def main(argv=None):
 
 
 def resume(cfg, zero, model, scaler, gptconf, meta, print0):
-    """--resume: the newest checkpoint in out_dir restored (checkpoint.restore), then --fp8's
+    """--resume: rank 0's newest checkpoint restored (checkpoint.restore), then --fp8's
     amax histories, exactly. Returns (the iteration to go on from, the checkpoint or None,
     a note or None)."""
-    ckpts = checkpoint.list_checkpoints(cfg.out_dir) if cfg.resume else []
-    if not ckpts:
+    # rank 0's newest checkpoint, for every rank (each listing its own disk could differ)
+    path = checkpoint.newest_checkpoint(cfg.out_dir, zero.world_size) if cfg.resume else None
+    if not path:
         if cfg.resume:
             print0(f"--resume: no checkpoint in {cfg.out_dir} yet, starting fresh")
         return 0, None, None
-    path = ckpts[-1]
     start_it, note = checkpoint.restore(path, zero, model, scaler, asdict(cfg),
                                         asdict(gptconf), meta)
     saved = checkpoint.Reader(path).header.get("fp8")

@@ -21,6 +21,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from collectives import Traffic
 from configurator import TrainConfig
@@ -130,6 +131,48 @@ def time_block(step, first, n, device):
     for i in range(n):
         step(first + i)
     return (time.perf_counter() - t0) * 1000 / n
+
+
+class KernelBytes(TorchDispatchMode):
+    """Counts the bytes each aten op reads (its tensor inputs) and writes (its outputs): what
+    an eager kernel moves through memory at least, once per tensor (a kernel's own re-reads,
+    which caches may serve, are not counted). Views move nothing; an indexed op (gather,
+    scatter, nll_loss) moves what its index picks; logsumexp is the four kernels ATen runs
+    for it (amax, a subtraction, an exp, a sum: 6 passes over its input). Runs on the meta
+    device too: shapes and dtypes are all it needs, so GPU-sized tensors cost nothing."""
+    FREE = {"_unsafe_view", "_reshape_alias", "detach", "lift_fresh", "alias", "empty",
+            "empty_like", "new_empty"}  # no data moved
+    INDEXED = {"gather", "scatter", "scatter_", "scatter_add", "scatter_add_",
+               "nll_loss_forward", "nll_loss_backward"}
+
+    def __init__(self):
+        super().__init__()
+        self.read = self.written = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name.split("::")[-1]
+        if func.is_view or name in self.FREE:
+            return out
+        size = lambda t: t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+        ins = [size(a) for a in list(args) + list((kwargs or {}).values())
+               for a in (a if isinstance(a, (list, tuple)) else [a])]
+        outs = [size(o) for o in (out if isinstance(out, (list, tuple)) else [out])]
+        if name == "nll_loss_backward":  # a zero-filled gradient, a value per row put in
+            self.read, self.written = self.read + min(b for b in ins if b), \
+                self.written + outs[0]
+        elif name in self.INDEXED:  # the index and as many elements as it picks
+            picked = min(b for b in ins if b)
+            self.read, self.written = self.read + 2 * picked, self.written + picked
+        elif name == "logsumexp":
+            self.read, self.written = self.read + 4 * ins[0], self.written + 2 * ins[0]
+        elif name.endswith("_") or "out" in (kwargs or {}):  # in place, or out=
+            overwritten = "out" in (kwargs or {}) or name in ("copy_", "zero_", "fill_")
+            self.read += sum(ins) - sum(outs) * overwritten  # not what it overwrites
+            self.written += sum(outs)
+        else:
+            self.read, self.written = self.read + sum(ins), self.written + sum(outs)
+        return out
 
 
 def paired_ratio(a, b):

@@ -32,7 +32,7 @@ SDPA's fused kernels keep no a*s*s matrix in the first place, so what is left th
 and heavy is the pointwise work: GELU's input and output alone are 8h of a block's ~16h.
 """
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -63,6 +63,8 @@ class Policy:
     model.py's block loop as policy(block, x, i)."""
     kind: str = "none"
     every: int = 1
+    # --compile: the blocks whose compiled forward checkpoints itself (compiled())
+    inside: set = field(default_factory=set, compare=False, repr=False)
 
     def __post_init__(self):
         if self.kind not in POLICIES or self.every < 1:
@@ -88,11 +90,25 @@ class Policy:
         """Block i of the model's loop on x, checkpointed as this policy says. Not the
         reentrant variant: it yields no gradients when no input requires grad (frozen
         embeddings under LoRA), and is deprecated as a default."""
-        if not self.applies(i):
+        if not self.applies(i) or i in self.inside:
             return block(x)
         if self.kind == "full":  # keep x, drop everything else, recompute it all in backward
             return checkpoint(block, x, use_reentrant=False)
         return checkpoint(block, x, use_reentrant=False, context_fn=_selective_contexts)
+
+    def compiled(self, forward, i):
+        """--compile: the function to compile as block i's forward. Under `selective` the
+        checkpoint goes inside it: dynamo captures it as a higher-order op and the policy sees
+        the traced graph's aten.mm. Around a compiled block it would see the kernels' calls,
+        aten.mm.out, and keep nothing (torchtitan compiles its checkpointed blocks alike).
+        `full` names no ops: its checkpoint stays around the compiled block."""
+        if self.kind != "selective" or not self.applies(i):
+            return forward
+        self.inside.add(i)
+
+        def checkpointed(x):
+            return checkpoint(forward, x, use_reentrant=False, context_fn=_compiled_contexts)
+        return checkpointed
 
     @contextmanager
     def metering(self, count):
@@ -126,6 +142,10 @@ def _selective(ctx, func, *args, **kwargs):
     """The per-op policy: MUST_SAVE keeps the op's output in the checkpoint's cache, and the
     recompute returns it instead of running the op again."""
     return CheckpointPolicy.MUST_SAVE if func in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _compiled_contexts():  # traced by dynamo: no measuring mode (the meter's pack counts)
+    return create_selective_checkpoint_contexts(_selective)
 
 
 def _selective_contexts():

@@ -78,22 +78,28 @@ def cast(t, scale, fmt, stats=None):
     q = v.clamp(-top, top).to(fmt)
     if stats is not None:
         # saturated: past the max by more than fp32's rounding (the amax itself may land there)
+        # the count of values by a fill on the device: torch.tensor(n, device=...) would be a
+        # blocking host-to-device copy on a GPU, one per cast
         stats += torch.stack([((q == 0) & (t != 0)).sum(), (v.abs() > top * (1 + 1e-6)).sum(),
-                              (t != 0).sum(), torch.tensor(t.numel(), device=t.device)])
+                              (t != 0).sum(), torch.full((), t.numel(), device=t.device)])
     return q
 
 
 # ----------------------------------------------------------------------------------------------
 # 3. the matmuls: torch._scaled_mm and the autograd Function
 
-def _scaled_mm(a, b, scale_a, scale_b):
+def _scaled_mm(a, b, scale_a, scale_b, fast_accum=False):
     """a @ b from FP8 operands, out = (scale_a * scale_b) * (a @ b) in bf16, fp32 accumulation.
     The scales are the inverses of the cast's: they undo it. cuBLAS (and so CUDA) wants `a`
     row-major and `b` column-major, every dimension a multiple of 16, fp32 scalar scales, and
     never E5M2 x E5M2; torch 2.13's CPU kernel takes any layout and size, but we give it the
     CUDA layouts so that the CPU tests exercise the GPU's path. Before torch 2.4 it returned
-    (out, amax)."""
-    out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+    (out, amax). fast_accum: Hopper's FP8 tensor cores then skip the periodic promotion of
+    their partial sums to fp32 (faster, fewer bits): torchao's default for the forward's
+    product only; the gradients' long sums (dw sums over every token) keep the full one.
+    The CPU kernel ignores it."""
+    out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
+                           use_fast_accum=fast_accum)
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -123,7 +129,8 @@ class _FP8Matmul(torch.autograd.Function):
         s_x, s_w = owner.scale("x", x2, training), owner.scale("w", w, training)
         x8 = cast(x2, s_x, E4M3, owner.stat("x", training))
         w8 = cast(w, s_w, E4M3, owner.stat("w", training))
-        y = _scaled_mm(x8, w8.t(), s_x.reciprocal(), s_w.reciprocal())  # (M, N); w8.t(): col-major
+        y = _scaled_mm(x8, w8.t(), s_x.reciprocal(), s_w.reciprocal(),  # w8.t(): col-major
+                       fast_accum=True)  # (M, N)
         ctx.owner, ctx.shape = owner, x.shape
         ctx.save_for_backward(x8 if w.requires_grad else None, w, s_x, s_w)
         return y[:math.prod(x.shape[:-1])].view(*x.shape[:-1], N)  # the padded rows cut off
@@ -199,8 +206,9 @@ class FP8Linear(nn.Module):
         return self.fp8(x, self.weight, self.bias)
 
 
-def check_available(device):
-    """A one-line RuntimeError where this torch or device has no FP8 matmul."""
+def check_available(device, compiled=False):
+    """A one-line RuntimeError where this torch or device has no FP8 matmul. Returns a line to
+    print once where FP8 runs eagerly on a GPU (without --compile), else None."""
     device = torch.device(device)
     if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
         raise RuntimeError(f"torch {torch.__version__} has no FP8 matmul: upgrade, or drop --fp8")
@@ -214,6 +222,11 @@ def check_available(device):
     except (RuntimeError, NotImplementedError) as e:
         raise RuntimeError(f"torch {torch.__version__} has no FP8 matmul on {device.type} "
                            f"({str(e).splitlines()[0]}): drop --fp8")
+    if device.type == "cuda" and not compiled:  # docs/fp8.md: what an eager cast costs
+        return ("warning: --fp8 without --compile: each cast (amax, scale, clamp, cast, "
+                "transposed copies) is a pass of its own over memory, and they cost more "
+                "than the FP8 matmuls save (bench.fp8): add --compile to fuse them")
+    return None
 
 
 def convert(model, scaling="dynamic", history=16):

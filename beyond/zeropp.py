@@ -20,6 +20,12 @@ slow links between nodes. ZeRO++ changes three steps of zero3.py's lifecycle, ea
                       or --qgz-bits 8), inside the node first, then across nodes on the
                       node's partial sums, each dequantized and summed in fp32.
 
+Overlapped as zero3.py's collectives are: qgZ's first hop is launched from the gradient hook
+and returns at once; its second hop when the next bucket is launched (the first has had a
+bucket's backward to land), and the bucket lands where stage 3 lands a reduce-scatter, at most
+MAX_IN_FLIGHT in flight. hpZ's re-gather runs on the node's own group, or on one node on the
+gather group: not queued behind the reduce-scatters of the default group's stream.
+
 The error of one code (quant.absmax_quantize): |x - x'| <= absmax(block) / (2 qmax), qmax 127
 (int8) or 7 (int4). One qwZ gather: that, plus the rounding of x' to the working dtype. One
 qgZ reduction of k ranks' gradients on n nodes: at most the sum of that bound over the k codes
@@ -109,6 +115,56 @@ class _Landing:
         self.then()
 
 
+class _TwoHops:
+    """qgZ's reduction of one bucket as a work handle: hop 1 (inside the node) is launched at
+    construction, hop 2 (across nodes) by advance() once hop 1 has landed, and wait() lands
+    whatever is left into `out`, this rank's slice of the mean (fp32). Every rank calls
+    advance() and wait() at the same points, so the all-to-alls keep one order everywhere."""
+
+    def __init__(self, zero, flat, out):
+        n, k, self.zero, self.out = zero.nodes, zero.node_size, zero, out
+        S = flat.numel() // zero.world_size
+        x = flat.float().div_(zero.world_size).view(n, k, S)
+        self.hops = []  # (size, group, then) of the hops not launched yet
+        if n > 1:  # hop 2: row m to node m, summed into this rank's slice
+            self.hops.append((n, zero.cross_group, lambda x: x.sum(0, keepdim=True)))
+        if k > 1:  # hop 1: (k, n * S), row j to local rank j, summed: (n, S)
+            self.hops.append((k, zero.node_group, lambda x: x.sum(0).reshape(n, S)))
+            x = x.transpose(0, 1).reshape(k, n * S)
+        else:
+            x = x.reshape(n, S)
+        self.x, self.flying = x, None
+        self._launch()
+
+    def _launch(self):
+        """Start the next hop's all-to-all on self.x (codes), or finish if none is left."""
+        if not self.hops:
+            self.out.copy_(self.x.view(-1))
+            return
+        size, group, then = self.hops.pop()
+        rows = pack(self.x, self.zero.qgz_bits, QGZ_BLOCK)
+        received = torch.empty_like(rows)
+        work = all_to_all(received, rows, self.zero.traffic, size, group)
+        self.flying = (work, rows, received, self.x.shape[1], then)
+
+    def _land(self):
+        work, _, received, L, then = self.flying
+        if work is not None:
+            work.wait()
+        self.x, self.flying = then(unpack(received, self.zero.qgz_bits, QGZ_BLOCK, L)), None
+
+    def advance(self):
+        """Hop 1 has had a bucket's backward to land: land it, launch hop 2."""
+        if self.flying is not None and self.hops:
+            self._land()
+            self._launch()
+
+    def wait(self):
+        while self.flying is not None:
+            self._land()
+            self._launch()
+
+
 class ZeROpp(ZeRO3):
     """ZeRO-3 with any of qwZ, hpZ, qgZ (zeropp: a tuple of PARTS) on nodes of node_size
     ranks (ranks node * k + local). With none of them it is ZeRO-3, its bytes split by link."""
@@ -141,9 +197,10 @@ class ZeROpp(ZeRO3):
     # -- (2) gather and (5) re-gather ----------------------------------------------------------
 
     def _launch_gather(self, b):
-        if b.secondary is not None:  # (5) hpZ: re-gather inside the node, 16-bit
-            return all_gather_params(b.flat, b.secondary, self.traffic, self.node_size,
-                                     self.node_group)
+        if b.secondary is not None:  # (5) hpZ: re-gather inside the node, 16-bit, on the
+            # node's group; on one node that is the world: its gather group, then
+            group = self.node_group if self.nodes > 1 else self.gather_group
+            return all_gather_params(b.flat, b.secondary, self.traffic, self.node_size, group)
         if not self._quantized(b):  # (2) as ZeRO-3 does
             return self._then(super()._launch_gather(b), lambda: self._keep_secondary(b))
         # (2) qwZ: this rank's shard as int8 codes + scales; every rank's, gathered
@@ -200,38 +257,31 @@ class ZeROpp(ZeRO3):
     def _reduce(self, b):
         if not self.qgz or self.world_size == 1:
             return super()._reduce(b)
+        for work, *_ in self.in_flight:  # the hops 1 launched a bucket ago: their hops 2
+            work.advance()
         while len(self.in_flight) >= MAX_IN_FLIGHT:
             self._land_one(*self.in_flight.pop(0))
         send = self._grads_to_flat(b)  # the bucket's full gradient, a temporary
-        reduced = self.quantized_reduce_scatter(send)  # this rank's slice of the mean, fp32
-        self.in_flight.append((None, send, reduced, b.grad_shard))  # landed in order, as ever
+        reduced = torch.empty(b.grad_shard.numel(), device=self.device)  # fp32, when landed
+        work = self.launch_quantized_reduce_scatter(send, reduced)  # hop 1 on its way
+        self.in_flight.append((work, send, reduced, b.grad_shard))  # landed as stage 3 lands
         if not b.unit.root:
             self._free([b])  # (6) ...and free, as ZeRO-3 does
 
-    def quantized_reduce_scatter(self, flat):
-        """qgZ: this rank's slice (flat.numel() / N) of the mean of every rank's `flat`.
+    def launch_quantized_reduce_scatter(self, flat, out):
+        """qgZ: launch the reduction of `flat` into out, this rank's slice (flat.numel() / N) of
+        the mean of every rank's flat; returns its handle (_TwoHops: wait() lands it).
         Hop 1, inside the node: flat seen as (nodes, k, S), local rank j is sent [:, j, :], the
         slices of the ranks (m, j) on every node m, and sums what its k node mates sent.
         Hop 2, across nodes, among the ranks of local rank j: row m of that partial sum goes to
         node m's rank j, which sums the `nodes` rows into its own slice. Each hop moves codes."""
-        n, k = self.nodes, self.node_size
-        S = flat.numel() // self.world_size
-        x = flat.float().div_(self.world_size).view(n, k, S)
-        if k > 1:  # hop 1: (k, n * S), row j to local rank j
-            x = self._exchange(x.transpose(0, 1).reshape(k, n * S), k, self.node_group).sum(0)
-        x = x.reshape(n, S)
-        if n > 1:  # hop 2: row m to node m
-            x = self._exchange(x, n, self.cross_group).sum(0, keepdim=True)
-        return x.view(S)
+        return _TwoHops(self, flat, out)
 
-    def _exchange(self, rows, size, group):
-        """An all-to-all of rows (size, L) as codes: returns (size, L) fp32, row i from rank i."""
-        packed = pack(rows, self.qgz_bits, QGZ_BLOCK)
-        received = torch.empty_like(packed)
-        work = all_to_all(received, packed, self.traffic, size, group)
-        if work is not None:
-            work.wait()  # plain first: the hops run one after the other, not overlapped
-        return unpack(received, self.qgz_bits, QGZ_BLOCK, rows.shape[1])
+    def quantized_reduce_scatter(self, flat):
+        """The same, waited for: this rank's slice of the mean (fp32)."""
+        out = torch.empty(flat.numel() // self.world_size, device=flat.device)
+        self.launch_quantized_reduce_scatter(flat, out).wait()
+        return out
 
     # -- measurement ---------------------------------------------------------------------------
 

@@ -15,8 +15,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from collectives import all_gather_object
 from configurator import ConfigError
 from data.prepare import DATASETS, DataError, load_meta, prepare
+from machinery.lifecycle import agreed_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,28 +64,39 @@ class Batches:
         return batch
 
 
+# what a rank that lacks the data, while others have it, is told: nodes share no disk
+SHARE_DATA = ("every node needs the data: prepare it on each node (a built-in data set or "
+              "--input FILE is prepared by each node's first rank), or give --data-root a disk "
+              "they share")
+
+
 def load_data(cfg, rank, world_size, base_meta=None):
     """Memory-map train.bin / val.bin, preparing the data set first if it is missing (the
-    built-in ones, or --input FILE in base_meta's vocabulary; rank 0 prepares, the others wait)."""
+    built-in ones, or --input FILE in base_meta's vocabulary). The first rank of each node
+    prepares (LOCAL_RANK 0: nodes need not share a disk), the others wait; a rank that has no
+    data stops every rank with one line, rather than leave them waiting in a collective."""
     if cfg.input:
         cfg.dataset = os.path.splitext(os.path.basename(cfg.input))[0]
     data_dir = os.path.join(ROOT, cfg.data_root, cfg.dataset)  # an absolute data_root wins
-    missing = not os.path.isfile(os.path.join(data_dir, "val.bin"))
+    missing, error = not os.path.isfile(os.path.join(data_dir, "val.bin")), None
     if missing and not cfg.input and cfg.dataset not in DATASETS:
-        raise ConfigError(f"no prepared data in {data_dir}: run "
-                          f"`python data/prepare.py --input FILE --name {cfg.dataset}`")
-    if (missing or cfg.input) and rank == 0:
+        error = (f"no prepared data in {data_dir}: run "
+                 f"`python data/prepare.py --input FILE --name {cfg.dataset}`")
+    elif (missing or cfg.input) and int(os.environ.get("LOCAL_RANK", rank)) == 0:
         try:  # a built-in data set in its own vocabulary: check_vocab compares it with the model's
             prepare(dataset="shakespeare_char" if cfg.input else cfg.dataset,
                     input_path=cfg.input or None, out_root=os.path.join(ROOT, cfg.data_root),
                     base_meta=base_meta if cfg.input else None)
         except DataError as e:
-            raise ConfigError(str(e))
-    if world_size > 1:
-        dist.barrier()
-    if not os.path.isfile(os.path.join(data_dir, "val.bin")):
-        raise ConfigError(f"no prepared data in {data_dir}: run "
-                          f"`python data/prepare.py --dataset {cfg.dataset}`")
+            error = str(e)
+    # every rank's outcome, gathered (a barrier too: each node's preparation is done)
+    error = agreed_error(all_gather_object(error, world_size), SHARE_DATA)
+    if error is None and not os.path.isfile(os.path.join(data_dir, "val.bin")):
+        error = (f"no prepared data in {data_dir}: run "
+                 f"`python data/prepare.py --dataset {cfg.dataset}`")
+    error = agreed_error(all_gather_object(error, world_size), SHARE_DATA)
+    if error:
+        raise ConfigError(error)
     meta = load_meta(data_dir)
     train = np.memmap(os.path.join(data_dir, "train.bin"), dtype=np.uint16, mode="r")
     val = np.memmap(os.path.join(data_dir, "val.bin"), dtype=np.uint16, mode="r")

@@ -219,6 +219,16 @@ def split_90_10(text):
     return text[:split], text[split:]
 
 
+def write_atomic(path, write):
+    """write(f) into a temporary file beside path, then rename it over path: the first rank of
+    each node prepares, and on a disk the nodes share no reader sees half a file."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".")
+    with os.fdopen(fd, "wb") as f:
+        write(f)
+    os.chmod(tmp, 0o644)  # as open() would have made it, not mkstemp's owner-only 0o600
+    os.replace(tmp, path)
+
+
 def prepare(dataset="shakespeare_char", input_path=None, tokenizer=None, name=None,
             out_root=None, base_meta=None):
     """Tokenize one text into out_root/name/{train.bin,val.bin,meta.json}; returns that folder.
@@ -274,10 +284,10 @@ def prepare(dataset="shakespeare_char", input_path=None, tokenizer=None, name=No
     # the text's sha256 tells later readers exactly which text the ids came from
     meta.update(source=source, text_sha256=sha256(text.encode("utf-8")),
                 train_tokens=len(train), val_tokens=len(val))
-    with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, ensure_ascii=False)
-    train.tofile(os.path.join(out_dir, "train.bin"))
-    val.tofile(os.path.join(out_dir, "val.bin"))  # last: train.py takes it to mean "done"
+    text = json.dumps(meta, ensure_ascii=False).encode("utf-8")
+    write_atomic(os.path.join(out_dir, "meta.json"), lambda f: f.write(text))
+    write_atomic(os.path.join(out_dir, "train.bin"), train.tofile)
+    write_atomic(os.path.join(out_dir, "val.bin"), val.tofile)  # last: train.py reads "done"
     print(f"{out_dir}: train {len(train):,} tokens, val {len(val):,} tokens, "
           f"vocab {meta['vocab_size']:,} ({meta['tokenizer']})")
     return out_dir

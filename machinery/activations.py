@@ -17,11 +17,32 @@ from beyond.chunked_loss import chunk_rows
 from beyond.activation_dial import policy
 from beyond.fp8 import FP8Linear, convert as fp8_convert
 from lora import LoRALinear, apply_lora
-import model as model_py  # model.GPT when called: a fork's edit of it is walked
+import model as model_py
 from model import GPT, MLP, CausalSelfAttention, LayerNorm
 from quant import QuantLinear
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "nf4": 0.5}  # bytes per value
+
+_shapes = {}  # (build, the config's repr, LoRA, FP8) -> the shapes-only model, built once
+
+
+def shapes_model(cfg, build=None, lora_rank=0, lora_targets=(), fp8=False):
+    """The model cfg describes (model.py's GPT, or build(cfg)'s) on the meta device, with LoRA
+    if lora_rank and FP8 linears if fp8: every shape, nothing allocated. Built once per
+    configuration (its weights' init is most of the cost: --advise asks dozens of times);
+    callers read it, never change it."""
+    build = build or model_py.GPT  # model.GPT when called: a fork's edit of it is walked
+    key = (build, repr(cfg), lora_rank, tuple(lora_targets), fp8)
+    if key not in _shapes:
+        with torch.device("meta"):
+            model = build(cfg)
+            if lora_rank:
+                apply_lora(model, lora_rank, targets=lora_targets)
+            if fp8:  # the block linears' products in FP8 (fp8.py)
+                fp8_convert(model)
+        _shapes[key] = model
+    return _shapes[key]
+
 
 def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_targets=(),
                      device="cuda", build=None, fp8=False, chunked_loss=False):
@@ -30,12 +51,7 @@ def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_
     the rest, "per_layer": the last block's sum, "total"}. A shapes-only copy of the model is
     walked in forward order, each module priced by its entry in SAVED. grad_ckpt: a bool (True
     = full), a name or an activation_dial.Policy (which blocks, what they keep)."""
-    with torch.device("meta"):  # nothing allocated
-        model = (build or model_py.GPT)(cfg)
-        if lora_rank:
-            apply_lora(model, lora_rank, targets=lora_targets)
-        if fp8:  # the block linears' products in FP8 (fp8.py)
-            fp8_convert(model)
+    model = shapes_model(cfg, build, lora_rank, lora_targets if lora_rank else (), fp8)
     E = BYTES[dtype]
     flow = Flow(batch, seq, E, stat=4 if device == "cuda" else E, live=False)
     flow.chunked_loss = chunked_loss  # the loss head: model.py's plain one, or chunked

@@ -5,14 +5,17 @@ A checkpoint is a folder: ckpt.pt (consolidated, memory-mapped) or meta.pt and o
 shard-RANK.pt per rank (sharded). The Reader opens only the files that hold what is asked
 for, and checks each before any element is copied (validate.py): the header's types,
 ranges and layout, every piece's length and crc32. A bad file is one CheckpointError line
-that names the older checkpoint to resume from instead.
+that names the older checkpoint to resume from instead. Which checkpoint a resume reads is
+rank 0's choice, the same for every rank (newest_checkpoint): nodes need not share a disk.
 """
 import os
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from machinery import rundir, validate
+from machinery.lifecycle import agreed_error
 
 
 class CheckpointError(Exception):
@@ -27,6 +30,32 @@ def _load(path, mmap=False):
     except Exception as e:  # truncated zip, a pickle that wants to run code, ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot read {path}: {first[:200]}")
+
+
+# what a rank that cannot open the checkpoint rank 0 resumes, while others can, is told
+SHARE_OUT_DIR = ("every rank reads the checkpoint it resumes from: copy it into each node's "
+                 "--out-dir, or put --out-dir on a disk the nodes share")
+
+
+def newest_checkpoint(out_dir, world_size):
+    """--resume: the newest complete checkpoint rank 0 lists, the same for every rank, as the
+    path of that name in this rank's out_dir; None when rank 0 has none. Ranks that each list
+    their own disk could pick another, or none, and enter other collectives: a hang. A rank
+    that has no such folder stops every rank with one line (a CheckpointError)."""
+    chosen = [os.path.basename(p) for p in rundir.list_checkpoints(out_dir)[-1:]] or [None]
+    if world_size > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    if chosen[0] is None:
+        return None
+    path = os.path.join(out_dir, chosen[0])
+    missing = None if os.path.isdir(path) else f"no checkpoint at {path}"
+    errors = [missing] * world_size
+    if world_size > 1:
+        dist.all_gather_object(errors, missing)
+    error = agreed_error(errors, SHARE_OUT_DIR)
+    if error:
+        raise CheckpointError(error)
+    return path
 
 
 class Reader:

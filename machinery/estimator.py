@@ -50,6 +50,50 @@ def fits(est, gpu_bytes):
     return est["peak"] <= (1 - HEADROOM) * gpu_bytes
 
 
+def breakdown(est):
+    """What a peak is made of, in GB, beside the lecture's 16 bytes a parameter (bf16 and
+    AdamW: 2 weights + 2 gradients + 4 master + 8 optimizer), then the larger of the working
+    set of forward and backward and the optimizer step's fp32 copy of the gradients (4 more,
+    held once the activations are freed)."""
+    st, psi, g = est["state"], est["psi"], lambda n: f"{n / GB:.2f}"
+    work = est["activations"]["total"] + est["gathered"] + max(est["head"],
+                                                                est["in_flight"] + est["fp8_cast"])
+    last = (f"{g(est['step'])} in the optimizer step (the gradients' fp32 copy; the "
+            f"activations, {g(work)}, are freed by then)" if est["step"] > work else
+            f"{g(work)} of activations and working set")
+    return (f"= weights {g(st['params'])} + gradients {g(st['grads'])} + master and optimizer "
+            f"{g(st['master'] + st['optimizer'])}: {st['total'] / psi:.0f} B/parameter, the "
+            f"lecture's; + {last}: {est['peak'] / psi:.0f} B/parameter")
+
+
+def advise_plans(N, one_fits, zero2_fits):
+    """--advise's plans, in the order tried: (ZeRO stage, grad_ckpt, LoRA rank, quantize, why).
+    zero2_fits: can ZeRO-2's model state fit at all (with full checkpointing, batch 1)? Where
+    one GPU does not hold batch 1, each amount of checkpointing is tried on ZeRO-2, then on
+    ZeRO-3 (the least traffic first); the lecture's flowchart would jump to ZeRO-3 at once."""
+    from beyond.activation_dial import Policy  # selective, every K-th block
+    if one_fits:
+        return [(2, False, 0, None, f"yes: ZeRO-2 on {N} GPUs (the traffic of data "
+                 "parallelism, less memory) and a larger micro-batch")] if N > 1 else \
+            [(0, False, 0, None, "yes: one GPU has nothing to shard; a larger micro-batch")]
+    stages = {2: f"ZeRO-2 on {N} GPUs: gradients and optimizer state sharded, the 16-bit "
+                 "weights whole (the traffic of data parallelism)",
+              3: f"ZeRO-3 on {N} GPUs shards the weights too (1.5x the traffic)"}
+    stages = {z: why for z, why in stages.items() if z == 3 or zero2_fits} if N > 1 else {0: ""}
+    # the least checkpointing that fits: none, the pointwise ops, every 2nd block, every block
+    levels = [(False, ""), (Policy("selective"), "selective activation checkpointing: the "
+               "blocks keep their matmuls' outputs, recompute the pointwise ops"),
+              (Policy("full", 2), "activation checkpointing of every 2nd block: it keeps only "
+               "its input"), (True, "activation checkpointing: each block keeps only its input")]
+    name = lambda z: f"ZeRO-{z} " if len(stages) > 1 else ""  # which stage, where two are tried
+    plans = [(z, ckpt, 0, None, f"{name(z)}+ {why}" if ckpt else stages[z])
+             for ckpt, why in levels for z in stages if z or ckpt]
+    z, sharded = (3, " (ZeRO-3 still shards it)") if N > 1 else (0, "")
+    return plans + [(z, True, 8, None, "+ LoRA on q,v, r=8: only the adapters train, no "
+                     f"gradients or optimizer state for the base{sharded}"),
+                    (z, True, 8, "nf4", "+ QLoRA: the frozen base weights in 4-bit NF4")]
+
+
 def fmt(n):
     return f"{n / GB:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB" if n >= 1e4 else f"{n:.0f} B"
 

@@ -14,15 +14,12 @@ head's working set, the optimizer step's fp32 gradient slice.
 """
 import math
 
-import torch
 
 import optim
 from quant import QuantizedWeight
-from machinery.activations import BYTES, activation_bytes, head_working_bytes
+from machinery.activations import BYTES, activation_bytes, head_working_bytes, shapes_model
 from beyond.muon import block_matrices
 from zero import MAX_IN_FLIGHT, plan_buckets
-from lora import apply_lora
-import model as model_py  # model.GPT when called: a fork's edit of it is counted
 from beyond.zeropp import working_bytes
 
 # stored bytes per quantized weight, as quant.py stores nf4 by default: two 4-bit codes per byte
@@ -32,13 +29,9 @@ QUANT_BYTES = {"nf4": 0.5 + 4 / 64}
 
 def shapes_only(cfg, build=None, lora_rank=0, lora_targets=("q", "v")):
     """The model the flags describe (model.py's GPT, or build(cfg)'s), with LoRA's adapters if
-    lora_rank, built on the meta device: every shape, nothing allocated. The estimate counts
-    what this model holds, not a formula of GPT-2's."""
-    with torch.device("meta"):
-        model = (build or model_py.GPT)(cfg)
-        if lora_rank:
-            apply_lora(model, lora_rank, targets=lora_targets)
-    return model
+    lora_rank, built on the meta device (once: activations.shapes_model): every shape, nothing
+    allocated. The estimate counts what this model holds, not a formula of GPT-2's."""
+    return shapes_model(cfg, build, lora_rank, lora_targets if lora_rank else ())
 
 
 def param_numels(cfg, build=None):

@@ -5,7 +5,8 @@ Guards how a run starts and ends: signals, agreed stops, one-line errors, a clea
   - SIGTERM (a preemption) or Ctrl-C asks every rank to finish its step, save and exit 0
   - a run whose every step overflows stops, with the reason, before it saves NaN weights
   - --nan-at makes one rank's loss NaN at one step: the lesson in skipped steps
-  - an error a user can fix is one line on stderr (exit 2), printed by one rank for all
+  - an error a user can fix is one line on stderr (exit 2), printed by one rank for all,
+    agreed on by every rank where only some can see it (a node without the data)
   - the process group is torn down together, after every rank has written its last byte
 """
 import gc
@@ -60,6 +61,17 @@ def exhausted(cfg, scaler, it):
     return (f"{scaler.FIXED_GIVE_UP} steps in a row, up to step {it - 1}, overflowed at the "
             f"fixed loss scale {scaler.get_scale():g}, which cannot back off: stopped without "
             "saving; use --loss-scale dynamic (or a smaller value), or find the NaN")
+
+
+def agreed_error(errors, hint):
+    """The one line every rank raises, from each rank's error or None (all_gather_object's
+    list); None when no rank failed. When some failed and others did not (nodes that share
+    no disk), it names the first that failed and adds hint: what every node must have."""
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if not failed:
+        return None
+    r, e = failed[0]
+    return e if len(failed) == len(errors) else f"rank {r} of {len(errors)}: {e}; {hint}"
 
 
 def inject_nan(model, step, rank, world_size, grad_accum, start_it):

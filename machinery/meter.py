@@ -30,9 +30,17 @@ def saved_activation_bytes(model, out):
         count(t)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            kept_by_checkpoints(model, count):
-        yield
+    # --offload-activations: its hooks, entered inside these, are the ones autograd calls
+    offload = getattr(model, "offload", None)
+    if offload is not None:
+        offload.observe = count
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                kept_by_checkpoints(model, count):
+            yield
+    finally:
+        if offload is not None:
+            offload.observe = None
 
 
 @contextmanager
@@ -53,15 +61,19 @@ def kept_by_checkpoints(model, count):
 
 
 def measure_next_forward(model, done):
-    """Meter the next training forward of model, then call done(bytes) once.
+    """Meter the next training forward of model, then call done(bytes, moved) once: moved,
+    the bytes of them --offload-activations sent to host memory (0 without it).
 
     Hooks, not a `with` in the loop: the first hook runs before any other forward
     pre-hook (offload's saved-tensor hooks then sit inside the meter's), the last after
     every forward hook, and both remove themselves."""
     state = {"out": [0], "ctx": None}
+    offload = getattr(model, "offload", None)
+    moved = lambda: offload.host_bytes if offload is not None else 0
 
     def enter(module, args):
         if module.training and torch.is_grad_enabled():
+            state["moved"] = moved()
             state["ctx"] = saved_activation_bytes(model, state["out"])
             state["ctx"].__enter__()
 
@@ -71,7 +83,7 @@ def measure_next_forward(model, done):
         state["ctx"].__exit__(None, None, None)
         for h in handles:
             h.remove()
-        done(state["out"][0])
+        done(state["out"][0], moved() - state["moved"])
 
     handles = [model.register_forward_pre_hook(enter, prepend=True),
                model.register_forward_hook(leave)]

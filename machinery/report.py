@@ -98,9 +98,12 @@ def start(cfg, model, zero, metrics, print0):
 
 def meter_first_forward(model, cfg, print0, metrics):
     """Measure the next training forward's saved tensors, print and log them once."""
-    def done(nbytes):
-        print0(f"activations saved for backward: {nbytes / 2**20:.2f} MiB per micro-step")
-        metrics.log({"event": "activations", "saved_bytes": nbytes, "grad_ckpt": cfg.grad_ckpt})
+    def done(nbytes, moved):
+        print0(f"activations saved for backward: {nbytes / 2**20:.2f} MiB per micro-step"
+               + (f", {moved / 2**20:.2f} MiB of them in pinned host memory"
+                  if cfg.offload_activations and moved else ""))
+        metrics.log({"event": "activations", "saved_bytes": nbytes, "grad_ckpt": cfg.grad_ckpt,
+                     "offloaded_bytes": moved})
     meter.measure_next_forward(model, done)
 
 
@@ -155,7 +158,7 @@ class StepLog:
     def log(self, it, lr, loss_sum, found_inf, grad_norm, zero_frac):
         """Read the step's numbers off the device (the loop's only .item() calls)."""
         cfg, zero, N = self.cfg, self.zero, self.zero.world_size
-        dt = (time.time() - self.t) / (it + 1 - self.since)
+        dt, cuda = (time.time() - self.t) / (it + 1 - self.since), zero.device.type == "cuda"
         tps = cfg.batch_size * self.grad_accum * N * cfg.block_size / dt
         mfu = self.model.estimate_mfu(tps / N, self.peak) if self.warm else None
         if mfu is not None:  # a running average, as nanoGPT keeps it
@@ -166,8 +169,9 @@ class StepLog:
                "ms": dt * 1000, "tokens_per_sec": tps, "mfu": self.mfu,
                "loss_scale": self.scaler.get_scale(), "skipped": bool(found_inf.item()),
                "grad_norm": grad_norm.item(), "grad_zero_frac": zero_frac.item(),
-               "cuda_max_mem": (torch.cuda.max_memory_allocated(zero.device)
-                                if zero.device.type == "cuda" else None)}
+               "cuda_max_mem": torch.cuda.max_memory_allocated(zero.device) if cuda else None,
+               # what the process holds: offloading lowers what is allocated, not always it
+               "cuda_max_reserved": torch.cuda.max_memory_reserved(zero.device) if cuda else None}
         row.update(self._traffic())
         if cfg.fp8:  # the casts' underflow and saturation fractions
             from beyond import fp8

@@ -171,20 +171,28 @@ def test_zero_stages_and_lora_two_ranks():
 
 
 class FakeMover:
-    """Stands in for the device: every tensor counts as on it, and moving is a copy."""
+    """Stands in for the device: every tensor counts as on it, and moving is a copy (a
+    contiguous one, as a copy to pinned memory is). Records what it moved and settled."""
 
     def __init__(self):
-        self.moved = []
+        self.moved, self.settled, self.fetched = [], [], []
 
     def on_device(self, t):
         return True
 
     def to_host(self, t):
         self.moved.append(t.numel() * t.element_size())
-        return t.detach().clone(), None
+        return t.detach().clone(memory_format=torch.contiguous_format), len(self.moved) - 1
+
+    def settle(self, done):
+        self.settled.append(done)
 
     def to_device(self, host, done, device):
+        self.fetched.append(done)
         return host.clone()
+
+    def wait(self, t):
+        pass
 
 
 def test_offload_round_trip_and_threshold():
@@ -212,6 +220,106 @@ def test_offload_round_trip_and_threshold():
     assert unit.pack(small) is small
     big = torch.randn(3, 16, 32)
     assert torch.equal(unit.unpack(unit.pack(big)), big) and unit.host_bytes == big.nbytes
+
+
+def test_offload_keeps_strides_and_moves_a_storage_once():
+    """q, k, v are strided views of one q|k|v buffer (model.py): the storage goes out once and
+    each view comes back with its own size, stride and offset (a compiled backward asserts
+    them: "expected stride 512==1536" when a contiguous copy came back)."""
+    model = GPT(GPTConfig(**TINY))
+    mover = FakeMover()
+    off = Offload(model, mover, min_bytes=0)
+    qkv = torch.randn(3, 16, 96)
+    views = [t.view(3, 16, 2, 16).transpose(1, 2) for t in qkv.split(32, dim=2)]
+    packed = [off.pack(t) for t in views]
+    assert mover.moved == [qkv.nbytes] and off.host_bytes == qkv.nbytes
+    for t, p in zip(views, packed):
+        back = off.unpack(p)
+        assert (back.shape, back.stride(), back.storage_offset()) == \
+            (t.shape, t.stride(), t.storage_offset())
+        assert torch.equal(back, t)
+    assert len(mover.fetched) == 1  # and it came back once
+
+
+def test_offload_bounds_the_bytes_in_flight():
+    """Past the budget the oldest copy out is settled (on CUDA: the compute stream waits for
+    it, and only then is its device memory let go): at most budget bytes, plus the copy just
+    started, are ever in flight, and backward settles the rest before it reads any."""
+    model = GPT(GPTConfig(**TINY))
+    mover, budget = FakeMover(), 3 * 2**10
+    off = Offload(model, mover, min_bytes=0, budget=budget)
+    xs = [torch.randn(256) for _ in range(8)]  # 1 KiB each
+    packed = [off.pack(x) for x in xs]
+    assert off.peak_in_flight <= budget + xs[0].nbytes and off.in_flight_bytes <= budget
+    assert mover.settled == list(range(len(xs) - 3))  # the oldest first
+    assert torch.equal(off.unpack(packed[-1]), xs[-1])
+    assert mover.settled == list(range(len(xs))) and off.in_flight_bytes == 0
+
+
+def test_offload_prefetches_the_next_block_in_backward():
+    """Backward unpacks block i's tensors, then block i-1's: the copies back of block i-1 start
+    when block i's first tensor is unpacked, before any of them is needed. The weight set is
+    taken once per forward, not once per saved tensor."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    off, _ = install_offload(model, torch.device("cpu"), FakeMover(), min_bytes=0)
+    events, fetch, unpack, calls = [], off._fetch, off.unpack, [0]
+    off._fetch = lambda e: (events.append(("fetch", e.block)), fetch(e))
+
+    def logged_unpack(p):
+        if not isinstance(p, torch.Tensor):
+            events.append(("use", p[0].block))
+        return unpack(p)
+
+    off.unpack = logged_unpack
+    parameters = model.parameters
+    model.parameters = lambda *a, **k: (calls.__setitem__(0, calls[0] + 1), parameters(*a, **k))[1]
+    x = torch.randint(0, 40, (3, 16))
+    loss = model(x, x)[1]
+    assert calls[0] == 1  # the weights' storages, once per forward
+    loss.backward()
+    first = {e: events.index(e) for e in reversed(events)}
+    for b in range(TINY["n_layer"] - 1):
+        assert first[("use", b + 1)] < first[("fetch", b)] < first[("use", b)], (b, events)
+
+
+def test_offload_counts_in_the_activation_line():
+    """With --offload-activations the meter sees what was saved (the offload's hooks used to
+    shadow its own: 0 bytes), and says how much of it went to host memory."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(**TINY)
+    plain = measure(GPT(cfg), cfg)
+    model = GPT(cfg)
+    off, _ = install_offload(model, torch.device("cpu"), FakeMover(), min_bytes=2**10)
+    assert measure(model, cfg) == plain > 0
+    from machinery.meter import measure_next_forward
+    out, before = [], off.host_bytes
+    measure_next_forward(model, lambda nbytes, moved: out.append((nbytes, moved)))
+    model(torch.randint(0, 40, (3, 16)), torch.randint(0, 40, (3, 16)))
+    assert out == [(plain, off.host_bytes - before)] and 0 < out[0][1] < plain
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_offload_under_compile(stage):
+    """--compile --offload-activations: the compiled backward gets back the strides it saved
+    (a stand-in mover whose copies are contiguous, as pinned copies are): the same losses as
+    eager, where it used to stop at the first backward with a stride assertion."""
+    from train import build
+    shape = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, dropout=0.0)
+    x = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for compile in (False, True):
+        cfg = TrainConfig(**shape, zero=stage, compile=compile)
+        model, zero, scaler = build(cfg, 50, torch.device("cpu"), torch.float32)
+        mover = FakeMover()
+        install_offload(model, torch.device("cpu"), mover, min_bytes=0)
+        for _ in range(2):
+            loss = model(x, x)[1]
+            zero.backward(loss)
+            zero_step(zero, scaler, 1e-2, 1.0)
+            losses.append(loss.item())
+        assert mover.moved
+    torch.testing.assert_close(losses[2:], losses[:2], rtol=0, atol=1e-5)
 
 
 def test_offload_is_a_no_op_on_a_cpu(capsys):

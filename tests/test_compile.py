@@ -8,6 +8,7 @@ on one rank), one small shape, so that every configuration reuses the same few g
 import pytest
 import torch
 import torch._dynamo
+from torch.utils.checkpoint import CheckpointPolicy
 
 from conftest import zero_step
 from configurator import TrainConfig
@@ -85,3 +86,37 @@ def test_gradient_collectives_overlap_backward_when_compiled():
     # reductions are launched between the blocks' backward passes, not all after the last one
     first_block_done = compiled.index("block 0 backward")
     assert compiled[:first_block_done].count("reduce") >= 2, compiled
+
+
+def test_selective_keeps_its_matmuls_when_compiled(monkeypatch):
+    """--grad-ckpt selective --compile: the checkpoint is inside the compiled forward, so the
+    policy decides on the traced graph's ops and keeps every matmul's output. Around a compiled
+    block it saw the kernels' aten.mm.out and kept none: full's recompute, selective's name.
+    What the compiled blocks save lies between eager's full and none."""
+    from beyond import activation_dial
+    from machinery.meter import saved_activation_bytes
+    torch._dynamo.reset()  # trace afresh: the policy runs while tracing
+    decisions, policy = [], activation_dial._selective
+
+    def recording(ctx, func, *args, **kwargs):
+        decisions.append((func, policy(ctx, func, *args, **kwargs)))
+        return decisions[-1][1]
+
+    monkeypatch.setattr(activation_dial, "_selective", recording)
+    x, saved = batches(1)[0], {}
+    for grad_ckpt, compile in (("none", False), ("full", False), ("selective", True)):
+        cfg = TrainConfig(**{**SHAPE, "lora_targets": "q,v"}, grad_ckpt=grad_ckpt,
+                          compile=compile)
+        model, zero, _ = build(cfg, VOCAB, torch.device("cpu"), torch.float32)
+        zero.backward(model(x, x)[1])  # the decisions of a run: no measuring mode around it
+        n = len(decisions)
+        out = [0]
+        with saved_activation_bytes(model, out):
+            loss = model(x, x)[1]
+        zero.backward(loss)
+        saved[grad_ckpt] = out[0]
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+    kept = [d for f, d in decisions[:n] if f in matmuls]  # a block's graph is traced, not each
+    assert len(kept) >= 4 and set(kept) == {CheckpointPolicy.MUST_SAVE}, decisions  # 4 linears
+    assert not [f for f, _ in decisions[:n] if f._overloadname == "out"], decisions
+    assert saved["full"] < saved["selective"] < saved["none"], saved

@@ -115,3 +115,40 @@ def _nccl_zero3(rank, world_size):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
 def test_zero3_on_two_gpus_with_nccl():
     run_distributed(_nccl_zero3, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 units")
+def test_fp8_without_compile_says_so_once(capsys):
+    """Eager FP8 on a GPU: its casts cost more than its matmuls save (docs/fp8.md): one line."""
+    from configurator import TrainConfig
+    from train import build
+    shape = dict(n_layer=1, n_head=2, n_embd=32, block_size=16, dtype="bf16", fp8=True)
+    for compile in (False, True):
+        build(TrainConfig(**shape, compile=compile), 64, torch.device("cuda"), torch.bfloat16)
+        assert capsys.readouterr().out.count("--fp8 without --compile") == (not compile)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_offload_under_compile_on_cuda(stage):
+    """--compile --offload-activations on a GPU: pinned copies out and back on side streams,
+    the saved views rebuilt with their strides; the same losses as without offloading."""
+    from configurator import TrainConfig
+    from train import build
+    shape = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=4, compile=True)
+    x = torch.randint(0, 64, (4, 64), device="cuda", generator=None)
+    losses = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        cfg = TrainConfig(**shape, zero=stage, offload_activations=offload)
+        model, zero, scaler = build(cfg, 64, torch.device("cuda"), torch.float32)
+        if offload:
+            model.offload.min_bytes = 0  # every saved tensor moves
+        for _ in range(2):
+            loss = model(x, x)[1]
+            zero.backward(loss)
+            zero_step(zero, scaler, 1e-2, 1.0)
+            losses.append(loss.item())
+        if offload:
+            assert model.offload.host_bytes > 0 and model.offload.in_flight_bytes == 0
+    torch.testing.assert_close(losses[2:], losses[:2], rtol=0, atol=1e-5)

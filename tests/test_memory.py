@@ -206,13 +206,23 @@ def test_advise_prints_a_command_train_py_accepts(capsys):
     assert cmd.startswith("torchrun --nproc_per_node=8 train.py ") and cmd in out
     cfg = parse_args(shlex.split(cmd.split("train.py", 1)[1]))  # flags that exist, values that parse
     assert (cfg.zero, cfg.dtype, cfg.n_layer) == (2, "bf16", 12) and cfg.batch_size > 12
-    # does not fit one GPU: ZeRO-3 ...
+    # does not fit one GPU (20 B/parameter, broken down), but ZeRO-2 does, at micro-batch 5:
+    # its 16-bit weights fit whole, for the traffic of data parallelism (the lecture's
+    # flowchart jumped to ZeRO-3, which fits 6 for 3x the bytes a micro-step)
     cmd = main(["--params", "7e9", "--world-size", "8", "--gpu-mem", "80GB", "--advise"])
+    out = capsys.readouterr().out
     cfg = parse_args(shlex.split(cmd.split("train.py", 1)[1]))
-    assert cfg.zero == 3 and cfg.dtype == "bf16"
-    # ... then checkpointing, then LoRA: on ZeRO-3, which shards the frozen base too
+    assert (cfg.zero, cfg.batch_size, cfg.dtype) == (2, 5, "bf16")
+    assert ("= weights 14.00 + gradients 14.00 + master and optimizer 84.00: 16 B/parameter, "
+            "the lecture's; + 28.00 in the optimizer step") in out and ": 20 B/parameter" in out
+    assert "3. ZeRO-2 on 8 GPUs" in out and "4. ZeRO-3 on 8 GPUs" in out
+    assert "5. a sequence moves Ψ/5 on ZeRO-2, 3Ψ/6 on ZeRO-3: ZeRO-2" in out
+    assert "6. the lecture's flowchart goes to ZeRO-3" in out
+    # ... ZeRO-3 where the 16-bit weights do not fit, then checkpointing, then LoRA: on
+    # ZeRO-3, which shards the frozen base too
     cmd = main(["--params", "70e9", "--world-size", "8", "--gpu-mem", "80GB", "--advise"])
     assert "--zero 3" in cmd and cmd.endswith("--grad-ckpt --lora --lora-rank 8 --lora-targets q,v")
+    assert "3. ZeRO-2 on 8 GPUs: its model state alone needs 262.50 GB" in capsys.readouterr().out
     # on one GPU the bf16 base alone (140 GB) does not fit: QLoRA
     lines, cmd = advise(estimator.shape_for(70e9), 1, 80e9, psi=int(70e9))
     assert cmd.endswith("--grad-ckpt --lora --lora-rank 8 --lora-targets q,v --quantize nf4")

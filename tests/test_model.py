@@ -216,14 +216,17 @@ def test_padded_vocabulary_changes_nothing_but_speed():
     assert padded.eval().generate(idx[:, :3], 20).max() < 11  # sampling never draws a padded id
 
 
-def test_chunked_loss_head_equals_the_textbook_head(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True])
+def test_chunked_loss_head_equals_the_textbook_head(monkeypatch, fused):
     """loss.py's cross-entropy (fp32 softmax a chunk of rows at a time, the padded columns out)
     against the textbook head (slice, fp32 copy, F.cross_entropy) in fp32: the loss and both
     gradients to 1e-6, with several chunks and an ignored target; no gradient reaches the
-    padded rows of the head."""
+    padded rows of the head. fused: CUDA's path (one-pass softmax kernels, here in fp32, where
+    the CPU has them too)."""
     from beyond import chunked_loss
     torch.manual_seed(0)
     monkeypatch.setattr(chunked_loss, "CHUNK_ELEMENTS", 3 * 65)  # three rows a chunk: 14 chunks
+    monkeypatch.setattr(chunked_loss, "fused_kernels", lambda logits: fused)
     cfg = GPTConfig(block_size=8, vocab_size=65, n_layer=1, n_head=2, n_embd=16)
     model = GPT(cfg)
     x = torch.randint(0, 65, (5, 8))
@@ -245,3 +248,23 @@ def test_chunked_loss_head_equals_the_textbook_head(monkeypatch):
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
     assert not grads["transformer.wte.weight"][65:].any()  # the padded rows: no gradient
+
+
+def test_fused_loss_head_in_bf16_equals_the_chunked_one(monkeypatch):
+    """A GPU's path (one softmax kernel a chunk, the bf16 gradient written from the product)
+    run on the CPU: the loss and the gradient of the CPU's path."""
+    from beyond import chunked_loss
+    monkeypatch.setattr(chunked_loss, "CHUNK_ELEMENTS", 3 * 128)
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 9, 128, generator=g) * 3).bfloat16()
+    targets = torch.randint(0, 100, (2, 9), generator=g)
+    targets[1, 2] = -1
+    out = []
+    for fused in (False, True):
+        x = logits.clone().requires_grad_()
+        loss = chunked_loss.cross_entropy(x, targets, 100, fused=fused)
+        loss.backward()
+        out.append((loss, x.grad))
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[1][1], out[0][1], rtol=0, atol=1e-4)  # bf16 gradients
+    assert not out[1][1][..., 100:].any()

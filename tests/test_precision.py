@@ -228,3 +228,29 @@ def test_helpers_and_resolve_dtype(monkeypatch):
         resolve_dtype("bf16", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **kw: True)
     assert resolve_dtype("bf16", torch.device("cuda", 0)) is torch.bfloat16
+
+
+def test_tf32_setting_leaves_every_getter_readable():
+    """train.py's set-up on CUDA (and bench's) turns TF32 on through precision.set_tf32. Torch's
+    per-backend API (matmul.fp32_precision) would make the legacy getters, which inductor still
+    reads, raise "mix of the legacy and new APIs" (pytorch#166387): --compile would fail on a
+    GPU. The getters must answer after the call, on a CPU too; nothing else sets TF32."""
+    import os
+    import re
+    import precision
+    import train
+    assert train.set_tf32 is precision.set_tf32  # the call init_distributed makes
+    before = torch.get_float32_matmul_precision()
+    try:
+        precision.set_tf32()
+        assert torch.get_float32_matmul_precision() == "high"
+        assert torch.backends.cuda.matmul.allow_tf32 in (True, False)  # answers, never raises
+        assert torch.backends.cudnn.allow_tf32 in (True, False)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for folder in ("", "beyond", "machinery", "bench", "data"):
+        for name in os.listdir(os.path.join(root, folder)):
+            if name.endswith(".py"):
+                with open(os.path.join(root, folder, name)) as f:
+                    assert not re.search(r"fp32_precision\s*=[^=]", f.read()), (folder, name)

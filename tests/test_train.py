@@ -220,12 +220,12 @@ def test_nan_on_one_rank_makes_both_skip_under_torchrun(data_root, tmp_path):
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__")  # what makes the host wait
 
 
-def _count_syncs(main, argv):
-    """main(argv) with every call that reads a tensor's value on the host counted by the
-    iteration it happens in (get_lr marks the start of each). Iterations 1-10 are not logged:
-    none of them may wait for the device."""
+def _syncs_by_iteration(main, argv):
+    """main(argv) with every call that reads a tensor's value on the host, and every
+    torch.tensor(..., device=...) (a blocking host-to-device copy on a GPU), counted by the
+    iteration it happens in (get_lr marks the start of each). Returns [(iteration, name)]."""
     import train
-    current, syncs, get_lr = [None], [], train.get_lr
+    current, syncs, get_lr, tensor = [None], [], train.get_lr, torch.tensor
 
     def marking_get_lr(it, cfg):
         current[0] = it
@@ -241,7 +241,20 @@ def _count_syncs(main, argv):
     for name in SYNCS:
         setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
     torch.cuda.synchronize = counting("synchronize", torch.cuda.synchronize)
+
+    def counted_tensor(*args, **kwargs):
+        if kwargs.get("device") is not None:
+            syncs.append((current[0], "tensor(device=)"))
+        return tensor(*args, **kwargs)
+
+    torch.tensor = counted_tensor
     main(argv)
+    return syncs
+
+
+def _count_syncs(main, argv):
+    """Iterations 1-10 are not logged: none of them may wait for the device."""
+    syncs = _syncs_by_iteration(main, argv)
     unlogged = [s for s in syncs if s[0] is not None and 1 <= s[0] <= 10]
     assert not unlogged, f"host syncs on unlogged steps: {unlogged[:5]}"
     assert any(s[0] == 0 for s in syncs)  # the counter works: the logged step 0 reads its loss
@@ -257,6 +270,23 @@ def test_unlogged_steps_never_wait_for_the_device(data_root, tmp_path, stage):
                    "--fp16", "--grad-accum", "2", "--n-embd", "16", "--block-size", "8",
                    "--out-dir", str(tmp_path), "--device", "cpu"]
     run_train(argv, 2, wrap=_count_syncs)
+
+
+def _count_fp8_copies(main, argv):
+    """Every step logged: a logged step makes two host-to-device copies whatever the flags
+    (the stop flag and grad_zero_frac's count), not one more per FP8 cast (~150 a micro-step
+    at GPT-2 size: each blocking on a GPU)."""
+    syncs = _syncs_by_iteration(main, argv)
+    per_step = [sum(1 for it, name in syncs if it == i and name == "tensor(device=)")
+                for i in range(3)]  # the last one's save agrees twice more
+    assert max(per_step) <= 2, per_step
+
+
+def test_fp8_statistics_copy_nothing_to_the_device(data_root, tmp_path):
+    argv = TINY + ["--data-root", data_root, "--dataset", "tiny", "--max-iters", "4",
+                   "--log-interval", "1", "--eval-interval", "1000", "--bf16", "--fp8",
+                   "--n-embd", "16", "--block-size", "16", "--out-dir", str(tmp_path)]
+    run_train(argv, 1, wrap=_count_fp8_copies)
 
 
 def test_batch_tokens_sets_the_accumulation_per_world_size():

@@ -227,6 +227,68 @@ def check_lora_and_fp16(rank, world_size):
     assert zero_step(zero, scaler, LR, 1.0)[1] and scaler.get_scale() == 2.0 ** 9
 
 
+def check_qgz_overlaps_backward(rank, world_size, node_size):
+    """qgZ's all-to-all is launched from the gradient hook and waited for only once the next
+    block's backward has begun (it was waited for inside the hook: backward stood still)."""
+    events, real = [], zeropp.all_to_all
+
+    class Logged:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            events.append("wait")
+            if self.work is not None:
+                self.work.wait()
+
+    def logged(out, inp, traffic, size, group=None):
+        events.append("launch")
+        return Logged(real(out, inp, traffic, size, group))
+
+    model = make_model()
+    zero = engine(model, ("qgz",), rank, world_size, node_size)
+    def mark(i):  # the gradient of block i's output arrives: its backward begins
+        def hook(module, args, out):
+            out.register_hook(lambda grad: events.append(f"block {i} backward"))
+        return hook
+
+    for i, block in enumerate(model.transformer.h):
+        block.register_forward_hook(mark(i))
+    zeropp.all_to_all = logged
+    try:
+        x, y = get_batch(DATA, SEED, 0, 0, rank, world_size, B, T, 1)
+        zero.backward(model(x, y)[1])
+    finally:
+        zeropp.all_to_all = real
+    first = events.index("launch")
+    assert "block 0 backward" in events[first:events.index("wait")], events
+
+
+def check_hpz_regathers_on_the_gather_group(rank, world_size):
+    """On one node hpZ's re-gather spans the world: on the gather group (a stream of its own
+    on NCCL, made here on gloo too), not behind the default group's reduce-scatters."""
+    import collectives
+    groups, real, separate = [], zeropp.all_gather_params, collectives.separate_gather_stream
+
+    def logged(flat, shard, traffic, size, group=None):
+        groups.append((zero.in_backward, group))
+        return real(flat, shard, traffic, size, group)
+
+    collectives.separate_gather_stream = lambda device: True
+    zeropp.all_gather_params = logged
+    try:
+        model = make_model()
+        zero = engine(model, ("hpz",), rank, world_size, world_size)
+        x, y = get_batch(DATA, SEED, 0, 0, rank, world_size, B, T, 1)
+        zero.backward(model(x, y)[1])
+    finally:
+        collectives.separate_gather_stream = separate
+        zeropp.all_gather_params = real
+    regathers = [g for backward, g in groups if backward]
+    assert zero.gather_group is not None and regathers
+    assert all(g is zero.gather_group for g in regathers), regathers
+
+
 def _four_ranks_two_nodes(rank, world_size):
     assert_hpz_is_zero3(rank, world_size, 2)
     check_qwz_gather_bound(rank, world_size)
@@ -240,6 +302,8 @@ def _four_ranks_two_nodes(rank, world_size):
 def _two_ranks_one_node(rank, world_size):
     assert_hpz_is_zero3(rank, world_size, 2)
     check_qgz_reduction_bound(rank, world_size, 2)
+    check_qgz_overlaps_backward(rank, world_size, 2)
+    check_hpz_regathers_on_the_gather_group(rank, world_size)
     _, _, zero = train_steps(ALL, rank, world_size, 2, steps=1)
     assert zero.traffic.bytes_inter == 0 and zero.traffic.bytes_intra > 0  # one node
 
