@@ -306,24 +306,17 @@ def main(argv=None):
 
 
 def resume(cfg, zero, model, scaler, gptconf, meta, print0):
-    """--resume: the newest checkpoint in out_dir restored (checkpoint.restore), then --fp8's
-    amax histories, exactly. Returns (the iteration to go on from, the checkpoint or None,
-    a note or None)."""
+    """--resume: the newest checkpoint in out_dir restored exactly (checkpoint.restore), --fp8's
+    amax histories too. Returns (the iteration to go on from, the checkpoint or None, a note or
+    None)."""
     ckpts = checkpoint.list_checkpoints(cfg.out_dir) if cfg.resume else []
     if not ckpts:
         if cfg.resume:
             print0(f"--resume: no checkpoint in {cfg.out_dir} yet, starting fresh")
         return 0, None, None
     path = ckpts[-1]
-    start_it, note = checkpoint.restore(path, zero, model, scaler, asdict(cfg),
-                                        asdict(gptconf), meta)
-    saved = checkpoint.Reader(path).header.get("fp8")
-    if cfg.fp8:
-        from beyond import fp8
-        fp8_note = fp8.load_state_dict(model, saved, path)
-    else:
-        fp8_note = saved and f"{path} was trained with --fp8; this run computes in bf16"
-    note = "; ".join(n for n in (note, fp8_note) if n) or None
+    start_it, note, _ = checkpoint.restore(path, zero, model, scaler, asdict(cfg),
+                                           asdict(gptconf), meta)
     print0(f"resumed from {path} at iteration {start_it}" + (f"; {note}" if note else ""))
     return start_it, path, note
 

@@ -22,6 +22,7 @@ import socket
 
 import torch.distributed as dist
 
+from machinery import validate
 from machinery.tensorfile import torch_save
 
 LOCK = "lock"
@@ -143,8 +144,9 @@ def mark_save(tmp):
 def write_save(out_dir, final, files, rank, world_size, any_rank, keep_last):
     """Write one save's files ({name: object} on each rank) into FINAL.tmp, then commit it:
     the rename to FINAL once every rank's files are written and fsynced (any_rank(failed)
-    tells every rank whether any failed). Keeps the newest keep_last checkpoints. Returns
-    None, or what failed: then nothing is committed and the .tmp folder is gone."""
+    tells every rank whether any failed). Each file's non-tensor fields are sealed with their
+    checksum first (validate.seal). Keeps the newest keep_last checkpoints. Returns None, or
+    what failed: then nothing is committed and the .tmp folder is gone."""
     tmp, error = final + ".tmp", None
     try:
         if rank == 0:  # a crash mid-save leaves a .tmp folder: no checkpoint, cleared here
@@ -153,7 +155,7 @@ def write_save(out_dir, final, files, rank, world_size, any_rank, keep_last):
             mark_save(tmp)
         _barrier(world_size)
         for name, obj in files.items():
-            torch_save(obj, os.path.join(tmp, name))
+            torch_save(validate.seal(obj), os.path.join(tmp, name))
     except OSError as e:
         error = e
     # every rank learns whether every rank's files are complete before anything is committed
