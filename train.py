@@ -29,7 +29,7 @@ import torch.distributed as dist
 import checkpoint
 from checkpoint import CheckpointError
 from configurator import ConfigError, grad_accum_for
-from machinery.flags import parse_args
+from machinery.flags import keep_schedule, parse_args
 from data.loader import Batches, estimate_loss, load_data
 from lora import apply_lora, parse_targets
 from machinery import adapters, lifecycle, report, rundir
@@ -306,8 +306,8 @@ def main(argv=None):
 
 
 def resume(cfg, zero, model, scaler, gptconf, meta, print0):
-    """--resume: the newest checkpoint in out_dir restored exactly (checkpoint.restore), --fp8's
-    amax histories too. Returns (the iteration to go on from, the checkpoint or None, a note or
+    """--resume: the newest checkpoint in out_dir restored exactly (checkpoint.restore), its
+    schedule kept. Returns (the iteration to go on from, the checkpoint or None, a note or
     None)."""
     ckpts = checkpoint.list_checkpoints(cfg.out_dir) if cfg.resume else []
     if not ckpts:
@@ -315,9 +315,11 @@ def resume(cfg, zero, model, scaler, gptconf, meta, print0):
             print0(f"--resume: no checkpoint in {cfg.out_dir} yet, starting fresh")
         return 0, None, None
     path = ckpts[-1]
-    start_it, note, _ = checkpoint.restore(path, zero, model, scaler, asdict(cfg),
-                                           asdict(gptconf), meta)
-    print0(f"resumed from {path} at iteration {start_it}" + (f"; {note}" if note else ""))
+    start_it, note, saved = checkpoint.restore(path, zero, model, scaler, asdict(cfg),
+                                               asdict(gptconf), meta)
+    # the saved run's learning-rate schedule, unless a schedule flag is given
+    note = "; ".join(n for n in (note, keep_schedule(cfg, saved["config"])) if n)
+    print0(f"resumed from {path} at iteration {start_it}; {note}")
     return start_it, path, note
 
 
