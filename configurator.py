@@ -62,6 +62,10 @@ class TrainConfig:
     keep_last: int = opt(2, "keep the newest K checkpoints in out_dir", check="int >= 1")
     resume: bool = opt(False, "carry on from the newest checkpoint in out_dir "
                               "(start fresh if there is none)")
+    archive: bool = opt(False, "a new run where an earlier one left its history: move that "
+                               "run into OUT_DIR/archive-N/ first (nothing is deleted)")
+    take_over_lock: bool = opt(False, "take OUT_DIR/lock over from a run this host cannot "
+                                      "see (another host's): only when none writes there")
     init_from: str = opt("", "start from these weights: a checkpoint folder of ours, a Hugging "
                              "Face GPT-2 folder or file, or gpt2 | gpt2-medium | gpt2-large | "
                              "gpt2-xl, whose config.json sets the model flags not given "

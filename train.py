@@ -194,6 +194,7 @@ def main(argv=None):
     cfg = parse_args(argv)
     rank, world_size, device = init_distributed(cfg)
     print0 = print if rank == 0 else (lambda *a, **k: None)
+    rundir.claim(cfg, rank, world_size, print0)  # before any work: out_dir's lock and history
     try:
         dtype = resolve_dtype(cfg.dtype, device)
         if cfg.lora:  # names of the model's declared LINEARS: checked before any work
@@ -233,7 +234,7 @@ def main(argv=None):
         print0(f"the run is already at iteration {start_it} (--max-iters {cfg.max_iters}): "
                "nothing to train; raise --max-iters to go on")
         return lifecycle.finish(model, zero, world_size)
-    metrics = rundir.open_run(cfg, start_it, rank, world_size, print0)  # one writer a folder
+    metrics = rundir.Metrics(cfg.out_dir, rank == 0, print0)  # appended to, never truncated
     if ckpt:
         metrics.log({"event": "resume", "from": ckpt, "iter": start_it, "note": note})
     report.start(cfg, model, zero, metrics, print0)  # model state measured vs the paper's

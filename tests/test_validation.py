@@ -182,10 +182,13 @@ def test_5_metrics_jsonl_survives_a_cut_line_and_a_full_disk(data_root, runs, tm
     out = copy_run(runs, "cons", tmp_path)
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"iter": 2, "loss": 3.8')  # a write cut short by a crash
+    before = open(out / "metrics.jsonl").read()
     resume(data_root, out)
-    assert "is not JSON (a write cut short" in capsys.readouterr().out
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]  # every line parses
-    assert rows[-1]["event"] == "end"
+    assert "its last line was cut short" in capsys.readouterr().out
+    text = open(out / "metrics.jsonl").read()
+    assert text.startswith(before + "\n")  # appended after the cut line, nothing truncated
+    rows = rundir.read_metrics(out / "metrics.jsonl")  # the cut line skipped
+    assert rows[-1]["event"] == "end" and [r["iter"] for r in rows if "loss" in r] == [0, 1, 2]
     full = tmp_path / "full"
     full.mkdir()
     os.symlink("/dev/full", full / "metrics.jsonl")  # every write: No space left on device
