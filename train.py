@@ -216,12 +216,13 @@ def main(argv=None):
            f"{tokens_per_step:,} tokens per step ({cfg.batch_size} seq x {grad_accum} "
            f"micro-steps x {world_size} ranks x {cfg.block_size} tokens)")
     gptconf = model_config(cfg, meta["vocab_size"])
-    weights = None
-    if init:  # weights of another run (either format), checked against this model
-        checkpoint.check_compatible(init.header, asdict(gptconf), meta, cfg.init_from)
-        weights = init.weights()
+    # weights of another run (either format), checked against this model; a LoRA run's as
+    # it trained are loaded into the built run (pretrained.init_trained)
+    weights = init and pretrained.init_weights(init, cfg, asdict(gptconf), meta, print0)
     model, zero, scaler = build(cfg, meta["vocab_size"], device, dtype, rank, world_size,
                                 grad_accum, weights, init_hf)
+    if init:
+        pretrained.init_trained(init, cfg, zero, model)
     print0(f"model: {model.num_params(non_embedding=False):,} parameters, "
            f"{zero.psi:,} trainable")
     if cfg.fp8:
@@ -229,7 +230,8 @@ def main(argv=None):
 
     # resume: read and check everything before touching any file of the run
     start_it, ckpt, note = resume(cfg, zero, model, scaler, gptconf, meta, print0)
-    header = {"config": asdict(cfg), "model_args": asdict(gptconf), "meta": meta}
+    header = {"config": asdict(cfg), "model_args": asdict(gptconf), "meta": meta,
+              "base_id": model.base_id}  # what an adapter of this run loads onto
     if start_it >= cfg.max_iters:
         print0(f"the run is already at iteration {start_it} (--max-iters {cfg.max_iters}): "
                "nothing to train; raise --max-iters to go on")
