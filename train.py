@@ -194,7 +194,8 @@ def main(argv=None):
     cfg = parse_args(argv)
     rank, world_size, device = init_distributed(cfg)
     print0 = print if rank == 0 else (lambda *a, **k: None)
-    rundir.claim(cfg, rank, world_size, print0)  # before any work: out_dir's lock and history
+    # before any work: the memory it needs, then out_dir's lock and history (one run a folder)
+    rundir.claim(cfg, rank, world_size, print0, lambda: lifecycle.check_memory(cfg, device))
     try:
         dtype = resolve_dtype(cfg.dtype, device)
         if cfg.lora:  # names of the model's declared LINEARS: checked before any work

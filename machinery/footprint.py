@@ -14,14 +14,10 @@ head's working set, the optimizer step's fp32 gradient slice.
 """
 import math
 
-import torch
-
 import optim
 from quant import QuantizedWeight
-from machinery.activations import BYTES, activation_bytes, head_working_bytes
+from machinery.activations import BYTES, activation_bytes, head_working_bytes, shapes_model
 from zero import MAX_IN_FLIGHT, plan_buckets
-from lora import apply_lora
-from model import GPT
 from beyond.zeropp import working_bytes
 
 # stored bytes per quantized weight, as quant.py stores nf4 by default: two 4-bit codes per byte
@@ -32,12 +28,8 @@ QUANT_BYTES = {"nf4": 0.5 + 4 / 64}
 def shapes_only(cfg, build=None, lora_rank=0, lora_targets=("q", "v")):
     """The model the flags describe (model.py's GPT, or build(cfg)'s), with LoRA's adapters if
     lora_rank, built on the meta device: every shape, nothing allocated. The estimate counts
-    what this model holds, not a formula of GPT-2's."""
-    with torch.device("meta"):
-        model = (build or GPT)(cfg)
-        if lora_rank:
-            apply_lora(model, lora_rank, targets=lora_targets)
-    return model
+    what this model holds, not a formula of GPT-2's (activations.shapes_model: read-only)."""
+    return shapes_model(cfg, build, lora_rank, lora_targets)
 
 
 def param_numels(cfg, build=None):

@@ -235,11 +235,45 @@ def weights_to_sample(ckpt, init_from, out_dir):
 
 def model_of(ckpt):
     """The GPT a loaded checkpoint describes, holding its weights; its sizes are checked
-    before anything is built (a header may claim 10^5 layers)."""
+    before anything is built (a header may claim 10^5 layers), its weights are finite."""
     try:
         validate.check_model_args(ckpt["model_args"])
         model = GPT(GPTConfig(**ckpt["model_args"]))
         model.load_weights(ckpt["model"])  # strict: every name and shape must match model.py
     except (TypeError, ValueError, RuntimeError) as e:
         raise LoadError("checkpoint does not fit model.py: " + " ".join(str(e).split()))
+    bad = next((k for k, t in model.state_dict().items() if not t.isfinite().all()), None)
+    if bad:  # every draw would be a NaN probability
+        raise LoadError(f"the weights hold inf/NaN ({bad}): sample from an earlier checkpoint")
     return model
+
+
+def check_sample_flags(args):
+    """sample.py's numbers, before any work: counts >= their least, a temperature that is 0
+    (greedy) or large enough that logits / T stay finite in fp32, a seed a generator takes."""
+    for name, least in (("num_samples", 1), ("max_new_tokens", 0), ("top_k", 0)):
+        if getattr(args, name) < least:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least {least}")
+    t = args.temperature
+    if not (t == 0 or 1e-4 <= t < float("inf")):
+        raise ConfigError(f"--temperature {t}: use 0 (greedy) or a number from 1e-4 up "
+                          "(below it, logits / T overflow fp32)")
+    if not 0 <= args.seed < 2**64:
+        raise ConfigError(f"--seed {args.seed}: use an integer in [0, 2**64)")
+
+
+def check_sample_size(model, prompt_tokens, args, device):
+    """The samples' memory against what the device has free, before any is allocated: each
+    sample's token ids (twice: torch.cat copies them each step), one forward's activations
+    over the context and the logits of its last position."""
+    from machinery.lifecycle import free_bytes
+    c, e = model.config, next(model.parameters()).element_size()
+    tokens = prompt_tokens + args.max_new_tokens
+    T = min(tokens, c.block_size)
+    need = args.num_samples * (16 * tokens + T * (12 * c.n_embd + c.n_head * T) * e
+                               + 8 * c.vocab_size)
+    free = free_bytes(device)
+    if free is not None and need > free:
+        raise ConfigError(f"--num-samples {args.num_samples} x {tokens:,} tokens needs about "
+                          f"{need / 1e9:.3g} GB, {free / 1e9:.3g} GB is free on {device.type}: "
+                          "lower --num-samples or --max-new-tokens")
