@@ -30,6 +30,7 @@ import socket
 
 import torch.distributed as dist
 
+from configurator import ConfigError
 from machinery import validate
 from machinery.tensorfile import torch_save
 
@@ -39,6 +40,7 @@ _held = set()  # the out-dirs' locks this process holds
 _created = set()  # the out-dirs this process created: removed again if it leaves them empty
 _archived = []  # (from, to) moves of --archive: undone if the run fails before a step
 _logs = []  # the Metrics this process opened: rolled back if the run fails before a step
+_saves = []  # the checkpoints this process committed: a run that saved is never rolled back
 
 
 class RunDirError(Exception):
@@ -175,24 +177,25 @@ def claim(cfg, rank, world_size, print0, check=None):
     """Before any work: make out_dir this run's (rank 0 takes its lock, and refuses a fresh run
     where an earlier run left its history, or archives that run with --archive); every rank
     learns a refusal. check(), if given, runs first on rank 0 (the memory a run needs)."""
-    error = note = None
+    error = note = raised = None
     if rank == 0:
         try:
-            check and check()
+            if check:
+                check()
             note = take_lock(cfg.out_dir, cfg.take_over_lock)
             note = "; ".join(n for n in (note, _one_history(cfg)) if n) or None
         except RunDirError as e:
             error = str(e)
         except OSError as e:
             error = f"cannot write {cfg.out_dir}: {e.strerror or e}"
-        except Exception as e:  # a ConfigError of check(): the same line on every rank
-            error = e
+        except ConfigError as e:  # check()'s: rank 0 raises it as it is, the others its line
+            error, raised = str(e), e
     if world_size > 1:
-        shared = [error if error is None or isinstance(error, str) else str(error)]
+        shared = [error]
         dist.broadcast_object_list(shared, src=0)
-        error = shared[0] if error is None or isinstance(error, str) else error
-    if isinstance(error, Exception):
-        raise error
+        error = shared[0]
+    if raised:
+        raise raised
     if error:
         raise RunDirError(error)
     if note:
@@ -235,9 +238,9 @@ def _one_history(cfg):
 
 def release_locks(failed=False):
     """Remove the locks this process holds (at the end of a run, or after its error). failed:
-    the run raised; if it logged no step, what it wrote is taken back (its log rows, an
-    --archive's move) and a folder it created and left empty is removed."""
-    if failed and not any(m.steps for m in _logs):
+    the run raised; if it logged no step and saved nothing, what it wrote is taken back (its
+    log rows, an --archive's move), and a folder it created and left empty is removed."""
+    if failed and not _saves and not any(m.steps for m in _logs):
         for m in _logs:
             m.roll_back()
         for src, dst in reversed(_archived):
@@ -246,6 +249,7 @@ def release_locks(failed=False):
             os.rmdir(os.path.dirname(_archived[0][1]))
     _logs.clear()
     _archived.clear()
+    _saves.clear()
     for path in list(_held):
         if _read_json(path) == _owner():
             os.remove(path)
@@ -253,7 +257,7 @@ def release_locks(failed=False):
         folder = os.path.dirname(os.path.abspath(path))
         if folder in _created and not os.listdir(folder):
             os.rmdir(folder)  # a refused run leaves no empty --out-dir behind
-            _created.discard(folder)
+        _created.discard(folder)
 
 
 def releasing_locks(main):
@@ -305,6 +309,7 @@ def write_save(out_dir, final, files, rank, world_size, any_rank, keep_last):
         os.remove(os.path.join(tmp, "owner.json"))
         shutil.rmtree(final, ignore_errors=True)  # the same iteration saved again (a final save)
         os.replace(tmp, final)  # the commit point: a folder without .tmp is complete
+        _saves.append(final)
         fd = os.open(out_dir, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
