@@ -80,7 +80,8 @@ def is_int(x):
 
 def judge(owner):
     """Whether the run an owner record (a lock, a save's owner.json) names is alive: "mine",
-    "alive", "dead" or "unknown" (another host, or not a run's identity), with why."""
+    "alive", "dead", "unknown" (another host's: it cannot be looked up) or "invalid" (no run's
+    identity), with why."""
     me = _owner()
     if not isinstance(owner, dict) or not is_int(owner.get("pid")) or owner["pid"] <= 0 \
             or not isinstance(owner.get("host"), str):
