@@ -59,7 +59,7 @@ TRAIN = {"--zero": ["0", "1", "2", "3", "4"], "--batch-size": ["1", "3", "100000
          "--optimizer": ["adamw", "sgd", "lion", "adam"], "--seed": ["0", "5", "-5"],
          "--eval-iters": ["1", "2", "0"], "--fp8-scaling": ["dynamic", "delayed"],
          "--node-size": ["0", "1", "3"], "--nan-at": ["-1", "0"],
-         "--config": ["config/nowhere.py", "nowhere.py"]}
+         "--config": ["config/no-such-preset", "no-such-preset"]}
 SAMPLE = {"--num-samples": ["1", "2", "100000000", "0"], "--max-new-tokens": ["3", "0", "10**11"],
           "--temperature": ["0.8", "0", "1e-4", "1e-300"], "--top-k": ["0", "5", "-1"],
           "--seed": ["1", "7", "-1", str(10**23)],
