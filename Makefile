@@ -8,7 +8,8 @@ PY := $(VENV)/bin/python
 # one process per GPU; two gloo processes on a CPU
 NGPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 NPROC ?= $(if $(filter-out 0,$(NGPU)),$(NGPU),2)
-DEMO_FLAGS ?= --zero 2 $(if $(filter-out 0,$(NGPU)),--bf16,) --max-iters 1000 --lr-decay-iters 1000 --out-dir out-demo
+# --archive: a second `make demo` moves the first one's run into out-demo/archive-N/
+DEMO_FLAGS ?= --zero 2 $(if $(filter-out 0,$(NGPU)),--bf16,) --max-iters 1000 --lr-decay-iters 1000 --out-dir out-demo --archive
 
 .PHONY: demo test clean
 

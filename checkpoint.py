@@ -193,8 +193,8 @@ def _read_owned(reader, zero, shapes):
 @torch.no_grad()
 def restore(path, zero, model, scaler, config, model_args, vocab_meta):
     """Load a checkpoint into a freshly built run (any stage, any world size). Every rank reads
-    only what it owns. Returns (iteration to continue from, a note to print or None). The
-    scaler is restored only when the precision is the same as when it was saved."""
+    only what it owns. Returns (iteration to continue from, a note to print or None, the
+    header). The scaler is restored only when the precision is the same as when it was saved."""
     shapes, error = stored_shapes(model), None
     try:
         reader = Reader(path)
@@ -202,6 +202,7 @@ def restore(path, zero, model, scaler, config, model_args, vocab_meta):
         check_compatible(h, model_args, vocab_meta, path, config, shapes)
         trainable, frozen = _read_owned(reader, zero, shapes)
         rng = reader.rng(zero.rank) if h["world_size"] == zero.world_size else None
+        fp8 = reader.fp8(model)  # --fp8's amax histories: checked now, restored below
     except CheckpointError as e:
         error = str(e)
     # a rank reads its own shards: one bad file stops every rank, with its line
@@ -227,7 +228,7 @@ def restore(path, zero, model, scaler, config, model_args, vocab_meta):
                 f"--dtype {config.get('dtype')} starts a fresh loss scaler")
     if rng is not None:  # the same ranks again: dropout continues exactly
         set_rng_state(rng)
-    return h["iter"], note
+    return h["iter"], "; ".join(n for n in (note, fp8()) if n) or None, h
 
 
 if __name__ == "__main__":  # a library: the way out of a checkpoint is export.py

@@ -37,6 +37,8 @@ def opt(default, help, choices=None, check=None, **argparse_extra):
 # is a traceback deep in AdamW, an infinite one saves NaN weights, --grad-clip -1 turns
 # clipping silently off.
 RANGES = {"> 0": (lambda v: 0 < v < math.inf, "must be a positive number"),
+          "(0, 2**20]": (lambda v: 0 < v <= 2**20, "must be in (0, 1048576]"),
+          "fp32 normal": (lambda v: 2.0**-126 <= v <= 2.0**127, "must be in [2**-126, 2**127]"),
           ">= 0": (lambda v: 0 <= v < math.inf, "must be a number >= 0"),
           "[0, 1)": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
           "int >= 1": (lambda v: v >= 1, "must be at least 1"),
@@ -62,6 +64,10 @@ class TrainConfig:
     keep_last: int = opt(2, "keep the newest K checkpoints in out_dir", check="int >= 1")
     resume: bool = opt(False, "carry on from the newest checkpoint in out_dir "
                               "(start fresh if there is none)")
+    archive: bool = opt(False, "a new run where an earlier one left its history: move that "
+                               "run into OUT_DIR/archive-N/ first (nothing is deleted)")
+    take_over_lock: bool = opt(False, "take OUT_DIR/lock over from a run this host cannot "
+                                      "see (another host's): only when none writes there")
     init_from: str = opt("", "start from these weights: a checkpoint folder of ours, a Hugging "
                              "Face GPT-2 folder or file, or gpt2 | gpt2-medium | gpt2-large | "
                              "gpt2-xl, whose config.json sets the model flags not given "
@@ -115,7 +121,7 @@ class TrainConfig:
                                   "none otherwise")
     min_loss_scale: float = opt(1.0, "the dynamic scaler's floor: an overflow at this scale "
                                      "stops the run (the loss is non-finite at any scale)",
-                                check="> 0")
+                                check="fp32 normal")
     fp32_grad_accum: bool = opt(True, "16-bit runs with --grad-accum > 1: accumulate "
                                       "gradients in fp32")
     reduce_dtype: str = opt("auto", "the dtype gradients are reduced in, at every stage "
@@ -151,7 +157,7 @@ class TrainConfig:
     chunked_loss: bool = opt(True, "the loss head's fp32 softmax a chunk of rows at a time "
                                    "(beyond/chunked_loss.py); off: model.py's plain head")
     bucket_mb: float = opt(25.0, "gradient bucket size in MiB for overlapped communication",
-                           check="> 0")
+                           check="(0, 2**20]")
     peak_tflops: float = opt(0.0, "peak TFLOP/s per device for MFU; 0 = look the GPU up",
                              check=">= 0")
     seed: int = opt(1337, "the batch at step t depends only on (seed, t)")

@@ -73,11 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="fp32",
                    help="fp32 | bf16 | fp16: the weights while sampling")
     args = p.parse_args(argv)
-    if args.num_samples < 1:
-        p.error("--num-samples must be at least 1")
-    for name in ("max_new_tokens", "top_k", "temperature"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must not be negative")
+    pretrained.check_sample_flags(args)  # counts, temperature, seed: before any work
     return args
 
 
@@ -111,6 +107,7 @@ def sample(args):
     ids = encode(start)  # DataError for characters outside a char vocabulary
     if not ids:
         raise SampleError("the prompt is empty: --start needs at least one token")
+    pretrained.check_sample_size(model, len(ids), args, device)  # samples x tokens: it fits
 
     # every check passed: say what is sampled
     print(f"sampling from {what}" + (f" (iteration {ckpt['iter']})" if "iter" in ckpt else "")

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import checkpoint
 from checkpoint import CheckpointError
 from configurator import ConfigError, grad_accum_for
-from machinery.flags import parse_args
+from machinery.flags import keep_schedule, parse_args
 from data.loader import Batches, estimate_loss, load_data
 from lora import apply_lora
 from machinery import adapters, lifecycle, report, rundir, validate
@@ -205,7 +205,9 @@ def main(argv=None):
     cfg = parse_args(argv)
     rank, world_size, device = init_distributed(cfg)
     print0 = print if rank == 0 else (lambda *a, **k: None)
-    dtype = validate.check_run(cfg, GPT, device)  # what the flags ask, before any work
+    # before any work: the memory it needs, then out_dir's lock and history (one run a folder)
+    rundir.claim(cfg, rank, world_size, print0, lambda: lifecycle.check_memory(cfg, device))
+    dtype = validate.check_run(cfg, GPT, device)  # what the flags ask of device and model
     # --init-from: weights of ours (init) or a Hugging Face GPT-2 (init_hf), whose
     # config.json sets the model flags not given, and the vocabulary the data must be in
     init = init_hf = base_meta = None
@@ -221,12 +223,13 @@ def main(argv=None):
            f"{tokens_per_step:,} tokens per step ({cfg.batch_size} seq x {grad_accum} "
            f"micro-steps x {world_size} ranks x {cfg.block_size} tokens)")
     gptconf = model_config(cfg, meta["vocab_size"])
-    weights = None
-    if init:  # weights of another run (either format), checked against this model
-        checkpoint.check_compatible(init.header, asdict(gptconf), meta, cfg.init_from)
-        weights = init.weights()
+    # weights of another run (either format), checked against this model; a LoRA run's as
+    # it trained are loaded into the built run (pretrained.init_trained)
+    weights = init and pretrained.init_weights(init, cfg, asdict(gptconf), meta, print0)
     model, zero, scaler = build(cfg, meta["vocab_size"], device, dtype, rank, world_size,
                                 grad_accum, weights, init_hf)
+    if init:
+        pretrained.init_trained(init, cfg, zero, model)
     print0(f"model: {model.num_params(non_embedding=False):,} parameters, "
            f"{zero.psi:,} trainable")
     if cfg.fp8:
@@ -234,12 +237,13 @@ def main(argv=None):
 
     # resume: read and check everything before touching any file of the run
     start_it, ckpt, note = resume(cfg, zero, model, scaler, gptconf, meta, print0)
-    header = {"config": asdict(cfg), "model_args": asdict(gptconf), "meta": meta}
+    header = {"config": asdict(cfg), "model_args": asdict(gptconf), "meta": meta,
+              "base_id": model.base_id}  # what an adapter of this run loads onto
     if start_it >= cfg.max_iters:
         print0(f"the run is already at iteration {start_it} (--max-iters {cfg.max_iters}): "
                "nothing to train; raise --max-iters to go on")
         return lifecycle.finish(model, zero, world_size)
-    metrics = rundir.open_run(cfg, start_it, rank, world_size, print0)  # one writer a folder
+    metrics = rundir.Metrics(cfg.out_dir, rank == 0, print0)  # appended to, never truncated
     if ckpt:
         metrics.log({"event": "resume", "from": ckpt, "iter": start_it, "note": note})
     report.start(cfg, model, zero, metrics, print0)  # model state measured vs the paper's
@@ -312,25 +316,19 @@ def main(argv=None):
 
 
 def resume(cfg, zero, model, scaler, gptconf, meta, print0):
-    """--resume: rank 0's newest checkpoint restored (checkpoint.restore), then --fp8's
-    amax histories, exactly. Returns (the iteration to go on from, the checkpoint or None,
-    a note or None)."""
-    # rank 0's newest checkpoint, for every rank (each listing its own disk could differ)
+    """--resume: rank 0's newest checkpoint, for every rank (each listing its own disk could
+    differ), restored exactly (checkpoint.restore), its schedule kept. Returns (the iteration
+    to go on from, the checkpoint or None, a note or None)."""
     path = checkpoint.newest_checkpoint(cfg.out_dir, zero.world_size) if cfg.resume else None
     if not path:
         if cfg.resume:
             print0(f"--resume: no checkpoint in {cfg.out_dir} yet, starting fresh")
         return 0, None, None
-    start_it, note = checkpoint.restore(path, zero, model, scaler, asdict(cfg),
-                                        asdict(gptconf), meta)
-    saved = checkpoint.Reader(path).header.get("fp8")
-    if cfg.fp8:
-        from beyond import fp8
-        fp8_note = fp8.load_state_dict(model, saved, path)
-    else:
-        fp8_note = saved and f"{path} was trained with --fp8; this run computes in bf16"
-    note = "; ".join(n for n in (note, fp8_note) if n) or None
-    print0(f"resumed from {path} at iteration {start_it}" + (f"; {note}" if note else ""))
+    start_it, note, saved = checkpoint.restore(path, zero, model, scaler, asdict(cfg),
+                                               asdict(gptconf), meta)
+    # the saved run's learning-rate schedule, unless a schedule flag is given
+    note = "; ".join(n for n in (note, keep_schedule(cfg, saved["config"])) if n)
+    print0(f"resumed from {path} at iteration {start_it}; {note}")
     return start_it, path, note
 
 

@@ -12,6 +12,7 @@ also says how each one measures. Run them from the repository root, one at a tim
     python -m bench.accum       bf16 gradient accumulation in bf16 and in fp32, beside fp32
     python -m bench.lecture     the lecture's memory tables, computed by memory.py (not timed)
     python -m bench.zeropp      ZeRO++ on 4 ranks as 2 nodes x 2: bytes by link, loss, estimates
+    python -m bench.fuzz        random flags and odd files against all four commands: no traceback
 
 `python bench/NAME.py` works too. bench/common.py holds what they share.
 """

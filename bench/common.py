@@ -9,7 +9,6 @@ command, the machine, how busy it was, the table and the numbers that change fro
 A run replaces only its own part, so sections run separately coexist.
 """
 import argparse
-import json
 import os
 import re
 import shlex
@@ -27,6 +26,7 @@ from collectives import Traffic
 from configurator import TrainConfig
 from data import loader
 from data.loader import get_batch
+from machinery import rundir
 from machinery.meter import saved_activation_bytes
 from precision import DTYPES, set_tf32
 from train import build
@@ -197,9 +197,9 @@ def load_data(dataset="shakespeare_char"):
 
 
 def read_metrics(folder):
-    """The rows of a run's metrics.jsonl."""
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    """The rows of a run's metrics.jsonl, as the run went on (rundir.read_metrics: a cut line
+    skipped, the steps a resume redid once)."""
+    return rundir.read_metrics(os.path.join(folder, "metrics.jsonl"))
 
 
 def run_train(flags, out_dir, launcher=(), threads=None):

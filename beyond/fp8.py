@@ -321,10 +321,34 @@ def state_dict(model):
             "history": {m.name: m.history.detach().cpu().clone() for m in matmuls(model)}}
 
 
+def check_state_dict(model, saved):
+    """A checkpoint's FP8 state against this model's FP8 linears, before load_state_dict copies
+    any of it: a ValueError names a history that is missing, extra, of another shape or dtype,
+    or not finite and >= 0 (an amax)."""
+    if saved is None:
+        return
+    if not isinstance(saved, dict) or not isinstance(saved.get("settings"), dict) \
+            or not isinstance(saved.get("history"), dict):
+        raise ValueError("its FP8 state is not the one a save writes")
+    if not matmuls(model) or saved["settings"] != dict(model.fp8_settings):
+        return  # a fresh history: nothing of it is copied
+    want = {m.name: m.history for m in matmuls(model)}
+    odd = sorted(set(want) ^ set(saved["history"]), key=str)
+    if odd:
+        raise ValueError(f"its FP8 histories and this model's FP8 linears differ at {odd[0]!r}")
+    for name, h in want.items():
+        t = saved["history"][name]
+        if not isinstance(t, torch.Tensor) or t.shape != h.shape or t.dtype != h.dtype \
+                or not (t.isfinite() & (t >= 0)).all():
+            raise ValueError(f"the FP8 amax history of {name} is not {h.dtype} {list(h.shape)} "
+                             "of finite amaxes >= 0")
+
+
 @torch.no_grad()
 def load_state_dict(model, saved, path):
-    """Restore the histories exactly; returns a one-line note where FP8 was turned on or off or
-    its recipe changed since the save (allowed: the scaling starts afresh), else None."""
+    """Restore the histories exactly (checked first by check_state_dict); returns a one-line
+    note where FP8 was turned on or off or its recipe changed since the save (allowed: the
+    scaling starts afresh), else None."""
     mine = dict(model.fp8_settings) if matmuls(model) else None
     theirs = saved["settings"] if saved else None
     if mine is None and theirs is None:

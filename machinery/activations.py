@@ -9,6 +9,7 @@ priced by KEPT. meter.saved_activation_bytes measures what these formulas predic
 tests/test_memory.py holds the two equal to the byte on CPU.
 """
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -22,26 +23,45 @@ from model import GPT, MLP, CausalSelfAttention, LayerNorm
 from quant import QuantLinear
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "nf4": 0.5}  # bytes per value
+INITS = ("normal_", "uniform_", "zeros_", "ones_", "kaiming_uniform_", "trunc_normal_")
 
-_shapes = {}  # (build, the config's repr, LoRA, FP8) -> the shapes-only model, built once
+
+_MODELS = {}  # the last shapes-only models built, by what they were built from
 
 
 def shapes_model(cfg, build=None, lora_rank=0, lora_targets=(), fp8=False):
-    """The model cfg describes (model.py's GPT, or build(cfg)'s) on the meta device, with LoRA
-    if lora_rank and FP8 linears if fp8: every shape, nothing allocated. Built once per
-    configuration (its weights' init is most of the cost: --advise asks dozens of times);
-    callers read it, never change it."""
+    """The model cfg describes (model.py's GPT, or build(cfg)'s), with LoRA if lora_rank and FP8
+    linears if fp8, on the meta device: every shape, nothing allocated. Kept for the next call
+    with the same arguments (memory.py --advise prices one model some twenty times): read it,
+    never change it."""
     build = build or model_py.GPT  # model.GPT when called: a fork's edit of it is walked
-    key = (build, repr(cfg), lora_rank, tuple(lora_targets), fp8)
-    if key not in _shapes:
-        with torch.device("meta"):
+    key = (repr(cfg), build, lora_rank, repr(lora_targets), fp8)
+    if key not in _MODELS:
+        with torch.device("meta"), meta_init():
             model = build(cfg)
             if lora_rank:
                 apply_lora(model, lora_rank, targets=lora_targets)
             if fp8:  # the block linears' products in FP8 (fp8.py)
                 fp8_convert(model)
-        _shapes[key] = model
-    return _shapes[key]
+        if len(_MODELS) >= 4:
+            _MODELS.pop(next(iter(_MODELS)))
+        _MODELS[key] = model
+    return _MODELS[key]
+
+
+@contextmanager
+def meta_init():
+    """torch.nn.init's fills as no-ops while a shapes-only model is built: on the meta device
+    they compute nothing, yet each costs ~2 ms (torch's Python decomposition), so a model of
+    hundreds of blocks took minutes to build and not one byte to hold."""
+    saved = {name: getattr(nn.init, name) for name in INITS}
+    try:
+        for name in INITS:
+            setattr(nn.init, name, lambda t, *args, **kwargs: t)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_targets=(),

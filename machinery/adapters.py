@@ -16,7 +16,8 @@ from safetensors import safe_open
 import checkpoint
 from lora import apply_lora, lora_modules
 from machinery import validate
-from machinery.tensorfile import write_safetensors
+from collectives import all_gather_object
+from machinery.tensorfile import check_crcs, write_safetensors
 
 
 class AdapterError(Exception):
@@ -85,9 +86,12 @@ def load_adapter(model, path, vocab=None):
     except Exception as e:
         message = f"{path}: not a readable adapter file ({type(e).__name__}: {e})"
         raise AdapterError(message.splitlines()[0])
-    try:  # before apply_lora makes modules of them: a rank of 10^9 is 256 GB
+    try:  # every tensor against its crc32; before apply_lora makes modules of them: a rank of
+        check_crcs(meta, lora)  # 10^9 is 256 GB
         validate.check_adapter(settings, {k: list(t.shape) for k, t in lora.items()},
                                model.config.n_embd)
+        if not all(t.isfinite().all() for t in lora.values()):
+            raise ValueError("its tensors hold inf/NaN: use an adapter of an earlier checkpoint")
     except ValueError as e:
         raise AdapterError(f"{path}: {e}")
     if vocab is not None and meta.get("vocab", vocab) != vocab:
@@ -113,10 +117,20 @@ def load_adapter(model, path, vocab=None):
 
 def save_run_adapter(out_dir, zero, model, meta, print0):
     """The end of a LoRA run: the adapter alone (kilobytes) in OUT_DIR/adapter.safetensors,
-    its full tensors gathered onto rank 0 one by one (a collective)."""
-    full = checkpoint.state_dict(zero, model)
+    its full tensors gathered onto rank 0 one by one (a collective). A failed write (a full
+    disk) is a CheckpointError on every rank that names the checkpoint holding the adapter."""
+    full, error = checkpoint.state_dict(zero, model), None
+    path = os.path.join(out_dir, "adapter.safetensors")
     if zero.rank == 0:
-        path = os.path.join(out_dir, "adapter.safetensors")
-        save_adapter(path, adapter_state(full), model.lora_settings, model.base_id,
-                     validate.vocab_id(meta))
-        print0(f"saved {path} ({os.path.getsize(path) / 1024:.1f} KiB)")
+        try:
+            save_adapter(path, adapter_state(full), model.lora_settings, model.base_id,
+                         validate.vocab_id(meta))
+            print0(f"saved {path} ({os.path.getsize(path) / 1024:.1f} KiB)")
+        except OSError as e:
+            newest = (checkpoint.list_checkpoints(out_dir) or ["no checkpoint"])[-1]
+            error = (f"could not write {path} ({e.strerror or e}); the run is saved: {newest} "
+                     "holds the adapter, and `python export.py` writes it out (--to hf OUT: "
+                     "PEFT's adapter folder)")
+    error = all_gather_object(error, zero.world_size)[0]
+    if error:
+        raise checkpoint.CheckpointError(error)

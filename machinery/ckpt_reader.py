@@ -3,10 +3,12 @@ Guards the reading of checkpoints: either format, every claim checked before it 
 
 A checkpoint is a folder: ckpt.pt (consolidated, memory-mapped) or meta.pt and one
 shard-RANK.pt per rank (sharded). The Reader opens only the files that hold what is asked
-for, and checks each before any element is copied (validate.py): the header's types,
-ranges and layout, every piece's length and crc32. A bad file is one CheckpointError line
-that names the older checkpoint to resume from instead. Which checkpoint a resume reads is
-rank 0's choice, the same for every rank (newest_checkpoint): nodes need not share a disk.
+for, and checks each before any element is copied (validate.py): the bytes of its pickle
+against the zip's crc32 of them (before unpickling), its non-tensor fields against their
+checksum (validate.seal), the header's types, ranges and layout, every piece's length and
+crc32. A bad file is one CheckpointError line that names the older checkpoint to resume
+from instead. Which checkpoint a resume reads is rank 0's choice, the same for every rank
+(newest_checkpoint): nodes need not share a disk.
 """
 import os
 
@@ -67,6 +69,7 @@ class Reader:
         if not os.path.isdir(path):
             raise CheckpointError(f"no checkpoint at {path}")
         self.path, self.shards, self.opened = path, {}, []
+        self.hint = rundir.resume_hint(path)  # a bad file names what to resume from instead
         if os.path.exists(os.path.join(path, "ckpt.pt")):
             self.header = self._open("ckpt.pt", mmap=True)  # tensors are read when touched
         elif os.path.exists(os.path.join(path, "meta.pt")):
@@ -78,11 +81,6 @@ class Reader:
                 self.header.get("format") not in ("consolidated", "sharded"):
             raise CheckpointError(f"{path} is not a nanoZeRO checkpoint")
         self.file = os.path.join(path, self.opened[0])
-        if "adam_step" in self.header and "opt_step" not in self.header:
-            raise CheckpointError(f"{path} was written by an earlier nanoZeRO (no checksums, "
-                                  "AdamW's keys only): resume it with that version, or start "
-                                  "fresh in another --out-dir")
-        self.hint = rundir.resume_hint(path)  # a bad file names what to resume from instead
         self._checked(self.file, validate.check_header, self.header)  # before any claim is used
         self.verified = set()  # ckpt.pt's (name, key) whose checksum was checked
 
@@ -94,8 +92,15 @@ class Reader:
             raise CheckpointError(f"{file}: {e} (a corrupt or edited file); {self.hint}")
 
     def _open(self, name, mmap=False):
+        """One file of the checkpoint: its pickle's bytes checked, unpickled (tensors and plain
+        data only), its fields checked against their checksum."""
         self.opened.append(name)
-        return _load(os.path.join(self.path, name), mmap)
+        path = os.path.join(self.path, name)
+        if os.path.lexists(path):  # else _load says it is missing
+            self._checked(path, validate.check_pickle, path)
+        obj = _load(path, mmap)
+        self._checked(path, validate.check_seal, obj)
+        return obj
 
     def _shard(self, r):
         if r not in self.shards:
@@ -153,6 +158,16 @@ class Reader:
         h = self.header
         self._checked(self.file, validate.check_shapes_fit, h["model_args"], h["shapes"])
         return h["model_args"]
+
+    def fp8(self, model):
+        """--fp8's amax histories, checked now against model's FP8 linears (beyond/fp8.py);
+        returns what restores them later and returns a note or None."""
+        saved = self.header.get("fp8")
+        if saved is None and not getattr(model, "fp8_settings", None):
+            return lambda: None
+        from beyond import fp8
+        self._checked(self.file, fp8.check_state_dict, model, saved)
+        return lambda: fp8.load_state_dict(model, saved, self.path)
 
     def rng(self, rank):
         h = self.header

@@ -3,13 +3,14 @@ Guards memory.py's command line: sizes parsed and bounded, a bare --params given
 shape, the estimate printed term by term. The arithmetic itself is footprint.py's.
 """
 import math
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import optim
 from configurator import ConfigError, grad_accum_for, parse_zeropp
 from machinery.flags import config_from, load_preset, make_parser
 from lora import parse_targets
 from machinery.footprint import estimate
+from machinery.validate import BOUNDS, check_model_args
 import model as model_py  # model.GPT when called: a fork's edit of it is estimated
 from model import GPTConfig
 
@@ -122,6 +123,12 @@ def parse_bytes(text, flag="--gpu-mem"):
     return n
 
 
+# memory.py's own numbers, bounded so that every answer comes in seconds: a bare --params
+# gets a shape within validate.BOUNDS (at most 512 layers of 65536 for 2.6e13), the model
+# flags are held to the same BOUNDS in model_from_flags
+LIMITS = {"params": 1e13, "vocab": BOUNDS["vocab_size"], "world_size": 2**20}
+
+
 def parse_flags(argv):
     """train.py's own flags (a preset, the model, --zero, --dtype, --batch-size, --grad-ckpt,
     LoRA) and memory.py's: (the parsed flags, their TrainConfig)."""
@@ -137,9 +144,11 @@ def parse_flags(argv):
     p.add_argument("--advise", action="store_true", help="the lecture's decision flow, ending in "
                    "a command")
     a = p.parse_args(argv)
-    for name in ("world_size", "params", "vocab"):
-        if (getattr(a, name) or 1) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    for name, most in LIMITS.items():  # NaN fails every comparison: refused too
+        value = getattr(a, name)
+        if value is not None and not 1 <= value <= most:
+            raise ConfigError(f"--{name.replace('_', '-')} {value:g}: use a number in "
+                              f"[1, {most:g}]")
     tc = config_from(a)
     try:
         optim.check_name(tc.optimizer)
@@ -162,8 +171,9 @@ def model_from_flags(a, tc, psi):
     try:
         cfg = GPTConfig(arch=model_py.GPT.ARCH, block_size=block, vocab_size=vocab,  # a fork's
                         bias=bias, dropout=0.0 if psi else tc.dropout, **shape)
+        check_model_args(asdict(cfg))  # validate.BOUNDS: 10^5 layers is no model to estimate
     except ValueError as e:  # e.g. a width its heads do not divide
-        raise ConfigError(str(e))
+        raise ConfigError(str(e).replace("model_args ", "--").replace("_", "-"))
     preset = a.config and not psi
     flags = [f"--config {a.config}"] if preset else []
     for k, v in {**shape, "block_size": block}.items():

@@ -118,6 +118,16 @@ def export(ckpt, to, out, dtype=None, merge=False):
     return lines
 
 
+def merged_weights(reader):
+    """The model a LoRA checkpoint trained, as plain weights (model.py's names, the vocabulary's
+    own rows): its quantized base dequantized, its adapters merged in (W0 + B·A·alpha/r)."""
+    model = rebuild(reader)
+    dequantize_base(model)
+    merge_lora(model)
+    sd, shapes = model.state_dict(), model.stored_shapes()
+    return {k: sd[k][:shapes[k][0]] for k in shapes if "lora_" not in k}
+
+
 def write_weights(weights, model_args, out):
     """Plain weights (model.py's names, as GPT.load_weights reads them) in one
     safetensors file, the model config in its metadata."""

@@ -14,7 +14,6 @@ head's working set, the optimizer step's fp32 gradient slice.
 """
 import math
 
-
 import optim
 from quant import QuantizedWeight
 from machinery.activations import BYTES, activation_bytes, head_working_bytes, shapes_model
@@ -29,8 +28,9 @@ QUANT_BYTES = {"nf4": 0.5 + 4 / 64}
 
 def shapes_only(cfg, build=None, lora_rank=0, lora_targets=("q", "v")):
     """The model the flags describe (model.py's GPT, or build(cfg)'s), with LoRA's adapters if
-    lora_rank, built on the meta device (once: activations.shapes_model): every shape, nothing
-    allocated. The estimate counts what this model holds, not a formula of GPT-2's."""
+    lora_rank, built on the meta device (once: activations.shapes_model, read-only): every
+    shape, nothing allocated. The estimate counts what this model holds, not a formula of
+    GPT-2's."""
     return shapes_model(cfg, build, lora_rank, lora_targets if lora_rank else ())
 
 

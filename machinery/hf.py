@@ -30,7 +30,7 @@ from safetensors import safe_open
 
 from machinery.adapters import fingerprint_tensors  # the definition of a base's name
 from model import GPTConfig
-from machinery.tensorfile import replace_atomically, write_safetensors
+from machinery.tensorfile import check_crcs, replace_atomically, write_safetensors
 from machinery.validate import check_hf_types, check_model_args
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -191,9 +191,11 @@ def _open(path, stack):
     tensor's bytes are read when its reader is called. A .bin is memory-mapped instead (old
     non-zip .bin files cannot be, and are read whole)."""
     try:
-        if path.endswith(".safetensors"):
+        if path.endswith(".safetensors"):  # ours keep a crc32 per tensor: checked when read
             f = stack.enter_context(safe_open(path, framework="pt"))
-            return {k: (tuple(f.get_slice(k).get_shape()), lambda k=k: f.get_tensor(k))
+            meta = f.metadata()
+            return {k: (tuple(f.get_slice(k).get_shape()), lambda k=k: _checked(path, meta, k,
+                                                                                f.get_tensor(k)))
                     for k in f.keys()}
         try:
             sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -202,6 +204,14 @@ def _open(path, stack):
         return {k: (tuple(t.shape), lambda k=k: sd[k]) for k, t in sd.items()}
     except Exception as e:
         raise HFError(f"{path}: unreadable ({_one_line(e)})") from None
+
+
+def _checked(path, meta, name, t):
+    try:
+        check_crcs(meta, {name: t})
+    except ValueError as e:
+        raise HFError(f"{path}: {e}") from None
+    return t
 
 
 def _read_plan(files, model_args, stack):

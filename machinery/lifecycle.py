@@ -7,6 +7,8 @@ Guards how a run starts and ends: signals, agreed stops, one-line errors, a clea
   - --nan-at makes one rank's loss NaN at one step: the lesson in skipped steps
   - an error a user can fix is one line on stderr (exit 2), printed by one rank for all,
     agreed on by every rank where only some can see it (a node without the data)
+  - a run that cannot fit in the memory it has is refused before any work (check_memory), and
+    an out-of-memory error is one line that says what to lower
   - the process group is torn down together, after every rank has written its last byte
 """
 import gc
@@ -16,6 +18,8 @@ import sys
 
 import torch
 import torch.distributed as dist
+
+from configurator import ConfigError
 
 
 @torch.no_grad()
@@ -105,14 +109,73 @@ def finish(model, zero, world_size):
         dist.destroy_process_group()
 
 
+def free_bytes(device):
+    """Memory free for this process's device: the GPU's, or the host's MemAvailable; None where
+    it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def least_bytes(cfg, world_size=1):
+    """Half of what one rank of this run allocates at least (so a refusal is never a close
+    call): the blocks' weights (12·L·h² parameters, ZeRO-3: a 1/N share; a 4-bit base: half a
+    byte each), and the activations a step saves for backward, Korthikanti et al.'s ~17
+    elements per token and width per block (each block's input alone under --grad-ckpt)."""
+    e = 4 if cfg.dtype == "fp32" else 2
+    L, h, tokens = cfg.n_layer, cfg.n_embd, cfg.batch_size * cfg.block_size
+    weights = 12 * L * h * h * (0.5 if cfg.quantize == "nf4" else e)
+    weights /= world_size if cfg.zero == 3 else 1
+    per_block = (1 if cfg.grad_ckpt == "full" else 17) * tokens * h * e
+    return (weights + L * per_block) / 2
+
+
+def check_memory(cfg, device):
+    """A ConfigError, before any work, when this run cannot fit in the memory it has (its
+    least_bytes times the ranks sharing a host)."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if device.type == "cpu" else 1
+    need, free = least_bytes(cfg, world_size) * ranks, free_bytes(device)
+    if free is not None and need > free:
+        where = f"{ranks} ranks on this host" if ranks > 1 else f"this {device.type}"
+        raise ConfigError(f"--batch-size {cfg.batch_size} x --block-size {cfg.block_size} on "
+                          f"{cfg.n_layer} x {cfg.n_embd}: {where} needs over {need / 1e9:.3g} GB, "
+                          f"{free / 1e9:.3g} GB is free: lower --batch-size (--grad-accum keeps "
+                          "the batch), or add --grad-ckpt; `python memory.py` with these flags "
+                          "estimates it")
+
+
+def out_of_memory(e):
+    """An allocator's refusal (CUDA's OutOfMemoryError, the CPU allocator's RuntimeError) as
+    the line to print, or None for any other error."""
+    text = str(e)
+    if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in text
+            or "not enough memory" in text):
+        return None
+    return (f"out of memory ({text.strip().splitlines()[0][:160]}): lower --batch-size "
+            "(--grad-accum keeps the batch), or add --grad-ckpt or --zero 3; `python memory.py` "
+            "with these flags estimates the need")
+
+
 def run_main(main, name, errors):
-    """Run main(); an error in `errors` is one line on stderr (exit 2). Under torchrun rank 0
-    speaks for all, unless the error is rank_local (only this rank can see it)."""
+    """Run main(); an error in `errors` is one line on stderr (exit 2), as is running out of
+    memory (each rank that does). Under torchrun rank 0 speaks for all, unless the error is
+    rank_local (only this rank can see it)."""
     try:
         main()
     except errors as e:
         if int(os.environ.get("RANK", 0)) == 0 or getattr(e, "rank_local", False):
             print(f"{name}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except RuntimeError as e:
+        if out_of_memory(e) is None:
+            raise
+        print(f"{name}: error: {out_of_memory(e)}", file=sys.stderr)
         sys.exit(2)
     finally:  # an error after init: leave no communicator behind (NCCL warns, may hang)
         if dist.is_initialized():

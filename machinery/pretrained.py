@@ -3,19 +3,27 @@ Real models in: train.py's --init-from a Hugging Face GPT-2 or a checkpoint of o
 the files; the way out is export.py).
 
     python train.py --init-from gpt2 --dataset shakespeare --lora      # or --init-from ./gpt2
+    python train.py --init-from run/ckpt-0002000 --out-dir finetune   # weights of ours
+
+A checkpoint of a LoRA or QLoRA run gives a new run with the same LoRA and quantization flags
+its base as stored (the 4-bit codes themselves) and its adapters, to train on from there; any
+other run gets that model merged (the base dequantized, W0 + B·A·alpha/r), the weights
+`python export.py CKPT --to safetensors OUT --merge` writes.
 
 The model's shape (layers, heads, width, context, vocabulary) is its config.json's, and the
 data must be GPT-2 BPE. The GPT is built on the meta device and filled tensor by tensor in its
 working dtype, so loading never holds an fp32 copy of a 16-bit model (load_hf says how much).
 """
 import os
+from dataclasses import asdict
 
 import torch
 
-from checkpoint import CheckpointError, Reader, list_checkpoints
+from checkpoint import CheckpointError, Reader, check_compatible, list_checkpoints
 from configurator import ConfigError
-from machinery import hf, validate
+from machinery import adapters, hf, validate
 from machinery.hf import HFError
+from machinery.pieces import stored
 import model as model_py
 from model import GPT, GPTConfig
 
@@ -42,6 +50,55 @@ def open_init(cfg):
         return reader, None, reader.header["meta"]
     source, meta = hf_flags(cfg)
     return None, source, meta
+
+
+def init_weights(reader, cfg, model_args, meta, print0):
+    """The weights --init-from CKPT gives train.build (checked against the model and data): a
+    state dict in model.py's names, or None for a LoRA run's checkpoint taken as it trained
+    (the same LoRA and quantization flags): init_trained loads it once the run is built."""
+    check_compatible(reader.header, model_args, meta, cfg.init_from)
+    saved = reader.header["config"]
+    if not saved.get("lora"):
+        return reader.weights()
+    flags = " ".join(validate.as_flag(f, saved.get(k)) for k, f in validate.SETTINGS.items()
+                     if saved.get(k) not in (None, "", False))
+    if _as_trained(reader, cfg):
+        print0(f"--init-from {cfg.init_from}: a run of the same {flags}: its base as stored and "
+               "its adapters, trained on from there")
+        return None
+    from machinery import exporter
+    print0(f"--init-from {cfg.init_from}: a run of {flags}, not this run's LoRA flags: its model "
+           "merged (base dequantized, adapters folded in), as `export.py --merge` writes it")
+    return exporter.merged_weights(reader)
+
+
+@torch.no_grad()
+def init_trained(reader, cfg, zero, model):
+    """The LoRA run's tensors init_weights left for after the build, into this run's ZeRO on
+    any stage and world size: the adapters (fp32 masters) and the frozen base as stored. Not
+    its optimizer, scaler, RNG or iteration: a new run. The adapter file names its base."""
+    if not _as_trained(reader, cfg):
+        return
+    check_compatible(reader.header, asdict(model.config), None, cfg.init_from,
+                     {k: getattr(cfg, k) for k in validate.SETTINGS}, model.stored_shapes())
+    shapes = reader.header["shapes"]
+    for s in zero.segments:
+        lo, hi = stored(shapes, s.name, s.lo, s.hi)
+        if lo < hi:
+            s.master[:hi - lo].copy_(reader.read(s.name, "master", lo, hi))
+    for name, lo, hi, values in zero.frozen_pieces():
+        lo, hi = stored(shapes, name, lo, hi)
+        if lo < hi:
+            values[:hi - lo].copy_(reader.read(name, "value", lo, hi))
+    zero.publish()
+    model.base_id = reader.header.get("base_id") or adapters.base_fingerprint(reader.weights())
+
+
+def _as_trained(reader, cfg):
+    """A LoRA run's checkpoint, and this run has its LoRA and quantization flags."""
+    saved = reader.header["config"]
+    return bool(saved.get("lora")) and all(saved.get(k) == getattr(cfg, k)
+                                           for k in validate.SETTINGS)
 
 
 def hf_flags(cfg):
@@ -188,11 +245,45 @@ def weights_to_sample(ckpt, init_from, out_dir):
 
 def model_of(ckpt):
     """The GPT a loaded checkpoint describes, holding its weights; its sizes are checked
-    before anything is built (a header may claim 10^5 layers)."""
+    before anything is built (a header may claim 10^5 layers), its weights are finite."""
     try:
         validate.check_model_args(ckpt["model_args"])
         model = model_py.GPT(GPTConfig(**ckpt["model_args"]))  # a fork's, if edited
         model.load_weights(ckpt["model"])  # strict: every name and shape must match model.py
     except (TypeError, ValueError, RuntimeError) as e:
         raise LoadError("checkpoint does not fit model.py: " + " ".join(str(e).split()))
+    bad = next((k for k, t in model.state_dict().items() if not t.isfinite().all()), None)
+    if bad:  # every draw would be a NaN probability
+        raise LoadError(f"the weights hold inf/NaN ({bad}): sample from an earlier checkpoint")
     return model
+
+
+def check_sample_flags(args):
+    """sample.py's numbers, before any work: counts >= their least, a temperature that is 0
+    (greedy) or large enough that logits / T stay finite in fp32, a seed a generator takes."""
+    for name, least in (("num_samples", 1), ("max_new_tokens", 0), ("top_k", 0)):
+        if getattr(args, name) < least:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least {least}")
+    t = args.temperature
+    if not (t == 0 or 1e-4 <= t < float("inf")):
+        raise ConfigError(f"--temperature {t}: use 0 (greedy) or a number from 1e-4 up "
+                          "(below it, logits / T overflow fp32)")
+    if not 0 <= args.seed < 2**64:
+        raise ConfigError(f"--seed {args.seed}: use an integer in [0, 2**64)")
+
+
+def check_sample_size(model, prompt_tokens, args, device):
+    """The samples' memory against what the device has free, before any is allocated: each
+    sample's token ids (twice: torch.cat copies them each step), one forward's activations
+    over the context and the logits of its last position."""
+    from machinery.lifecycle import free_bytes
+    c, e = model.config, next(model.parameters()).element_size()
+    tokens = prompt_tokens + args.max_new_tokens
+    T = min(tokens, c.block_size)
+    need = args.num_samples * (16 * tokens + T * (12 * c.n_embd + c.n_head * T) * e
+                               + 8 * c.vocab_size)
+    free = free_bytes(device)
+    if free is not None and need > free:
+        raise ConfigError(f"--num-samples {args.num_samples} x {tokens:,} tokens needs about "
+                          f"{need / 1e9:.3g} GB, {free / 1e9:.3g} GB is free on {device.type}: "
+                          "lower --num-samples or --max-new-tokens")

@@ -1,16 +1,24 @@
 """
-One run's folder (--out-dir): one writer at a time, a log that survives a crash, and leftover
-saves cleared only when no live run owns them.
+Guards one run's folder (--out-dir): one writer at a time, one run's history, a log that is
+only ever appended to, and leftover saves cleared only when no live run owns them.
 
-  OUT_DIR/lock           {"pid", "host"} of the run writing here, taken before its first write
-                         and removed when it ends. A second run on the folder is refused with
-                         one line naming the first; the lock of a process that died (on this
-                         host: its pid is gone) is taken over, with a note.
-  OUT_DIR/metrics.jsonl  one JSON object a line. A crash or a full disk can cut the last line
-                         short: on resume such a line is dropped with a note, never a traceback.
-                         A failed write stops the logging with one line; the run and its
-                         checkpoints go on untouched.
+  OUT_DIR/lock           who writes here: pid, host, boot id and the process's start time (a
+                         pid alone is reused), torchrun's job id and restart count. Taken
+                         before any work and removed when the run ends. A live run's lock
+                         refuses a second run in one line; a dead run's (on this host: its pid
+                         gone, reused or from before a reboot; or an earlier attempt of the
+                         same torchrun job) is taken over with a note; one we cannot judge
+                         (another host, an edited file) names the remedy: delete it if no run
+                         writes here, or --take-over-lock.
+  OUT_DIR/metrics.jsonl  one JSON object a line, appended to (a resume never truncates it). A
+                         crash or a full disk can cut the last line short: it stays, and
+                         read_metrics skips it. A failed write stops the logging with one
+                         line; the run and its checkpoints go on untouched.
   OUT_DIR/ckpt-N.tmp/    a save in progress; its owner.json names the run writing it.
+
+A folder holds one run's history: a run without --resume where an earlier run left checkpoints
+or a log is refused (--archive moves that run into OUT_DIR/archive-N/ first; nothing is ever
+deleted). A run that fails before its first step leaves the folder as it found it.
 """
 import functools
 import json
@@ -22,37 +30,82 @@ import socket
 
 import torch.distributed as dist
 
+from configurator import ConfigError
+from machinery import validate
 from machinery.tensorfile import torch_save
 
 LOCK = "lock"
-_held = set()  # the out-dirs whose lock this process holds
+RUN_FILES = re.compile(r"ckpt-\d+(\.tmp)?|metrics\.jsonl|adapter\.safetensors")  # a run's own
+_held = set()  # the out-dirs' locks this process holds
+_created = set()  # the out-dirs this process created: removed again if it leaves them empty
+_archived = []  # (from, to) moves of --archive: undone if the run fails before a step
+_logs = []  # the Metrics this process opened: rolled back if the run fails before a step
+_saves = []  # the checkpoints this process committed: a run that saved is never rolled back
 
 
 class RunDirError(Exception):
-    """The folder is another live run's: one line, nothing written."""
+    """The folder is another run's, or holds something where a run's file belongs: one line,
+    nothing written."""
+
+
+def _start_time(pid):
+    """The process's start time (clock ticks after boot, /proc/PID/stat's 22nd field), or None
+    where /proc cannot tell: with the pid it names one process, never a later one reusing it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(")") + 2:].split()[19])  # after "pid (comm)": field 3 on
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _boot_id():
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def _owner():
-    return {"pid": os.getpid(), "host": socket.gethostname()}
+    pid = os.getpid()
+    return {"pid": pid, "host": socket.gethostname(), "boot_id": _boot_id(),
+            "start_time": _start_time(pid), "job": os.environ.get("TORCHELASTIC_RUN_ID"),
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
 
 
-def _alive(owner):
-    """Whether the process an owner record names may still be running. Only this host's
-    processes can be looked up; another host's run is taken as alive (we cannot tell)."""
-    if not isinstance(owner, dict):
-        return False
-    if owner.get("host") != socket.gethostname():
-        return True
-    pid = owner.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
-        return False
+def is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def judge(owner):
+    """Whether the run an owner record (a lock, a save's owner.json) names is alive: "mine",
+    "alive", "dead", "unknown" (another host's: it cannot be looked up) or "invalid" (no run's
+    identity), with why."""
+    me = _owner()
+    if not isinstance(owner, dict) or not is_int(owner.get("pid")) or owner["pid"] <= 0 \
+            or not isinstance(owner.get("host"), str):
+        return "invalid", "holds no run's identity (a pid and a host)"
+    pid, host = owner["pid"], owner["host"]
+    if owner == me:
+        return "mine", ""
+    if owner.get("job") and owner.get("job") == me["job"] and is_int(owner.get("restart")) \
+            and owner["restart"] < me["restart"]:  # torchrun stops every worker to restart
+        return "dead", f"an earlier attempt (restart {owner['restart']}) of this torchrun job"
+    if host != me["host"]:
+        return "unknown", f"names pid {pid} on host {host}, which this host cannot look up"
+    if owner.get("boot_id") and me["boot_id"] and owner["boot_id"] != me["boot_id"]:
+        return "dead", f"pid {pid} ran before this machine restarted"
     try:
         os.kill(pid, 0)  # signal 0: only asks whether the pid exists
     except ProcessLookupError:
-        return False
+        return "dead", f"pid {pid} is no longer running"
     except PermissionError:  # it exists, as another user's process
-        return True
-    return True
+        pass
+    started = owner.get("start_time")
+    if started is not None and me["start_time"] is not None and started != _start_time(pid):
+        return "dead", f"pid {pid} is now another process"
+    return "alive", f"pid {pid} on {host}"
 
 
 def _read_json(path):
@@ -63,12 +116,17 @@ def _read_json(path):
         return None
 
 
-def take_lock(out_dir):
-    """Make out_dir this process's: create OUT_DIR/lock, or take over one whose process is dead
-    (or is this process: an earlier run in it that raised). Returns a note to print, or None;
-    RunDirError when a live run holds the folder."""
-    os.makedirs(out_dir, exist_ok=True)
+def take_lock(out_dir, take_over=False):
+    """Make out_dir this process's: create OUT_DIR/lock, or take over one whose run is dead (or
+    is this process: an earlier run in it that raised), or with take_over one we cannot judge.
+    Returns a note to print, or None; RunDirError when a live run holds the folder, or when we
+    cannot tell and take_over is off."""
+    if not os.path.isdir(out_dir):
+        os.makedirs(out_dir, exist_ok=True)
+        _created.add(os.path.abspath(out_dir))
     path, me = os.path.join(out_dir, LOCK), _owner()
+    if os.path.isdir(path):
+        raise RunDirError(f"{path} is a folder where the run's lock file belongs: move it away")
     tmp = f"{path}.{me['pid']}"
     with open(tmp, "w") as f:
         json.dump(me, f)
@@ -81,56 +139,141 @@ def take_lock(out_dir):
                 return note
             except FileExistsError:
                 held = _read_json(path)
-            if held is not None and held != me and _alive(held):
-                raise RunDirError(f"{out_dir} is in use by the run of pid {held.get('pid')} on "
-                                  f"{held.get('host')} ({path}): wait for it to end, or use "
-                                  "another --out-dir")
-            if held != me:
-                note = (f"took over {path} from pid {(held or {}).get('pid')}, which is no "
-                        "longer running")
-            os.remove(path)
+            if not os.path.exists(path):  # released between our link and our read
+                continue
+            verdict, why = judge(held)
+            if verdict == "alive":
+                raise RunDirError(f"{out_dir} is in use by the run of {why} ({path}): wait for it "
+                                  "to end, or use another --out-dir")
+            if verdict in ("unknown", "invalid") and not take_over:
+                raise RunDirError(f"cannot tell whether a run still writes to {out_dir}: {path} "
+                                  f"{why}; if none does, delete {path} or pass --take-over-lock, "
+                                  "else use another --out-dir")
+            if verdict != "mine":
+                note = f"took over {path} from pid {(held or {}).get('pid')} ({why})" \
+                    if isinstance(held, dict) else f"took over {path} ({why})"
+            _set_aside(path, held)
         raise RunDirError(f"cannot take {path}: another run keeps replacing it")
     finally:
         os.remove(tmp)
 
 
-def open_run(cfg, start_it, rank, world_size, print0):
-    """Make out_dir this run's (rank 0 takes its lock; every rank learns a refusal) and open
-    metrics.jsonl: before the run's first write, after every check of the resume."""
-    error = note = None
+def _set_aside(path, held):
+    """Remove the lock `held` read from path, unless another run replaced it meanwhile (then it
+    is put back, and the caller's next try reads the new one)."""
+    aside = f"{path}.stale{os.getpid()}"
+    try:
+        os.rename(path, aside)  # atomic: only one of two runs taking over moves it
+    except FileNotFoundError:
+        return
+    if _read_json(aside) != held:
+        try:
+            os.link(aside, path)
+        except FileExistsError:
+            pass
+    os.remove(aside)
+
+
+def claim(cfg, rank, world_size, print0, check=None):
+    """Before any work: make out_dir this run's (rank 0 takes its lock, and refuses a fresh run
+    where an earlier run left its history, or archives that run with --archive); every rank
+    learns a refusal. check(), if given, runs first on rank 0 (the memory a run needs)."""
+    error = note = raised = None
     if rank == 0:
         try:
-            note = take_lock(cfg.out_dir)
-        except (RunDirError, OSError) as e:
-            error = f"{e}" if isinstance(e, RunDirError) else f"cannot write {cfg.out_dir}: {e}"
+            if check:
+                check()
+            note = take_lock(cfg.out_dir, cfg.take_over_lock)
+            note = "; ".join(n for n in (note, _one_history(cfg)) if n) or None
+        except RunDirError as e:
+            error = str(e)
+        except OSError as e:
+            error = f"cannot write {cfg.out_dir}: {e.strerror or e}"
+        except ConfigError as e:  # check()'s: rank 0 raises it as it is, the others its line
+            error, raised = str(e), e
     if world_size > 1:
         shared = [error]
         dist.broadcast_object_list(shared, src=0)
         error = shared[0]
+    if raised:
+        raise raised
     if error:
         raise RunDirError(error)
     if note:
         print0(note)
-    return Metrics(cfg.out_dir, start_it, rank == 0, print0)
 
 
-def release_locks():
-    """Remove the locks this process holds (at the end of a run, or after its error)."""
+def _one_history(cfg):
+    """A fresh run where an earlier one left checkpoints or a log: refused, or (--archive) that
+    run moved into OUT_DIR/archive-N/. A folder where a run's file belongs: refused."""
+    out = cfg.out_dir
+    for name in ("metrics.jsonl", "adapter.safetensors"):
+        if os.path.isdir(os.path.join(out, name)):
+            raise RunDirError(f"{os.path.join(out, name)} is a folder where the run's file belongs:"
+                              " move it away, or use another --out-dir")
+    log = os.path.join(out, "metrics.jsonl")
+    earlier = list_checkpoints(out)
+    logged = os.path.isfile(log) and os.path.getsize(log) > 0
+    if cfg.resume or not (earlier or logged):
+        return None
+    what = (f"checkpoints up to {earlier[-1]}" if earlier else "no checkpoint") + \
+        (" and metrics.jsonl" if logged else "")
+    if not cfg.archive:
+        raise RunDirError(f"{out} holds an earlier run ({what}): pass --resume to continue it, "
+                          "another --out-dir for a new run, or --archive to move it into "
+                          f"{out}/archive-N/ first")
+    names = sorted(n for n in os.listdir(out) if RUN_FILES.fullmatch(n))
+    init = os.path.abspath(cfg.init_from) if cfg.init_from else ""
+    if any(init == os.path.abspath(os.path.join(out, n)) for n in names):
+        raise RunDirError(f"--init-from {cfg.init_from} is part of the run --archive would move: "
+                          "start the new run in another --out-dir")
+    taken = {int(m.group(1)) for m in map(re.compile(r"archive-(\d+)").fullmatch,
+                                          os.listdir(out)) if m}
+    folder = os.path.join(out, f"archive-{max(taken, default=0) + 1}")
+    os.makedirs(folder)
+    for name in names:
+        os.rename(os.path.join(out, name), os.path.join(folder, name))
+        _archived.append((os.path.join(out, name), os.path.join(folder, name)))
+    return f"--archive: moved the earlier run ({what}) into {folder}"
+
+
+def release_locks(failed=False):
+    """Remove the locks this process holds (at the end of a run, or after its error). failed:
+    the run raised; if it logged no step and saved nothing, what it wrote is taken back (its
+    log rows, an --archive's move), and a folder it created and left empty is removed."""
+    if failed and not _saves and not any(m.steps for m in _logs):
+        for m in _logs:
+            m.roll_back()
+        for src, dst in reversed(_archived):
+            os.rename(dst, src)
+        if _archived:
+            os.rmdir(os.path.dirname(_archived[0][1]))
+    _logs.clear()
+    _archived.clear()
+    _saves.clear()
     for path in list(_held):
         if _read_json(path) == _owner():
             os.remove(path)
         _held.discard(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        if folder in _created and not os.listdir(folder):
+            os.rmdir(folder)  # a refused run leaves no empty --out-dir behind
+        _created.discard(folder)
 
 
 def releasing_locks(main):
     """main, then release_locks() however main ends: an error (or a test that calls main
-    in-process) leaves no lock of a live process behind."""
+    in-process) leaves no lock of a live process behind, and a run that fails before its first
+    step leaves its folder as it found it."""
     @functools.wraps(main)
     def run(*args, **kwargs):
         try:
-            return main(*args, **kwargs)
-        finally:
-            release_locks()
+            result = main(*args, **kwargs)
+        except BaseException:
+            release_locks(failed=True)
+            raise
+        release_locks()
+        return result
     return run
 
 
@@ -143,7 +286,8 @@ def mark_save(tmp):
 def write_save(out_dir, final, files, rank, world_size, any_rank, keep_last):
     """Write one save's files ({name: object} on each rank) into FINAL.tmp, then commit it:
     the rename to FINAL once every rank's files are written and fsynced (any_rank(failed)
-    tells every rank whether any failed). Keeps the newest keep_last checkpoints. Returns
+    tells every rank whether any failed). Each file's non-tensor fields are sealed with their
+    checksum first (validate.seal). Keeps the newest keep_last checkpoints up to FINAL. Returns
     None, or what failed: then nothing is committed and the .tmp folder is gone."""
     tmp, error = final + ".tmp", None
     try:
@@ -153,7 +297,7 @@ def write_save(out_dir, final, files, rank, world_size, any_rank, keep_last):
             mark_save(tmp)
         _barrier(world_size)
         for name, obj in files.items():
-            torch_save(obj, os.path.join(tmp, name))
+            torch_save(validate.seal(obj), os.path.join(tmp, name))
     except OSError as e:
         error = e
     # every rank learns whether every rank's files are complete before anything is committed
@@ -166,10 +310,14 @@ def write_save(out_dir, final, files, rank, world_size, any_rank, keep_last):
         os.remove(os.path.join(tmp, "owner.json"))
         shutil.rmtree(final, ignore_errors=True)  # the same iteration saved again (a final save)
         os.replace(tmp, final)  # the commit point: a folder without .tmp is complete
+        _saves.append(final)
         fd = os.open(out_dir, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-        for old in list_checkpoints(out_dir)[:-keep_last]:
+        # the oldest go; never the one just written, nor one numbered after it
+        older = [c for c in list_checkpoints(out_dir)
+                 if os.path.basename(c) < os.path.basename(final)]
+        for old in older[:max(0, len(older) - keep_last + 1)]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier(world_size)
     return None
@@ -186,7 +334,7 @@ def clear_stale_saves(out_dir):
     for name in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
         if re.fullmatch(r"ckpt-\d+\.tmp", name):
             owner = _read_json(os.path.join(out_dir, name, "owner.json"))
-            if owner == _owner() or not _alive(owner):
+            if judge(owner)[0] in ("mine", "dead", "invalid"):
                 shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
 
 
@@ -211,32 +359,29 @@ def resume_hint(path):
 # ----------------------------------------------------------------------------------------------
 
 class Metrics:
-    """OUT_DIR/metrics.jsonl, one JSON object per row, written by rank 0 only. On resume the
-    rows before the checkpoint are kept: the steps after it are about to be redone."""
+    """OUT_DIR/metrics.jsonl, one JSON object per row, written by rank 0 only, appended to: a
+    resume adds its rows after the earlier ones (read_metrics reads the run as it went on)."""
 
-    def __init__(self, out_dir, start_it, enabled, print0=print):
+    def __init__(self, out_dir, enabled, print0=print):
         self.file, self.path, self.print0 = None, os.path.join(out_dir, "metrics.jsonl"), print0
+        self.size, self.steps = None, 0  # its size before this run; the steps this run logged
         if enabled:
-            kept = self._kept(start_it) if start_it and os.path.exists(self.path) else []
             try:
-                self.file = open(self.path, "w")
-                self.file.writelines(kept)
+                self.size = os.path.getsize(self.path) if os.path.isfile(self.path) else None
+                self.file = open(self.path, "a", encoding="utf-8")
+                if self.size and not self._ends_a_line():
+                    self.file.write("\n")  # never glue a row onto a line a crash cut short
+                    print0(f"{self.path}: its last line was cut short (a crash or a full disk):"
+                           " kept as it is, and skipped by every reader")
                 self.file.flush()
             except OSError as e:
                 self._failed(e)
+            _logs.append(self)
 
-    def _kept(self, start_it):
-        kept, lines = [], open(self.path, encoding="utf-8", errors="replace").readlines()
-        for i, line in enumerate(lines):
-            try:
-                row = json.loads(line)
-            except ValueError:
-                self.print0(f"{self.path}: line {i + 1} of {len(lines)} is not JSON (a write "
-                            "cut short by a crash or a full disk): dropped")
-                continue
-            if isinstance(row, dict) and row.get("iter", -1) < start_it:
-                kept.append(line if line.endswith("\n") else line + "\n")
-        return kept
+    def _ends_a_line(self):
+        with open(self.path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) == b"\n"
 
     def _failed(self, e):
         self.print0(f"cannot write {self.path} ({e.strerror or e}): logging to it stops; "
@@ -244,6 +389,7 @@ class Metrics:
         self.file = None
 
     def log(self, row):
+        self.steps += "loss" in row
         if self.file:  # NaN / inf become null: metrics.jsonl stays valid JSON for every reader
             row = {k: None if isinstance(v, float) and not math.isfinite(v) else v
                    for k, v in row.items()}
@@ -252,3 +398,32 @@ class Metrics:
                 self.file.flush()
             except OSError as e:
                 self._failed(e)
+
+    def roll_back(self):
+        """Take back what this run wrote (it failed before its first step): the file as it was."""
+        if self.file:
+            self.file.close()
+            self.file = None
+            if self.size is None:
+                os.remove(self.path)
+            elif os.path.isfile(self.path):
+                os.truncate(self.path, self.size)
+
+
+def read_metrics(path):
+    """A metrics.jsonl's rows as the run went on: objects only (a line cut short by a crash, or
+    one that is not a JSON object, is skipped); after a resume from iteration k the rows of
+    iterations >= k written before it are dropped: they were redone."""
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(row, dict):
+                continue
+            if row.get("event") == "resume" and is_int(row.get("iter")):
+                rows = [r for r in rows if not (is_int(r.get("iter")) and r["iter"] >= row["iter"])]
+            rows.append(row)
+    return rows

@@ -8,16 +8,19 @@ model or copy elements, so a file that claims 10^5 layers or a LoRA rank of 10^9
 once, not minutes of work and a 256 GB allocation. Every function raises ValueError with the
 line to print; the caller puts its own file name and error class in front.
 
-Also here: the checksum of a tensor's bytes (crc32, about 7 GB/s on one CPU core: small beside
-writing the bytes) and the identity of a vocabulary (two character sets of 65 characters are
-not the same vocabulary).
+Also here: the checksums, crc32 (about 7 GB/s on one CPU core: small beside writing the bytes)
+of a tensor's bytes and of a header's non-tensor fields in a canonical form (seal), and the
+identity of a vocabulary (two character sets of 65 characters are not the same vocabulary).
 """
 import hashlib
 import math
+import random
 import re
+import zipfile
 import zlib
 from dataclasses import fields
 
+import numpy as np
 import torch
 
 import optim
@@ -45,6 +48,82 @@ def crc(t):
     """crc32 of a tensor's bytes as they lie in memory (or in a memory-mapped file)."""
     t = t.detach().contiguous().reshape(-1)
     return zlib.crc32(t.view(torch.uint8).numpy()) if t.numel() else 0
+
+
+# ----------------------------------------------------------------------------------------------
+# a header's checksum: every non-tensor field, in a canonical form
+
+SEAL = "header_crc"  # the key a sealed header keeps its checksum under
+SEPARATE = ("tensors", "pieces")  # the model's tensors: each checked against its own crc32
+
+
+def _fold(x, c, tensor_bytes):
+    """crc32 c extended by x in a canonical form: a type tag, a length and the value (a float
+    by its exact hex, dict keys sorted), so equal values give equal sums however they were
+    pickled. Tensors count by dtype, shape and, with tensor_bytes, their bytes."""
+    if isinstance(x, dict):
+        c = zlib.crc32(b"{%d" % len(x), c)
+        for k in sorted(x, key=repr):
+            c = _fold(x[k], _fold(k, c, tensor_bytes), tensor_bytes and k not in SEPARATE)
+        return c
+    if isinstance(x, (list, tuple)):
+        c = zlib.crc32(b"[%d" % len(x), c)
+        for v in x:
+            c = _fold(v, c, tensor_bytes)
+        return c
+    if isinstance(x, torch.Tensor):
+        c = zlib.crc32(f"t{x.dtype}{list(x.shape)}".encode(), c)
+        return zlib.crc32(x.detach().contiguous().reshape(-1).view(torch.uint8).numpy(), c) \
+            if tensor_bytes and x.numel() else c
+    if isinstance(x, (bytes, bytearray)):
+        return zlib.crc32(bytes(x), zlib.crc32(b"b%d:" % len(x), c))
+    if isinstance(x, str):
+        data = x.encode("utf-8", "surrogatepass")
+        return zlib.crc32(data, zlib.crc32(b"s%d:" % len(data), c))
+    kinds = ((bool, lambda v: b"T" if v else b"F"), (int, lambda v: b"i%d;" % v),
+             (float, lambda v: b"f" + v.hex().encode() + b";"), (type(None), lambda v: b"n"))
+    for kind, encode in kinds:
+        if isinstance(x, kind):
+            return zlib.crc32(encode(x), c)
+    raise ValueError(f"it holds a {type(x).__name__}, which no save writes")
+
+
+def header_crc(obj):
+    """The checksum of a file's header: every field but SEAL, canonical (_fold)."""
+    return _fold({k: v for k, v in obj.items() if k != SEAL}, 0, True)
+
+
+def seal(obj):
+    """A save's file with its header's checksum added (a dict; anything else as it is)."""
+    return dict(obj, **{SEAL: header_crc(obj)}) if isinstance(obj, dict) else obj
+
+
+def check_seal(obj):
+    """A loaded file's header against its checksum, before any field of it is used."""
+    if not isinstance(obj, dict) or not is_int(obj.get(SEAL)):
+        raise ValueError("its header has no checksum: written by an earlier nanoZeRO (resume it "
+                         "with that version, or start fresh in another --out-dir), or edited")
+    got = header_crc(obj)
+    if got != obj[SEAL]:
+        raise ValueError(f"its header fails its checksum (crc32 {got:08x}, saved "
+                         f"{obj[SEAL]:08x}): a field changed")
+
+
+def check_pickle(path):
+    """The bytes of a torch.save file's pickle (its non-tensor fields) against the crc32 the zip
+    keeps beside them: every flipped byte, before anything is unpickled."""
+    try:
+        z = zipfile.ZipFile(path)
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as e:
+        raise ValueError(f"cannot read it: truncated, or not a torch.save file ({e})")
+    with z:
+        names = [n for n in z.namelist() if n.endswith("/data.pkl")]
+        if len(names) != 1:
+            raise ValueError("cannot read it: not a torch.save file (no single data.pkl)")
+        try:
+            z.read(names[0])  # zipfile compares the bytes with the record's crc32
+        except (OSError, zipfile.BadZipFile, EOFError, ValueError) as e:
+            raise ValueError(f"its header's bytes fail their checksum ({e})")
 
 
 def vocab_id(meta):
@@ -119,6 +198,12 @@ def check_hf_types(cfg):
 SCALER = {"scale": "number", "growth_factor": "number", "backoff_factor": "number",
           "growth_interval": "int", "_growth_tracker": "int", "dynamic": "bool",
           "min_scale": "number"}
+FP32 = torch.finfo(torch.float32)
+# what precision.GradScaler can hold: an fp32 scale of fp32's normal range (a smaller one makes
+# every gradient zero, a larger one inf), int32 counters, a backoff that shrinks it
+SCALER_RANGES = {"scale": (FP32.tiny, FP32.max), "growth_factor": (1.0, 2.0**16),
+                 "backoff_factor": (0.0, 1.0), "growth_interval": (1, 2**31 - 1),
+                 "_growth_tracker": (0, 2**31 - 1), "min_scale": (0.0, FP32.max)}
 
 
 def _check_scaler(s):
@@ -127,10 +212,20 @@ def _check_scaler(s):
                          f", not {sorted(SCALER)}")
     kinds = {"number": is_number, "int": is_int, "bool": lambda x: isinstance(x, bool)}
     for key, kind in SCALER.items():
-        if not kinds[kind](s[key]) or (kind != "bool" and s[key] < 0):
-            raise ValueError(f"the loss scaler's {key} is {s[key]!r}: want a {kind} >= 0")
-    if s["scale"] <= 0:
-        raise ValueError(f"the loss scale is {s['scale']!r}: want a positive number")
+        lo, hi = SCALER_RANGES.get(key, (None, None))
+        if not kinds[kind](s[key]) or (lo is not None and not lo <= s[key] <= hi):
+            raise ValueError(f"the loss scaler's {key} is {s[key]!r}: want a {kind}"
+                             + (f" in [{lo:g}, {hi:g}]" if lo is not None else ""))
+    if s["growth_factor"] == 1.0 or s["backoff_factor"] in (0.0, 1.0):
+        raise ValueError(f"the loss scaler's growth {s['growth_factor']!r} / backoff "
+                         f"{s['backoff_factor']!r}: want growth > 1 and 0 < backoff < 1")
+    if s["_growth_tracker"] >= s["growth_interval"]:
+        raise ValueError(f"the loss scaler's _growth_tracker {s['_growth_tracker']} is not below "
+                         f"its growth_interval {s['growth_interval']}")
+
+
+# the run's schedule in a header's config: numbers >= 0 where present (a resume keeps them)
+SCHEDULE = ("learning_rate", "min_lr", "warmup_iters", "lr_decay_iters")
 
 
 def check_header(h):
@@ -154,6 +249,9 @@ def check_header(h):
         if not isinstance(h.get(key), dict):
             raise ValueError(f"{key} is {type(h.get(key)).__name__}, not a dict")
     _check_scaler(h.get("scaler"))
+    for key in SCHEDULE:
+        if key in h["config"] and not (is_number(h["config"][key]) and h["config"][key] >= 0):
+            raise ValueError(f"config {key} is {h['config'][key]!r}: want a number >= 0")
     shapes = h["shapes"]
     for name, shape in shapes.items():
         if not isinstance(name, str) or not NAME.fullmatch(name) or not isinstance(shape, list) \
@@ -240,12 +338,24 @@ def check_shard(shard, layout, header):
 
 
 def check_rng(state):
-    """One rank's saved RNG states (checkpoint.rng_state's layout), before any is set."""
-    ok = isinstance(state, dict) and isinstance(state.get("torch"), bytes) and \
-        isinstance(state.get("numpy"), (list, tuple)) and len(state["numpy"]) == 5 and \
-        isinstance(state.get("python"), (list, tuple))
-    if not ok:
+    """One rank's saved RNG states (checkpoint.rng_state's layout), each set on a generator of
+    its own first: a state of the wrong size, type or value is refused before the run's are set."""
+    if not isinstance(state, dict) or not {"torch", "numpy", "python"} <= set(state) \
+            or not set(state) <= {"torch", "numpy", "python", "cuda"}:
         raise ValueError("its RNG states are not the ones a save writes")
+    try:
+        torch.Generator().set_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.RandomState().set_state((kind, np.frombuffer(keys, dtype=np.uint32), pos,
+                                           has_gauss, gauss))
+        random.Random().setstate(tuple(tuple(x) if isinstance(x, list) else x
+                                       for x in state["python"]))
+        if "cuda" in state and torch.cuda.is_available() and \
+                len(state["cuda"]) != torch.cuda.get_rng_state().numel():
+            raise ValueError(f"a CUDA state of {len(state['cuda'])} bytes")
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise ValueError(f"its RNG states do not fit the generators ({why})")
 
 
 def check_piece(piece, name, span, keys):

@@ -13,6 +13,7 @@ import torch
 
 from checkpoint import CheckpointError, Reader, list_checkpoints
 from conftest import ROOT, free_port, run_distributed, run_train
+from machinery import validate
 from train import main
 
 TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
@@ -121,7 +122,7 @@ def test_bad_checkpoints_give_one_line_and_touch_nothing(data_root, tmp_path):
     expect_error(["--resume"], "neither ckpt.pt nor meta.pt")
     os.rename(meta + ".away", meta)
     meta_bytes, header = open(meta, "rb").read(), torch.load(meta, weights_only=True)
-    torch.save({**header, "model_args": {**header["model_args"], "n_layer": 3}}, meta)
+    torch.save(validate.seal({**header, "model_args": {**header["model_args"], "n_layer": 3}}), meta)
     expect_error(["--resume"], "another model")
     open(meta, "wb").write(meta_bytes)
     open(shard, "wb").write(data[: len(data) // 2])  # truncated

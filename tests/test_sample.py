@@ -5,6 +5,7 @@ no traceback; a checkpoint whose pickle carries code must be refused without run
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -144,3 +145,29 @@ def test_pickle_with_code_is_refused(ckpt, tmp_path, capsys):
     # the payload is live: an unsafe load runs it (so the refusal above is what saved us)
     torch.load(path, weights_only=False)["model"].close()
     assert marker.exists()
+
+
+def test_30_3_31_5_numbers_and_sizes_are_checked_before_any_work(ckpt, tmp_path, capsys):
+    """Issues 30 and 31: samples x tokens against the free memory, before any is allocated; a
+    temperature whose logits / T overflow, a seed no generator takes, NaN weights: one line."""
+    cases = [(["--num-samples", "100000000"], "lower --num-samples or --max-new-tokens"),
+             (["--max-new-tokens", "100000000000"], "needs about"),
+             (["--temperature", "nan"], "--temperature nan"),
+             (["--temperature", "1e-300"], "--temperature 1e-300: use 0 (greedy)"),
+             (["--temperature", "inf"], "--temperature inf"),
+             (["--seed", str(10**23)], "--seed 100000000000000000000000"),
+             (["--seed", "-1"], "--seed -1"), (["--top-k", "-1"], "--top-k must be at least 0"),
+             (["--max-new-tokens", "-1"], "--max-new-tokens must be at least 0")]
+    for argv, fragment in cases:
+        t0 = time.time()
+        assert_one_line_error(*run_main(["--ckpt", ckpt, "--max-new-tokens", "4"] + argv, capsys),
+                              fragment)
+        assert time.time() - t0 < 5
+    rc, out, err = run_main(["--ckpt", ckpt, "--max-new-tokens", "4", "--temperature", "1e-4"],
+                            capsys)  # the smallest temperature still samples
+    assert rc == 0 and len(split_samples(out)) == 3
+    state = torch.load(ckpt, weights_only=True)
+    state["model"]["transformer.h.1.mlp.c_fc.weight"][3, 4] = float("nan")
+    torch.save(state, tmp_path / "nan.pt")
+    assert_one_line_error(*run_main(["--ckpt", str(tmp_path / "nan.pt")], capsys),
+                          "weights hold inf/NaN (transformer.h.1.mlp.c_fc.weight)")

@@ -130,7 +130,7 @@ def test_3_a_tensor_shorter_than_its_shape_is_refused(data_root, runs, tmp_path)
     h = torch.load(path, weights_only=True)
     name = "transformer.h.0.mlp.c_fc.weight"  # 4,096 elements
     h["tensors"][name]["master"] = h["tensors"][name]["master"].reshape(-1)[:100].clone()
-    torch.save(h, path)
+    torch.save(validate.seal(h), path)  # a writer's bug, not a flipped byte: the checksum fits
     with pytest.raises(CheckpointError, match="holds 100 elements, its shape .* says 4096"):
         resume(data_root, out)
     out = copy_run(runs, "shard", tmp_path)  # a shard's piece cut short
@@ -138,7 +138,7 @@ def test_3_a_tensor_shorter_than_its_shape_is_refused(data_root, runs, tmp_path)
     shard = torch.load(path, weights_only=True)
     piece = shard["pieces"][name]
     piece["value"] = piece["value"][:100].clone()
-    torch.save(shard, path)
+    torch.save(validate.seal(shard), path)
     with pytest.raises(CheckpointError, match="holds value of .100,. elements, not 4096"):
         resume(data_root, out)
 
@@ -182,10 +182,13 @@ def test_5_metrics_jsonl_survives_a_cut_line_and_a_full_disk(data_root, runs, tm
     out = copy_run(runs, "cons", tmp_path)
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"iter": 2, "loss": 3.8')  # a write cut short by a crash
+    before = open(out / "metrics.jsonl").read()
     resume(data_root, out)
-    assert "is not JSON (a write cut short" in capsys.readouterr().out
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]  # every line parses
-    assert rows[-1]["event"] == "end"
+    assert "its last line was cut short" in capsys.readouterr().out
+    text = open(out / "metrics.jsonl").read()
+    assert text.startswith(before + "\n")  # appended after the cut line, nothing truncated
+    rows = rundir.read_metrics(out / "metrics.jsonl")  # the cut line skipped
+    assert rows[-1]["event"] == "end" and [r["iter"] for r in rows if "loss" in r] == [0, 1, 2]
     full = tmp_path / "full"
     full.mkdir()
     os.symlink("/dev/full", full / "metrics.jsonl")  # every write: No space left on device
@@ -274,8 +277,8 @@ def test_8_edited_checkpoint_headers_are_one_line(runs, tmp_path):
              ({"iter": -3}, "iter -3"), ({"opt_step": -7}, "opt_step -7"),
              ({"world_size": 5}, "world_size 5 but a layout of 1 ranks"),
              ({"shapes": {**good["shapes"], "../../..": [4]}}, "'../../..'")]
-    for edit, message in edits:
-        torch.save({**good, **edit}, meta)
+    for edit, message in edits:  # each sealed with its checksum: the checks behind it
+        torch.save(validate.seal({**good, **edit}), meta)
         quick(lambda: Reader(path), CheckpointError, message)
 
 
@@ -287,7 +290,7 @@ def test_9_exports_check_model_args_and_write_only_the_models_names(runs, tmp_pa
     target = str(tmp_path / "w.safetensors")
 
     def refused(header, message):
-        torch.save(header, ckpt)
+        torch.save(validate.seal(header), ckpt)
         t0 = time.time()
         assert export.main([path, "--to", "safetensors", target]) == 2
         assert time.time() - t0 < 1.0 and not os.path.exists(target)

@@ -1,0 +1,465 @@
+"""Runs kept apart, nothing silently wrong (issues 30 and 31): a folder holds one run's history,
+odd files in it are one line, a checkpoint's header is checksummed whole, a resume keeps its
+schedule, a lock names its run well enough to be cleared, every entry point's numbers are
+bounded before any work, and the safetensors files we write carry a crc32 per tensor.
+
+Each test is named by its issue's item. Runs are tiny and in-process (train.main); a CLI's
+one-line form is checked by calling its main or run_main."""
+import errno
+import io
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+
+import pytest
+import torch
+
+import checkpoint
+import memory
+import train
+from checkpoint import CheckpointError, Reader, list_checkpoints
+from conftest import ROOT
+from configurator import ConfigError
+from machinery import adapters, ckpt_reader, hf, lifecycle, rundir, validate
+from machinery.flags import parse_args
+from machinery.rundir import RunDirError
+from model import GPT, GPTConfig
+from precision import GradScaler
+from safetensors import safe_open
+from zero import ZeRO
+
+TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size",
+        "32", "--batch-size", "4", "--eval-iters", "1", "--eval-interval", "1000",
+        "--log-interval", "1", "--learning-rate", "3e-3", "--dataset", "tiny"]
+SCHEDULE = ["--warmup-iters", "1", "--lr-decay-iters", "12"]
+
+
+def run(data_root, out, *flags):
+    train.main(TINY + ["--data-root", data_root, "--out-dir", str(out)] + list(flags))
+
+
+def snapshot(folder):
+    """Every file under folder, by its path relative to it: its bytes."""
+    out = {}
+    for d, _, files in os.walk(folder):
+        for f in files:
+            path = os.path.join(d, f)
+            out[os.path.relpath(path, folder)] = open(path, "rb").read()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# 30.1 a folder holds one run's history
+
+def test_30_1_a_fresh_run_never_eats_an_earlier_run(data_root, tmp_path, capsys):
+    out = tmp_path / "out"
+    run(data_root, out, *SCHEDULE, "--max-iters", "4", "--save-interval", "2")
+    before = snapshot(out)
+    with pytest.raises(RunDirError, match=r"holds an earlier run \(checkpoints up to \S+"
+                       r"ckpt-0000004 and metrics.jsonl\): pass --resume to continue it, "
+                       "another --out-dir for a new run, or --archive"):
+        run(data_root, out, *SCHEDULE, "--max-iters", "2")
+    assert snapshot(out) == before  # nothing replaced, nothing deleted, no lock left
+    run(data_root, out, *SCHEDULE, "--max-iters", "2", "--archive")
+    assert "--archive: moved the earlier run" in capsys.readouterr().out
+    assert snapshot(out / "archive-1") == before  # the first run, whole, aside
+    assert [os.path.basename(c) for c in list_checkpoints(out)] == ["ckpt-0000002"]
+    # a resume of the first run from its archive still works: it is a run folder
+    run(data_root, out / "archive-1", *SCHEDULE, "--max-iters", "5", "--resume")
+    assert os.path.basename(list_checkpoints(out / "archive-1")[-1]) == "ckpt-0000005"
+
+
+def test_30_1_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
+    for it in (2, 4, 10, 20):  # 10 and 20: another history's, numbered past the new save
+        os.makedirs(tmp_path / f"ckpt-{it:07d}")
+    final = str(tmp_path / "ckpt-0000006")
+    assert rundir.write_save(str(tmp_path), final, {"x.pt": {"a": 1}}, 0, 1, bool, 2) is None
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-0000004", "ckpt-0000006", "ckpt-0000010",
+                                            "ckpt-0000020"]
+
+
+# ----------------------------------------------------------------------------------------------
+# 30.2 every file read back from the folder checked by type
+
+def test_30_2_odd_files_in_a_run_folder_are_one_line(data_root, tmp_path):
+    first = tmp_path / "first"
+    run(data_root, first, *SCHEDULE, "--max-iters", "2")
+    with open(first / "metrics.jsonl", "a") as f:  # rows an editor or another program left
+        for row in ({"iter": None, "loss": 1.0}, {"iter": "4", "loss": 1.0}, {"iter": [1]}, [1, 2], 7):
+            f.write(json.dumps(row) + "\n")
+    run(data_root, first, *SCHEDULE, "--max-iters", "3", "--resume")
+    rows = rundir.read_metrics(first / "metrics.jsonl")
+    assert [r["iter"] for r in rows if "loss" in r] == [0, 1, None, "4", 2]
+    from bench.common import read_metrics
+    assert read_metrics(str(first)) == rows
+
+    def refused(name, make, message):
+        out = tmp_path / f"odd-{len(os.listdir(tmp_path))}"
+        shutil.copytree(first, out)
+        make(out / name)
+        before = snapshot(out)
+        t0 = time.time()
+        with pytest.raises(RunDirError, match=message):
+            run(data_root, out, *SCHEDULE, "--max-iters", "4", "--resume")
+        assert time.time() - t0 < 5 and snapshot(out) == before
+
+    write = lambda text: lambda path: path.write_text(text)
+    refused("metrics.jsonl", lambda p: (os.remove(p), os.mkdir(p)), "is a folder where the run's")
+    refused("adapter.safetensors", os.mkdir, "is a folder where the run's file belongs")
+    refused("lock", os.mkdir, "is a folder where the run's lock file belongs")
+    for text in ("[1, 2]", "7", "{\"pid\": \"12\", \"host\": 3}", "not json"):
+        refused("lock", write(text), r"lock holds no run's identity.*--take-over-lock")
+
+
+def test_30_fuzz_a_seeded_slice():
+    """The first cases of bench/fuzz.py's seed 30, each in a forked process: train.py,
+    sample.py, memory.py and export.py with random flags and odd files in the run folder each
+    exit 0 or refuse in one line, leave no half-written folder and change no file."""
+    from bench import fuzz
+    counts, bad = fuzz.fuzz(8, seed=30, log=lambda *a: None, torchrun=False)
+    counts.pop("kinds")
+    assert sum(row[0] for row in counts.values()) == 8 and not bad, bad
+
+
+# ----------------------------------------------------------------------------------------------
+# 30.4 --init-from a LoRA or QLoRA run
+
+def val_losses(out):
+    return [r["val_loss"] for r in rundir.read_metrics(out / "metrics.jsonl") if "val_loss" in r]
+
+
+def test_30_4_init_from_a_qlora_checkpoint(data_root, tmp_path, capsys):
+    qlora = ["--lora", "--quantize", "nf4", "--double-quant", "--lora-targets", "q,v,mlp_fc"]
+    run(data_root, tmp_path / "q", *SCHEDULE, *qlora, "--max-iters", "3",
+        "--learning-rate", "3e-2")
+    ckpt = list_checkpoints(tmp_path / "q")[-1]
+    trained = val_losses(tmp_path / "q")[-1]
+    # the same LoRA flags: the base as stored (its 4-bit codes) and the adapters
+    run(data_root, tmp_path / "same", *qlora, "--max-iters", "1", "--init-from", ckpt)
+    assert "its base as stored and its adapters" in capsys.readouterr().out
+    assert val_losses(tmp_path / "same")[0] == trained
+    fingerprints = []
+    for name in ("q", "same"):  # the adapter names the base the first run trained on
+        with safe_open(str(tmp_path / name / "adapter.safetensors"), framework="pt") as f:
+            fingerprints.append(f.metadata()["base_fingerprint"])
+    assert fingerprints[0] == fingerprints[1]
+    # any other flags: the model merged (base dequantized, adapters folded in)
+    for name, flags in (("plain", []), ("r4", ["--lora", "--lora-rank", "4"])):
+        run(data_root, tmp_path / name, "--max-iters", "1", "--init-from", ckpt, *flags)
+        assert "its model merged" in capsys.readouterr().out
+        assert abs(val_losses(tmp_path / name)[0] - trained) < 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# 31.1 one checksum over the whole header, checked before anything is used
+
+def tiny_checkpoint(folder, fmt="consolidated", header=None):
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=8, vocab_size=8, n_layer=1, n_head=1, n_embd=8)
+    model = GPT(cfg)
+    zero = ZeRO(model, 0)
+    header = {"config": {}, "model_args": vars(cfg), "meta": {"vocab_size": 8}, **(header or {})}
+    return checkpoint.save(str(folder), 4, zero, model, GradScaler(), header, fmt, 2)
+
+
+def pickle_span(data):
+    """(start, end) of the bytes of a torch.save file's pickle (its data.pkl record)."""
+    z = zipfile.ZipFile(io.BytesIO(data))
+    info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+    at = info.header_offset
+    start = at + 30 + int.from_bytes(data[at + 26:at + 28], "little") \
+        + int.from_bytes(data[at + 28:at + 30], "little")
+    return start, start + info.compress_size
+
+
+def flipped_files_refused(path, file, step, read):
+    """Flip each step-th byte of file's header pickle in turn: read() must refuse every one by
+    a checksum without unpickling anything. Returns how many were flipped."""
+    good = open(file, "rb").read()
+    start, end = pickle_span(good)
+    loads, load = [], ckpt_reader._load
+    # a load of the flipped file would be a ZeroDivisionError; the others load as they are
+    ckpt_reader._load = lambda p, *a: loads.append(p) or 1 / 0 if p == file else load(p, *a)
+    fd = os.open(file, os.O_WRONLY)
+    try:
+        for i in range(start, end, step):
+            os.pwrite(fd, bytes([good[i] ^ 0xFF]), i)  # this byte flipped, the others as saved
+            with pytest.raises(CheckpointError, match="fail their checksum"):
+                read(path)
+            os.pwrite(fd, good[i:i + 1], i)
+    finally:
+        ckpt_reader._load = load
+        os.close(fd)
+    assert open(file, "rb").read() == good
+    assert loads == []  # all refused, none unpickled
+    return len(range(start, end, step))
+
+
+def test_31_1_every_byte_of_a_header_is_checked_before_any_is_read(tmp_path):
+    path = tiny_checkpoint(tmp_path / "shard", "sharded")  # meta.pt: the header, every byte
+    assert flipped_files_refused(path, os.path.join(path, "meta.pt"), 1, Reader) > 2000
+    read = lambda p: Reader(p).read("transformer.ln_f.weight", "master", 0, 8)
+    flipped_files_refused(path, os.path.join(path, "shard-00000.pt"), 50, read)  # its RNG
+    read(path)  # the files themselves read
+    path = tiny_checkpoint(tmp_path / "cons")  # ckpt.pt: its 20 kB header, every 50th byte
+    flipped_files_refused(path, os.path.join(path, "ckpt.pt"), 50, Reader)
+    Reader(path).weights()
+
+
+def test_31_1_edited_fields_and_fp8_histories_fail_the_header_checksum(tmp_path):
+    history = torch.rand(3, 17)
+    fp8 = {"settings": {"scaling": "delayed", "history": 16}, "history": {"h.0": history}}
+    path = tiny_checkpoint(tmp_path / "cons", header={"fp8": fp8})
+    file = os.path.join(path, "ckpt.pt")
+    good = torch.load(file, weights_only=True)
+    edits = [{"iter": 68}, {"opt_step": 5}, {"scaler": {**good["scaler"], "backoff_factor": 0.25}},
+             {"rng": [{**good["rng"][0], "torch": bytes(len(good["rng"][0]["torch"]))}]},
+             {"fp8": {**fp8, "history": {"h.0": history * 0}}}]
+    for edit in edits:  # re-saved by torch.save: the zip's sums fit, the header's does not
+        torch.save({**good, **edit}, file)
+        with pytest.raises(CheckpointError, match="header fails its checksum"):
+            Reader(path)
+    path = tiny_checkpoint(tmp_path / "shard", "sharded")  # a shard's fields too
+    file = os.path.join(path, "shard-00000.pt")
+    shard = torch.load(file, weights_only=True)
+    for edit in ({"rng": {**shard["rng"], "python": [3, [0] * 625, None]}}, {"rank": 1}):
+        torch.save({**shard, **edit}, file)
+        with pytest.raises(CheckpointError, match="header fails its checksum"):
+            Reader(path).read("transformer.ln_f.weight", "master", 0, 8)
+    data = bytearray(open(os.path.join(path, "meta.pt"), "rb").read())
+    start, end = pickle_span(data)
+    data[(start + end) // 2] ^= 1
+    open(os.path.join(path, "meta.pt"), "wb").write(data)
+    with pytest.raises(CheckpointError, match="fail their checksum"):
+        Reader(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# 31.2 the schedule kept on resume
+
+def test_31_2_a_resume_keeps_the_saved_schedule(data_root, tmp_path, capsys):
+    out = tmp_path / "out"
+    run(data_root, out, "--max-iters", "6")  # --lr-decay-iters 6, --warmup-iters 0: derived
+    capsys.readouterr()
+    run(data_root, out, "--max-iters", "12", "--resume")
+    assert ("schedule: warmup 0, cosine 3.00e-03 -> 1.00e-04 by iteration 6, then 1.00e-04 "
+            "to --max-iters 12 (the checkpoint's") in capsys.readouterr().out
+    lr = {r["iter"]: r["lr"] for r in rundir.read_metrics(out / "metrics.jsonl") if "lr" in r}
+    assert [lr[i] for i in range(6, 12)] == [1e-4] * 6  # the decay ended at 6, as it was
+    run(data_root, out, "--max-iters", "14", "--resume", "--lr-decay-iters", "14")
+    assert "(changed: --lr-decay-iters 6 -> 14)" in capsys.readouterr().out
+    lr = {r["iter"]: r["lr"] for r in rundir.read_metrics(out / "metrics.jsonl") if "lr" in r}
+    assert lr[12] > 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# 31.3 locks a restart can clear, taken before any work
+
+def write_lock(out, **owner):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "lock"), "w") as f:
+        json.dump(owner, f)
+
+
+def test_31_3_a_lock_names_its_run_and_a_dead_one_is_taken_over(data_root, tmp_path, capsys,
+                                                                 monkeypatch):
+    out = tmp_path / "out"
+    run(data_root, out, *SCHEDULE, "--max-iters", "2")
+    write_lock(out, pid=12345, host="elsewhere")  # another host: we cannot tell
+    with pytest.raises(RunDirError, match="names pid 12345 on host elsewhere, which this host "
+                       r"cannot look up; if none does, delete \S+lock or pass --take-over-lock"):
+        run(data_root, out, *SCHEDULE, "--max-iters", "3", "--resume")
+    run(data_root, out, *SCHEDULE, "--max-iters", "3", "--resume", "--take-over-lock")
+    assert "took over" in capsys.readouterr().out
+    # a live pid that is now another process (this test's own, started at another time)
+    write_lock(out, pid=os.getpid(), host=socket.gethostname(), start_time=1)
+    run(data_root, out, *SCHEDULE, "--max-iters", "4", "--resume")
+    assert "is now another process" in capsys.readouterr().out
+    # an earlier attempt of the same torchrun job (restarted on another node)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    write_lock(out, pid=12345, host="node-3", job="job-7", restart=0)
+    run(data_root, out, *SCHEDULE, "--max-iters", "5", "--resume")
+    assert "an earlier attempt (restart 0) of this torchrun job" in capsys.readouterr().out
+    assert not os.path.exists(out / "lock")
+
+
+def test_31_3_the_lock_comes_before_any_work(data_root, tmp_path):
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        out = tmp_path / "held"
+        write_lock(out, pid=other.pid, host=socket.gethostname(),
+                   start_time=rundir._start_time(other.pid))
+        with pytest.raises(RunDirError, match=f"in use by the run of pid {other.pid}"):
+            run(data_root, out, "--dataset", "nothing_here")  # refused before the data
+    finally:
+        other.kill()
+        other.wait()
+    with pytest.raises(ConfigError):  # a refused run leaves no empty --out-dir behind
+        run(data_root, tmp_path / "never", "--n-embd", "30", "--n-head", "4")
+    assert not os.path.exists(tmp_path / "never")
+    # two runs started together (forked from the tests' warm server): one trains, the other
+    # is refused in one line
+    argv = TINY + ["--data-root", data_root, "--max-iters", "2", "--out-dir", str(tmp_path / "both")]
+    ctx = multiprocessing.get_context("forkserver")
+    runs = [ctx.Process(target=_cli, args=(argv, str(tmp_path / f"err-{i}"))) for i in range(2)]
+    for p in runs:
+        p.start()
+    for p in runs:
+        p.join(timeout=300)
+    results = sorted((p.exitcode, open(tmp_path / f"err-{i}").read()) for i, p in enumerate(runs))
+    assert [rc for rc, _ in results] == [0, 2], results
+    assert results[1][1].count("\n") == 1 and ("in use by the run" in results[1][1]
+                                               or "holds an earlier run" in results[1][1])
+
+
+def _cli(argv, err):
+    """train.py as its command runs it (lifecycle.run_main), its stderr into the file err."""
+    sys.stderr = open(err, "w", buffering=1)
+    sys.stdout = open(os.devnull, "w")
+    torch.set_num_threads(1)
+    lifecycle.run_main(lambda: train.main(argv), "train.py",
+                       (ConfigError, CheckpointError, RunDirError))
+
+
+# ----------------------------------------------------------------------------------------------
+# 31.4 checkpoint.py is no command
+
+def test_31_4_checkpoint_py_says_use_export_py(capsys, monkeypatch):
+    import runpy
+    monkeypatch.setattr(sys, "argv", ["checkpoint.py", "ckpt", "--to", "hf", "out"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(os.path.join(ROOT, "checkpoint.py"), run_name="__main__")
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and "use `python export.py" in err and out == ""
+
+
+# ----------------------------------------------------------------------------------------------
+# 31.5 the tracebacks left: a failed adapter write, edited headers, sizes, out of memory
+
+def test_31_5_a_failed_adapter_write_is_one_line_and_the_checkpoint_stays(data_root, tmp_path,
+                                                                          monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(adapters, "save_adapter", full)
+    out = tmp_path / "lora"
+    with pytest.raises(CheckpointError, match=r"could not write \S+adapter.safetensors \(No space "
+                       r"left on device\); the run is saved: \S+ckpt-0000002 holds the adapter"):
+        run(data_root, out, *SCHEDULE, "--lora", "--max-iters", "2")
+    Reader(list_checkpoints(out)[-1]).weights()  # intact
+
+
+def test_31_5_headers_that_pass_the_checksum_are_still_checked(data_root, tmp_path):
+    out = tmp_path / "fp8"
+    fp8 = ["--bf16", "--fp8", "--fp8-scaling", "delayed", *SCHEDULE]
+    run(data_root, out, *fp8, "--max-iters", "2")
+    file = os.path.join(list_checkpoints(out)[-1], "ckpt.pt")
+    good = torch.load(file, weights_only=True)
+    name = sorted(good["fp8"]["history"])[0]
+    histories = good["fp8"]["history"]
+    rng = good["rng"][0]
+    edits = [({"scaler": {**good["scaler"], "scale": 1e300}}, "scale is 1e\\+300"),
+             ({"scaler": {**good["scaler"], "backoff_factor": 5.3e182}}, "backoff_factor"),
+             ({"rng": [{**rng, "torch": rng["torch"][:100]}]}, "RNG states do not fit"),
+             ({"rng": [{**rng, "numpy": ["MT19937", 7, 0, 0, 0.0]}]}, "RNG states do not fit"),
+             ({"rng": [{**rng, "python": [3, [1] * 9, None]}]}, "RNG states do not fit"),
+             ({"fp8": {**good["fp8"], "history": {**histories, name: torch.zeros(2, 5)}}},
+              f"amax history of {name} is not"),
+             ({"fp8": {**good["fp8"], "history": {k: v for k, v in histories.items()
+                                                  if k != name}}}, "FP8 linears differ"),
+             ({"config": {**good["config"], "lr_decay_iters": "12"}}, "lr_decay_iters is '12'")]
+    for edit, message in edits:  # sealed anew: only the checks behind the checksum can tell
+        torch.save(validate.seal({**good, **edit}), file)
+        with pytest.raises(CheckpointError, match=message):
+            run(data_root, out, *fp8, "--max-iters", "3", "--resume")
+
+
+def test_31_5_sizes_are_checked_before_any_work(data_root, tmp_path, monkeypatch, capsys):
+    with pytest.raises(ConfigError, match="--bucket-mb 1e\\+308: must be in"):
+        parse_args(["--bucket-mb", "1e308"])
+    with pytest.raises(ConfigError, match="--min-loss-scale 1e-300: must be in"):
+        parse_args(["--min-loss-scale", "1e-300"])
+    # a batch the memory cannot hold: one line before anything exists (the free memory faked)
+    monkeypatch.setattr(lifecycle, "free_bytes", lambda device: 10**6)
+    with pytest.raises(ConfigError, match="--batch-size 64 .* is free: lower --batch-size"):
+        run(data_root, tmp_path / "big", "--batch-size", "64")
+    assert not os.path.exists(tmp_path / "big")
+    monkeypatch.undo()
+    # out of memory mid-run (the allocator's error, faked): one line, the folder as it was
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                           "1000000000000 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(train, "estimate_loss", no_memory)
+    argv = TINY + ["--data-root", data_root, "--out-dir", str(tmp_path / "oom")]
+    with pytest.raises(SystemExit) as e:
+        lifecycle.run_main(lambda: train.main(argv), "train.py", (ConfigError,))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "out of memory" in err \
+        and "lower --batch-size" in err
+    assert not os.path.exists(tmp_path / "oom")
+
+
+# ----------------------------------------------------------------------------------------------
+# 31.6 memory.py's numbers bounded
+
+@pytest.mark.parametrize("argv, message", [
+    (["--params", "0"], "--params 0: use a number in"), (["--params", "nan"], "--params nan"),
+    (["--params", "inf"], "--params inf"), (["--params", "1e30"], "--params 1e\\+30"),
+    (["--params", "1e15", "--advise"], "--params 1e\\+15"),
+    (["--world-size", "0"], "--world-size 0"), (["--vocab", "0"], "--vocab 0"),
+    (["--n-layer", "100000"], "--n-layer is 100000"), (["--n-embd", "1000000"], "n-embd")])
+def test_31_6_memory_py_numbers_are_bounded(argv, message):
+    t0 = time.time()
+    with pytest.raises(ConfigError, match=message):
+        memory.main(argv)
+    assert time.time() - t0 < 2
+
+
+# ----------------------------------------------------------------------------------------------
+# 31.7 a crc32 per tensor in the safetensors files we write
+
+def flip_tensor_byte(path):
+    data = bytearray(open(path, "rb").read())
+    data[8 + int.from_bytes(data[:8], "little") + 5] ^= 0xFF  # in the first tensor's bytes
+    open(path, "wb").write(data)
+
+
+def test_31_7_safetensors_we_write_carry_a_crc32_per_tensor(tmp_path):
+    import lora
+    from safetensors.torch import save_file
+    args = dict(block_size=16, vocab_size=20, n_layer=1, n_head=2, n_embd=16, bias=True)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**args))
+    base = adapters.base_fingerprint(model)
+    lora.apply_lora(model, rank=2, targets=("q", "v"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01) if p.requires_grad else None
+    path = str(tmp_path / "adapter.safetensors")
+    adapters.save_adapter(path, adapters.adapter_state(model.state_dict()), model.lora_settings,
+                          base)
+    fresh = lambda: (torch.manual_seed(0), GPT(GPTConfig(**args)))[1]
+    adapters.load_adapter(fresh(), path)
+    flip_tensor_byte(path)
+    with pytest.raises(adapters.AdapterError, match="fails its checksum"):
+        adapters.load_adapter(fresh(), path)
+    folder = str(tmp_path / "hf")  # an export's model.safetensors
+    hf.save_hf(fresh().state_dict(), {**args, "dropout": 0.0}, folder)
+    hf.load_pretrained(folder)
+    flip_tensor_byte(os.path.join(folder, "model.safetensors"))
+    with pytest.raises(hf.HFError, match="fails its checksum"):
+        hf.load_pretrained(folder)
+    # a file from elsewhere has no checksums: read as it is
+    with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    hf.load_pretrained(folder)
