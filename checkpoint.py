@@ -29,57 +29,18 @@ the iteration (hence the LR and the batches), every rank's RNG states, the flags
 model config. export.py writes a checkpoint out as Hugging Face or plain safetensors files.
 """
 import os
-import random
 import uuid
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 import optim
 from collectives import all_gather_object
-from machinery import rundir, validate
+from machinery import lifecycle, rundir, validate
 from machinery.ckpt_reader import CheckpointError, Reader, newest_checkpoint  # read, checked
-from machinery.pieces import full_tensors, optimizer_header, owned_pieces, stored
+from machinery.pieces import (full_tensors, optimizer_header, owned_pieces, rng_state,
+                              set_rng_state, stored, stored_shapes)
 from machinery.rundir import list_checkpoints
 from machinery.validate import crc
-
-
-def stored_shapes(model):
-    """{name: shape} of every tensor as files hold it: the model's own declaration (GPT's
-    leaves out the zero rows its vocabulary is padded with), else each tensor's shape, the
-    tied one under its first name."""
-    if hasattr(model, "stored_shapes"):
-        return model.stored_shapes()
-    shapes, seen = {}, set()
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            shapes[name] = list(t.shape)
-    return shapes
-
-
-# ----------------------------------------------------------------------------------------------
-# every random generator: an exact resume draws the same dropout masks
-
-def rng_state():
-    """Every generator's state as plain bytes and numbers (weights_only-loadable)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"torch": torch.get_rng_state().numpy().tobytes(),
-             "numpy": [kind, keys.tobytes(), pos, has_gauss, gauss], "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
-    return state
-
-
-def set_rng_state(state):
-    as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)
-    torch.set_rng_state(as_tensor(state["torch"]))
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(as_tensor(state["cuda"]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -115,7 +76,8 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
     trainable = {zero.names[id(p)] for b in zero.buckets for p in b.params}
     opt_header = optimizer_header(zero)
     # a diverged run (inf / NaN master weights) is never saved over the last good checkpoint
-    if _any_rank(not all(s.flat.isfinite().all() for s in zero.segments), zero):
+    if lifecycle.agree(not all(s.flat.isfinite().all() for s in zero.segments),
+                       zero.device, world_size):
         previous = list_checkpoints(out_dir)
         raise CheckpointError(f"not saving {final}: the master weights hold inf/NaN (the run "
                               "diverged); " + (f"{previous[-1]} is the newest good checkpoint"
@@ -142,20 +104,13 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
                                  rng=rngs)} if rank == 0 else {}
     # into ckpt-IT.tmp, renamed to ckpt-IT once every rank's files are written (rundir.py)
     error = rundir.write_save(out_dir, final, files, rank, world_size,
-                              lambda failed: _any_rank(failed, zero), keep_last)
+                              lambda failed: lifecycle.agree(failed, zero.device, world_size),
+                              keep_last)
     if error:
         previous = list_checkpoints(out_dir)
         raise CheckpointError(f"could not write {final} ({error}); "
                               + (f"{previous[-1]} is intact" if previous else "nothing was saved"))
     return final
-
-
-def _any_rank(flag, zero):
-    """True on every rank when flag is True on any (a tiny all-reduce)."""
-    t = torch.tensor([float(flag)], device=zero.device)
-    if zero.world_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -135,8 +135,7 @@ class TrainConfig:
     node_size: int = opt(0, "ranks per node, for ZeRO++ and the traffic by link "
                             "(0 = torchrun's LOCAL_WORLD_SIZE, else all ranks)",
                          check="int >= 0")
-    qgz_bits: int = opt(4, "ZeRO++ qgz: bits per gradient element on the wire",
-                        choices=(4, 8))
+    qgz_bits: int = opt(4, "ZeRO++ qgz: bits per gradient element on the wire", choices=(4, 8))
     fp8: bool = opt(False, "the blocks' linears in FP8 (E4M3 / E5M2 matmuls, beyond/fp8.py); "
                            "needs --bf16")
     fp8_scaling: str = opt("dynamic", "dynamic (scale from this tensor's amax) | delayed "
@@ -161,8 +160,7 @@ class TrainConfig:
     peak_tflops: float = opt(0.0, "peak TFLOP/s per device for MFU; 0 = look the GPU up",
                              check=">= 0")
     seed: int = opt(1337, "the batch at step t depends only on (seed, t)")
-    nan_at: int = opt(-1, "a lesson in skipped steps: make the last rank's loss NaN "
-                          "at this step")
+    nan_at: int = opt(-1, "a lesson in skipped steps: make the last rank's loss NaN at this step")
 
 
 ZEROPP_PARTS = ("qwz", "hpz", "qgz")  # --zeropp: a comma list of these (beyond/zeropp.py)

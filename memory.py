@@ -12,12 +12,11 @@ keeps HEADROOM of the GPU free for them. --advise walks the lecture's decision f
 a train.py command that runs what it estimated. Sizes are decimal: 1 GB = 1e9 bytes.
 """
 import bisect
-import math
 import sys
 
 from configurator import ConfigError
-from machinery.estimator import (GB, HEADROOM, advise_plans, breakdown, dataset_note, fits,
-                                 model_from_flags, parse_bytes, parse_flags, print_run,
+from machinery.estimator import (GB, HEADROOM, advise_plans, breakdown, command, dataset_note,
+                                 fits, model_from_flags, parse_bytes, parse_flags, print_run,
                                  save_flags)
 from machinery.footprint import estimate
 
@@ -28,22 +27,6 @@ def max_batch(fits_at, limit=4096):
     if not fits_at(1):  # one look, not twelve: --advise tries several plans that do not fit
         return 0
     return bisect.bisect_left(range(1, limit + 1), True, key=lambda b: not fits_at(b))
-
-
-def command(world_size, shape_args, stage, dtype, batch, grad_ckpt=False, lora=False,
-            quantize=None, per_node=8):
-    """The train.py launch line; beyond one node, run it on each node with its own --node_rank."""
-    from beyond.activation_dial import policy
-    N = world_size
-    launch = "python" if N == 1 else f"torchrun --nproc_per_node={N}"
-    if N > per_node:
-        launch = (f"torchrun --nnodes={math.ceil(N / per_node)} --nproc_per_node={per_node} "
-                  "--node_rank=0 --master_addr=HOST --master_port=29500")
-    flags = [f"--zero {stage}" if stage > 0 else "", f"--{dtype}" if dtype != "fp32" else "",
-             f"--batch-size {batch}", policy(grad_ckpt).flags(),
-             "--lora --lora-rank 8 --lora-targets q,v" if lora else "",
-             f"--quantize {quantize}" if quantize else ""]
-    return " ".join([launch, "train.py", *shape_args] + [f for f in flags if f])
 
 
 def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), batch_tokens=0,
@@ -128,13 +111,8 @@ def main(argv=None):
     lines, cmd = advise(cfg, a.world_size, gpu, dtype, psi, model_flags, tc.batch_tokens,
                         parse_bytes(a.host_mem, "--host-mem"), tc.chunked_loss)
     print("\n".join(lines) + ("\n\n" + cmd if cmd else ""))
-    note = dataset_note(model_flags, cfg.vocab_size)
-    if cmd and note:
+    for note in dataset_note(model_flags, cfg.vocab_size, cmd, a.params):
         print(note)
-    if psi:
-        print(f"(--params {a.params:g}: the shape is the nearest standard one within 25% "
-              "(GPT-3's table, Llama 2 70B), else 128-wide heads; pass yours with "
-              "--n-layer/--n-embd/--n-head)")
     return cmd
 
 

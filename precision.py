@@ -1,33 +1,31 @@
-"""Mixed precision: the 16-bit dtypes and a dynamic loss scaler.
+"""
+Mixed precision: the 16-bit dtypes and a dynamic loss scaler.
 
-Micikevicius et al. 2018, "Mixed Precision Training" (ICLR), Sec. 3: (1) the optimizer updates an
-fp32 master copy of the weights (an update below ~2^-11 of a weight rounds away in fp16, ~2^-8 in
-bf16);
-(2) loss scaling: fp16 has 5 exponent bits, so gradients below 2^-24 flush to zero; multiplying the
-loss by S shifts every gradient up by S (chain rule), dividing by S in fp32 before the update undoes
-it; (3) sums (layer norm, softmax, loss, gradient reductions) accumulate in fp32. The masters live
-in zero.py; this file holds the scaler.
+Micikevicius et al. 2018, "Mixed Precision Training", Sec. 3, three rules:
+  1. The optimizer updates an fp32 master copy of the weights: an update below
+     ~2^-11 of a weight rounds away in fp16, ~2^-8 in bf16 (zero.py keeps it).
+  2. Loss scaling: fp16 has 5 exponent bits, gradients below 2^-24 flush to zero.
+     Multiply the loss by S and every gradient grows by S (the chain rule); divide
+     by S in fp32 before the update. bf16 has fp32's 8 exponent bits: no scale,
+     but every step is still checked for inf/NaN (a fixed scale of 1.0).
+  3. Sums (norms, softmax, loss, gradient reductions) accumulate in fp32.
 
-bf16 has fp32's 8 exponent bits, so its gradients do not underflow and need no scale: under bf16
-(and fp32) the scaler runs with a fixed scale of 1.0 but still checks every step for inf/NaN.
+The dynamic scaler, as torch.amp.GradScaler, bit for bit:
+  - start high (2^16); a step with an inf/NaN gradient is skipped, the scale halved
+  - after growth_interval clean steps in a row it doubles (never to inf)
+  - a floor, min_scale (as DeepSpeed): an overflow there is no overflow but a NaN,
+    and `exhausted` stops the run; a fixed scale gives up after FIXED_GIVE_UP
+    skips in a row, else a run that never moves would end "successfully"
 
-Dynamic loss scaling (Sec. 3.2), as torch.amp.GradScaler does it, bit for bit: start high (2^16);
-a step whose gradients hold an inf/NaN is skipped and the scale halved; after growth_interval clean
-steps in a row it doubles (never to inf). Like DeepSpeed we keep a floor, min_scale: a step that
-overflows at the floor would need a smaller scale, which no longer rescues fp16's range; the loss
-itself is non-finite (a NaN, most likely), and `exhausted` says so. A fixed scale (bf16, fp32, or
---loss-scale VALUE) cannot back off: FIXED_GIVE_UP skipped steps in a row exhaust it too, else a
-run whose every step overflows would end "successfully" with its weights never changed.
+Under ZeRO each rank holds a slice of the gradients: the found-inf flag is
+all-reduced (MAX) so that all ranks skip together. A rank that skipped alone would
+diverge, or hang in an all-gather the others never enter. torch.amp.GradScaler
+does not do this for you.
 
-Under ZeRO each rank holds only a slice of the gradients, so the found-inf flag is all-reduced
-(MAX) before the decision: all ranks skip together. A rank that skipped alone would diverge, or hang
-in an all-gather the others never enter. torch.amp.GradScaler does not do this for you.
-
-Everything stays on the device: the scale, the growth counter and the found-inf flag are tensors,
-and the optimizer skips on the device (fused AdamW takes found_inf), so a step never waits for the
-GPU. A skipped step still counts as an iteration: the iteration counter and the LR schedule
-advance, as with torch.amp.GradScaler in nanoGPT's train.py. Log the skips (train.py does, on
-logged steps), under bf16 too: a run whose steps are all skipped looks healthy but never moves.
+Everything stays on the device (the scale, the counter, the flag; the optimizer
+skips on the device): a step never waits for the GPU. A skipped step still counts
+as an iteration, as in nanoGPT. Log the skips, under bf16 too: a run whose steps
+are all skipped looks healthy but never moves.
 """
 import torch
 import torch.distributed as dist

@@ -59,11 +59,6 @@ def absmax_quantize(x, qmax=127):
     return q.to(torch.int8), scale.squeeze(-1)
 
 
-def _absmax_int8(x):
-    """Symmetric absmax quantization of each row to [-127, 127]: x ~= q * scale."""
-    return absmax_quantize(x, 127)
-
-
 def _log_codes(absmax, group=256):
     """Double quantization of the block scales: 8 bits each, in groups of `group`. QLoRA codes
     absmax - mean with 8-bit floats; a linear 8-bit code of that fails on an outlier block (its
@@ -98,7 +93,7 @@ class QuantizedWeight(nn.Module):
         self.shape, self.dtype = tuple(w.shape), w.dtype
         w = w.detach().float()
         if mode == "int8":  # codes (out, in) int8, scale (out,) fp32
-            codes, scale = _absmax_int8(w)
+            codes, scale = absmax_quantize(w, 127)
             self.register_buffer("codes", codes)
             self.register_buffer("scale", scale)
             return

@@ -40,38 +40,28 @@ def parse_args(argv=None):
     p = OneLineParser(prog="sample.py",  # a usage error is one line, not argparse's usage block
                       description="Generate text from a checkpoint of train.py.",
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    arg = p.add_argument
     # where the model comes from: a run's newest checkpoint, a given one, or Hugging Face
-    p.add_argument("--out-dir", default="out",
-                   help="use the newest checkpoint in train.py's --out-dir")
+    arg("--out-dir", default="out", help="use the newest checkpoint in train.py's --out-dir")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--ckpt", default=None, metavar="PATH",
-                     help="a checkpoint folder or file, or a Hugging Face folder "
-                          "(overrides --out-dir)")
-    src.add_argument("--init-from", default=None, metavar="MODEL",
-                     help="a Hugging Face GPT-2: gpt2 | gpt2-medium | gpt2-large | gpt2-xl, "
-                          "or a folder")
-    p.add_argument("--adapter", default=None, metavar="PATH",
-                   help="a LoRA adapter (train.py --lora writes OUT_DIR/adapter.safetensors) "
-                        "to load onto the base and merge")
+    src.add_argument("--ckpt", metavar="PATH", help="a checkpoint folder or file, or a Hugging "
+                     "Face folder (overrides --out-dir)")
+    src.add_argument("--init-from", metavar="MODEL", help="a Hugging Face GPT-2: gpt2 | "
+                     "gpt2-medium | gpt2-large | gpt2-xl, or a folder")
+    arg("--adapter", metavar="PATH", help="a LoRA adapter (train.py --lora writes "
+        "OUT_DIR/adapter.safetensors) to load onto the base and merge")
     # what to generate
-    p.add_argument("--start", default="\n",
-                   help='the prompt; "FILE:prompt.txt" reads it from a file '
-                        "(default: %(default)r)")
-    p.add_argument("--num-samples", type=int, default=3, metavar="N",
-                   help="samples to draw")
-    p.add_argument("--max-new-tokens", type=int, default=500, metavar="N",
-                   help="tokens after the prompt")
-    p.add_argument("--temperature", type=float, default=0.8, metavar="T",
-                   help="<1 safer, >1 wilder, 0 greedy")
-    p.add_argument("--top-k", type=int, default=200, metavar="K",
-                   help="draw from the K likeliest; 0 = all")
-    p.add_argument("--seed", type=int, default=1337,
-                   help="same seed, checkpoint and flags: same text")
+    arg("--start", default="\n", help='the prompt; "FILE:prompt.txt" reads it from a file '
+        "(default: %(default)r)")
+    arg("--num-samples", type=int, default=3, metavar="N", help="samples to draw")
+    arg("--max-new-tokens", type=int, default=500, metavar="N", help="tokens after the prompt")
+    arg("--temperature", type=float, default=0.8, metavar="T",
+        help="<1 safer, >1 wilder, 0 greedy")
+    arg("--top-k", type=int, default=200, metavar="K", help="draw from the K likeliest; 0 = all")
+    arg("--seed", type=int, default=1337, help="same seed, checkpoint and flags: same text")
     # where and in what precision
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="auto: cuda if visible")
-    p.add_argument("--dtype", default="fp32",
-                   help="fp32 | bf16 | fp16: the weights while sampling")
+    arg("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if visible")
+    arg("--dtype", default="fp32", help="fp32 | bf16 | fp16: the weights while sampling")
     args = p.parse_args(argv)
     pretrained.check_sample_flags(args)  # counts, temperature, seed: before any work
     return args

@@ -25,7 +25,6 @@ Read this file in three parts:
   3. ZeRO, the engine train.py runs: the same four steps, overlapped with backward
      and with the next forward, its protocol numbered (1)-(6) on the code lines
 """
-import hashlib
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -97,13 +96,11 @@ class NaiveZeRO:
 # ----------------------------------------------------------------------------------------------
 # 2. The layout ZeRO works on
 #
-# The trainable parameters (the tied embedding / LM head once) are packed, last layer
-# first, into buckets of about --bucket-mb: one flat tensor each, padded to a multiple of
-# N ranks, the parameters views into it, so that collectives run on contiguous memory.
-# Rank r owns the r-th 1/N of every bucket. Padding makes every world size legal and
-# stays zero, outside norms, inf checks and checkpoints. The optimizer steps one 1-D view
-# per (parameter, rank) piece, a Segment; a checkpoint saves each by (parameter name,
-# element range): a layout no world size is built into.
+# The trainable parameters (a tied weight once), last layer first, in buckets of about
+# --bucket-mb: one flat tensor each, padded to N equal slices, the parameters views into it
+# (collectives want contiguous memory). Rank r owns slice r of every bucket; the padding
+# stays zero, outside norms, inf checks and checkpoints. A checkpoint saves each Segment
+# by (name, element range): a layout no world size is built into.
 
 def plan_buckets(numels, cap):
     """Indices of tensors of sizes `numels` grouped into buckets of at most `cap` elements, last
@@ -235,18 +232,13 @@ MAX_IN_FLIGHT = 2
 
 class ZeRO:
     """Owns the trainable parameters' flat buckets, this rank's fp32 master slice and its
-    optimizer (optim.py: AdamW by default). The model must be on its device, in its working
-    dtype (fp32, bf16 or fp16), and built alike on every rank (checked).
+    optimizer. The model: on its device, in its working dtype, built alike on every rank.
 
-    Per micro-step backward(loss, sync), or in a loop of your own loss.backward() then
-    finish_backward() (no_sync() around all but the last micro-step of accumulation, as DDP's);
-    per step master_grads, clip_grad_norm_, step, publish, zero_grad.
-
-    optimizer: a name, a torch.optim.Optimizer subclass or a function of the param groups
-    (optim.build); decay(name, param) picks the parameters weight_decay applies to (default:
-    the matrices and embeddings). master_weights: {name: fp32 tensor}, the full-precision
-    source the master is seeded from (the checkpoint or the fp32 init the 16-bit weights were
-    cast from), else the working weights are."""
+    Per micro-step backward(loss, sync), or loss.backward() then finish_backward() in a loop
+    of your own (no_sync() as DDP's); per step master_grads, clip_grad_norm_, step, publish.
+    optimizer: a name, an Optimizer class or a function of the groups (optim.build);
+    decay(name, param): what weight_decay applies to; master_weights: {name: fp32 tensor},
+    the full-precision values the master starts from (docs/forking.md)."""
     STAGES = (0, 1, 2)
 
     def __init__(self, model, stage, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8,
@@ -347,9 +339,8 @@ class ZeRO:
                 s.flat[:len(values)].copy_(values)
 
     def _make_buckets(self, model, params):
-        """Stages 0-2: buckets of about bucket_mb, last layer first; each gets its gradient.
-        With whole matrices (stages 1-2), each shape of block matrix gets a bucket of its own,
-        padded to N equal slices of whole matrices: a rank then owns whole ones."""
+        """Stages 0-2: buckets of about bucket_mb, last layer first, each with its gradient;
+        whole matrices (Muon, stages 1-2) in buckets of their own (beyond/muon.py)."""
         rest, whole = params, []  # whole: (a shape's block matrices, a matrix's numel)
         if self.whole_matrices and self.stage in (1, 2):
             from beyond import muon
@@ -401,8 +392,7 @@ class ZeRO:
     def _reduce(self, b):
         """Launch bucket b's gradient collective, each gradient divided by N first: the sum over
         ranks is then the mean, and a 16-bit sum of N gradients cannot overflow on the way.
-        At most MAX_IN_FLIGHT reductions are in flight: the oldest lands before a new one
-        starts, since the backend keeps each one's buffers alive until it is waited for."""
+        At most MAX_IN_FLIGHT in flight: the backend keeps each one's buffers until waited."""
         while len(self.in_flight) >= MAX_IN_FLIGHT:
             self._land_one(*self.in_flight.pop(0))  # (4) land the oldest first
         N = self.world_size
@@ -426,9 +416,8 @@ class ZeRO:
         self.in_flight.append((work, send, reduced, into))
 
     def _grads_to_flat(self, b):
-        """ZeRO-2: the bucket's gradients, moved into a temporary flat buffer that lives only
-        until its reduce-scatter lands. Only this rank's slice survives, summed over micro-steps
-        (never 2Ψ held). Each parameter's own .grad is freed as it is copied."""
+        """ZeRO-2: the bucket's gradients in a temporary flat buffer that lives until its
+        reduce-scatter lands (never 2Ψ held); each .grad is freed as it is copied."""
         dtype = self.reduce_dtype if self.world_size > 1 else self.dtype
         flat = torch.empty(b.numel, dtype=dtype, device=self.device)
         for p, offset in zip(b.params, b.offsets):
@@ -552,13 +541,11 @@ class ZeRO:
 
     @torch.no_grad()
     def publish(self, wait=True):
-        """The new fp32 master -> the working weights: stage 0 copies it (each rank updated all
-        of it), stages 1-2 all-gather every rank's slice (the second half of the 2Ψ), in the
-        order the next forward reads them. wait=False (train.py's loop) returns with the
-        gathers in flight: each bucket is waited for in the forward pre-hook of the first module
-        that reads it, so they overlap the next forward. Whatever else reads the weights calls
-        wait_published() first. After a skipped step this publishes unchanged weights: skipping
-        would need the inf flag read."""
+        """The new fp32 master -> the working weights: stage 0 copies it, stages 1-2 all-gather
+        every rank's slice (the second half of the 2Ψ) in the order the next forward reads
+        them. wait=False (train.py's loop): each bucket is waited for in the pre-hook of the
+        first block that reads it, overlapping the next forward; anything else that reads
+        the weights calls wait_published() first."""
         self.unpublished = False
         for i in self.publish_order:
             b, master = self.buckets[i], self.master[i]
@@ -629,10 +616,3 @@ class ZeRO:
         return out
 
 
-def replica_digest(model):
-    """sha256 of every parameter: data parallelism's invariant is that all ranks hold bitwise
-    the same weights after every step (compare the digests across ranks)."""
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().cpu().float().numpy().tobytes())
-    return h.hexdigest()

@@ -220,13 +220,6 @@ class ZeRO3(ZeRO):
         return [(s.name, s.lo, s.hi, b.shard[s.start:s.start + s.hi - s.lo])
                 for u in self.all_units for b in u.buckets if b.frozen for s in b.segments]
 
-    def gather_unit(self, unit):
-        """Every rank must call this together (a collective); free_unit releases it again."""
-        self._gather(unit)
-
-    def free_unit(self, unit):
-        self._free(unit.buckets)
-
     def weight_bytes(self):
         """The shards (frozen ones too), plus whatever full unit is gathered right now."""
         every = [b for u in self.all_units for b in u.buckets]

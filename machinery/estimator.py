@@ -187,16 +187,22 @@ def model_from_flags(a, tc, psi):
     return cfg, flags + (["--bias"] if bias and not preset else [])
 
 
-def dataset_note(flags, vocab):
-    """What the command's --dataset stands for, where the user must look at it."""
-    if "--dataset shakespeare" in flags:
-        return ("--dataset shakespeare is the built-in GPT-2 BPE data set (50,257 tokens, as "
-                "estimated): for yours, `python data/prepare.py --input FILE --tokenizer gpt2 "
-                "--name NAME` and --dataset NAME")
-    if "--dataset YOUR_DATA" in flags:
-        return (f"YOUR_DATA: a data set in a {vocab:,}-token vocabulary, as estimated "
-                "(`python data/prepare.py --input FILE --name YOUR_DATA`)")
-    return None
+def dataset_note(flags, vocab, cmd, params):
+    """The lines under --advise's command: what its --dataset stands for, where the user must
+    look at it, and the shape a bare --params was given."""
+    notes = []
+    if cmd and "--dataset shakespeare" in flags:
+        notes.append("--dataset shakespeare is the built-in GPT-2 BPE data set (50,257 tokens, "
+                     "as estimated): for yours, `python data/prepare.py --input FILE "
+                     "--tokenizer gpt2 --name NAME` and --dataset NAME")
+    if cmd and "--dataset YOUR_DATA" in flags:
+        notes.append(f"YOUR_DATA: a data set in a {vocab:,}-token vocabulary, as estimated "
+                     "(`python data/prepare.py --input FILE --name YOUR_DATA`)")
+    if params:
+        notes.append(f"(--params {params:g}: the shape is the nearest standard one within 25% "
+                     "(GPT-3's table, Llama 2 70B), else 128-wide heads; pass yours with "
+                     "--n-layer/--n-embd/--n-head)")
+    return notes
 
 
 def print_estimate(e, cfg, gpu, optimizer="adamw"):
@@ -251,3 +257,18 @@ def print_run(a, tc, cfg, psi, gpu):
     print_estimate(e, cfg, gpu, tc.optimizer)
     return e
 
+
+def command(world_size, shape_args, stage, dtype, batch, grad_ckpt=False, lora=False,
+            quantize=None, per_node=8):
+    """The train.py launch line; beyond one node, run it on each node with its own --node_rank."""
+    from beyond.activation_dial import policy  # --grad-ckpt's flags
+    N = world_size
+    launch = "python" if N == 1 else f"torchrun --nproc_per_node={N}"
+    if N > per_node:
+        launch = (f"torchrun --nnodes={math.ceil(N / per_node)} --nproc_per_node={per_node} "
+                  "--node_rank=0 --master_addr=HOST --master_port=29500")
+    flags = [f"--zero {stage}" if stage > 0 else "", f"--{dtype}" if dtype != "fp32" else "",
+             f"--batch-size {batch}", policy(grad_ckpt).flags(),
+             "--lora --lora-rank 8 --lora-targets q,v" if lora else "",
+             f"--quantize {quantize}" if quantize else ""]
+    return " ".join([launch, "train.py", *shape_args] + [f for f in flags if f])

@@ -7,12 +7,48 @@ master weight and every optimizer state tensor by its key (trainable), or the va
 Nothing here knows a world size: the same pieces rebuild any stage on any number of ranks.
 """
 from contextlib import contextmanager
+import random
 
 import numpy as np
 import torch
 
 import optim
 from collectives import Traffic, all_gather_object, all_gather_params
+
+def rng_state():
+    """Every generator's state as plain bytes and numbers (weights_only-loadable): an exact
+    resume draws the same dropout masks."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state().numpy().tobytes(),
+             "numpy": [kind, keys.tobytes(), pos, has_gauss, gauss], "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
+    return state
+
+
+def set_rng_state(state):
+    as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)
+    torch.set_rng_state(as_tensor(state["torch"]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(as_tensor(state["cuda"]))
+
+
+def stored_shapes(model):
+    """{name: shape} of every tensor as files hold it: the model's own declaration (GPT's
+    leaves out the zero rows its vocabulary is padded with), else each tensor's shape, the
+    tied one under its first name."""
+    if hasattr(model, "stored_shapes"):
+        return model.stored_shapes()
+    shapes, seen = {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            shapes[name] = list(t.shape)
+    return shapes
+
 
 def stored(shapes, name, lo, hi):
     """[lo, hi) of a flattened tensor, cut to what the checkpoint stores of it."""

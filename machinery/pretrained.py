@@ -23,7 +23,7 @@ from checkpoint import CheckpointError, Reader, check_compatible, list_checkpoin
 from configurator import ConfigError
 from machinery import adapters, hf, validate
 from machinery.hf import HFError
-from machinery.pieces import stored
+from machinery.pieces import stored, stored_shapes
 import model as model_py
 from model import GPT, GPTConfig
 
@@ -80,12 +80,12 @@ def init_trained(reader, cfg, zero, model):
     if not _as_trained(reader, cfg):
         return
     check_compatible(reader.header, asdict(model.config), None, cfg.init_from,
-                     {k: getattr(cfg, k) for k in validate.SETTINGS}, model.stored_shapes())
+                     {k: getattr(cfg, k) for k in validate.SETTINGS}, stored_shapes(model))
     shapes = reader.header["shapes"]
     for s in zero.segments:
         lo, hi = stored(shapes, s.name, s.lo, s.hi)
         if lo < hi:
-            s.master[:hi - lo].copy_(reader.read(s.name, "master", lo, hi))
+            s.flat[:hi - lo].copy_(reader.read(s.name, "master", lo, hi))
     for name, lo, hi, values in zero.frozen_pieces():
         lo, hi = stored(shapes, name, lo, hi)
         if lo < hi:

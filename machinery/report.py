@@ -12,6 +12,7 @@ train.py calls these in one line each. They read the run, never change it:
 
 The same rows go to metrics.jsonl (rundir.Metrics), one JSON object per row.
 """
+import hashlib
 import time
 from dataclasses import asdict
 
@@ -21,7 +22,6 @@ import torch.distributed as dist
 import optim
 from collectives import all_reduce_sum
 from machinery import meter
-from zero import replica_digest
 
 # ----------------------------------------------------------------------------------------------
 # the paper's numbers
@@ -221,6 +221,15 @@ class StepLog:
 
 # ----------------------------------------------------------------------------------------------
 # 4. the end of a run
+
+def replica_digest(model):
+    """sha256 of every parameter: data parallelism's invariant is that all ranks hold bitwise
+    the same weights after every step (compare the digests across ranks)."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().float().numpy().tobytes())
+    return h.hexdigest()
+
 
 def check_replicas(zero, model, metrics, it, print0):
     """Every rank must hold bitwise the same full parameters (under ZeRO-3 none holds them)."""

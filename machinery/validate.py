@@ -338,7 +338,7 @@ def check_shard(shard, layout, header):
 
 
 def check_rng(state):
-    """One rank's saved RNG states (checkpoint.rng_state's layout), each set on a generator of
+    """One rank's saved RNG states (pieces.rng_state's layout), each set on a generator of
     its own first: a state of the wrong size, type or value is refused before the run's are set."""
     if not isinstance(state, dict) or not {"torch", "numpy", "python"} <= set(state) \
             or not set(state) <= {"torch", "numpy", "python", "cuda"}:
