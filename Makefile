@@ -1,13 +1,15 @@
 # The two commands of the README. Both create .venv and install what they need first.
 #   make demo   a short distributed training run on Tiny Shakespeare (it ships: offline), a sample
 #   make test   the test suite (CPU, gloo; CUDA paths too when a GPU is present), with the test
-#               references of requirements-test.txt (transformers, peft)
+#               references of requirements-test.txt (transformers, peft), on TEST_WORKERS cores
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # one process per GPU; two gloo processes on a CPU
 NGPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 NPROC ?= $(if $(filter-out 0,$(NGPU)),$(NGPU),2)
+# pytest-xdist: one test process per core, at most 4 (a test's own ranks are processes too)
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 # --archive: a second `make demo` moves the first one's run into out-demo/archive-N/
 DEMO_FLAGS ?= --zero 2 $(if $(filter-out 0,$(NGPU)),--bf16,) --max-iters 1000 --lr-decay-iters 1000 --out-dir out-demo --archive
 
@@ -29,7 +31,7 @@ demo: $(VENV)/.installed
 	$(PY) sample.py --out-dir out-demo --num-samples 1 --max-new-tokens 300
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 clean:
 	rm -rf out-demo .pytest_cache

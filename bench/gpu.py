@@ -35,6 +35,7 @@ from precision import resolve_dtype
 from train import model_config
 
 VOCAB = 50257  # GPT-2's BPE
+TINY_VOCAB = 512  # --tiny: GPT-2's 50k logits in bf16 take seconds a step on an AVX2 CPU
 CONFIGS = {
     "plain": "PyTorch: fp32 weights, bf16 autocast, fused AdamW",
     "plain+compile": "the same, torch.compile(model)",
@@ -48,7 +49,7 @@ CONFIGS = {
 
 def gpu_config(tiny):
     """config/gpt2_124m.py's model and micro-batch, one micro-step a step, bf16; --tiny: a small
-    model with the same vocabulary, for a smoke run on a CPU."""
+    model (and TINY_VOCAB), for a smoke run on a CPU."""
     cfg = TrainConfig(**load_preset("config/gpt2_124m.py"))
     cfg = replace(cfg, dtype="bf16", grad_accum=1, dropout=0.0)
     if tiny:
@@ -56,33 +57,33 @@ def gpu_config(tiny):
     return cfg
 
 
-def tokens(cfg):
+def tokens(cfg, vocab):
     """Random token ids, as many as 64 batches hold: the speed does not depend on their values,
     and real GPT-2 tokens would need a tokenizer's files on the GPU machine."""
     n = 64 * cfg.batch_size * (cfg.block_size + 1)
-    return np.random.default_rng(0).integers(0, VOCAB, size=n, dtype=np.uint16)
+    return np.random.default_rng(0).integers(0, vocab, size=n, dtype=np.uint16)
 
 
-def make_run(key, cfg, data, device):
+def make_run(key, cfg, data, device, vocab):
     if key.startswith("plain"):
         torch.manual_seed(cfg.seed)
-        model = GPT(model_config(cfg, VOCAB)).to(device)  # fp32 weights: autocast computes
+        model = GPT(model_config(cfg, vocab)).to(device)  # fp32 weights: autocast computes
         net = torch.compile(model) if key == "plain+compile" else model
         return PlainRun(net, adamw(model, cfg), cfg, data, device, torch.bfloat16)
     ckpt = "full" if key == "s0+ckpt" else "none"
     run_cfg = replace(cfg, zero=3 if key == "s3" else 0, grad_ckpt=ckpt,
                       compile=key.endswith("compile") and key != "plain+compile",
                       fp8="fp8" in key)  # dynamic scaling: no history for fp8.end_step
-    return OurRun(run_cfg, data, VOCAB, device)
+    return OurRun(run_cfg, data, vocab, device)
 
 
-def measure(key, cfg, data, device, args):
+def measure(key, cfg, data, device, args, vocab):
     """(ms per step of each block, peak bytes allocated or None) of one configuration, built
     alone on the device and freed after: a dedicated GPU needs no interleaving of
     configurations, and each one's peak memory is then its own."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    run = make_run(key, cfg, data, device)
+    run = make_run(key, cfg, data, device, vocab)
     time_block(run.step, 0, args.warmup, device)  # the compilations happen here
     blocks = []
     for r in range(args.rounds):
@@ -115,14 +116,15 @@ def main(argv=None):
     except ValueError as e:
         p.error(str(e))
     cfg = gpu_config(args.tiny)
-    data = tokens(cfg)
+    vocab = TINY_VOCAB if args.tiny else VOCAB
+    data = tokens(cfg, vocab)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     peak_rate = peak_flops(name, torch.bfloat16)
     with torch.device("meta"):  # for the FLOPs a token costs: the shape, no memory
-        shape = GPT(model_config(cfg, VOCAB))
+        shape = GPT(model_config(cfg, vocab))
     watch, rows, base = Stopwatch(), [], None
     for key in keys:
-        blocks, peak = measure(key, cfg, data, device, args)
+        blocks, peak = measure(key, cfg, data, device, args, vocab)
         ms = statistics.median(blocks)
         base = base or ms
         tps = cfg.batch_size * cfg.block_size / (ms / 1000)

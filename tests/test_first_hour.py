@@ -16,7 +16,8 @@ from memory import main as memory_main
 
 def test_a_short_run_then_sample_with_no_other_flag(tmp_path):
     run = lambda *argv: subprocess.run([sys.executable, os.path.join(ROOT, argv[0]), *argv[1:]],
-                                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                                       cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                                       env=dict(os.environ, OMP_NUM_THREADS="1"))  # as README
     r = run("train.py", "--max-iters", "50")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "iter 49/50" in r.stdout and "ETA" in r.stdout and "evaluating" in r.stdout

@@ -3,6 +3,7 @@ directions that keep it there (the core reaches beyond/ only when a flag asks, c
 imports nothing of ours, no cycles), and no drift between what the README, docs/ and the
 docstrings name and what exists."""
 import ast
+import contextlib
 import importlib
 import io
 import os
@@ -170,9 +171,10 @@ def flags_of(script):
     if script == "train.py":
         from machinery.flags import make_parser
         return set(make_parser()._option_string_actions)
-    out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
-    return set(re.findall(r"(--[a-z][a-z0-9-]*)", out.stdout))
+    out = io.StringIO()  # main(["--help"]) in this process: no second start of Python and torch
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        importlib.import_module(script[:-3].replace("/", ".")).main(["--help"])
+    return set(re.findall(r"(--[a-z][a-z0-9-]*)", out.getvalue()))
 
 
 def test_every_command_the_text_names_exists_with_its_flags():
@@ -251,3 +253,14 @@ def test_every_module_function_the_text_names_exists():
                     first in INSTANCES and resolves(INSTANCES[first](), attrs)):
                 bad.append(f"{where}: {m.group(1)}")
     assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_zero_2_end_to_end_reads_in_five_files():
+    """The README's reading count: ZeRO-2 end to end is train.py's step, zero.py and what it
+    imports of the lecture (collectives.py, optim.py), and precision.py's scaler."""
+    ours = project_modules()
+    lecture = {m for m, top in imports("zero.py") if top and m in ours and "." not in m
+               and m not in FOLDERS}  # a one-line guard of machinery/ is no reading
+    assert lecture == {"collectives", "optim"}, lecture
+    assert {m for m, top in imports("train.py") if m in ("zero", "precision")} == \
+        {"zero", "precision"}
