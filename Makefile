@@ -9,7 +9,8 @@ PY := $(VENV)/bin/python
 NGPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 NPROC ?= $(if $(filter-out 0,$(NGPU)),$(NGPU),2)
 # pytest-xdist: one test process per core, at most 4 (a test's own ranks are processes too)
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
+# (not nproc: it answers OMP_NUM_THREADS, which the README's first hour sets to 1)
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, os.cpu_count() or 1))")
 # --archive: a second `make demo` moves the first one's run into out-demo/archive-N/
 DEMO_FLAGS ?= --zero 2 $(if $(filter-out 0,$(NGPU)),--bf16,) --max-iters 1000 --lr-decay-iters 1000 --out-dir out-demo --archive
 

@@ -39,6 +39,28 @@ STRICT_WARNINGS = [
 ]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (make test), worker k starts on the k-th contiguous share of this list
+    (--dist worksteal) and idle workers steal from the ends of the others' shares. So the long tests
+    go first in the shares: every `compiles` test in the first (their graphs compile once, in one
+    process, and inductor's cold compiles are the suite's longest wait), the `slow` ones dealt out
+    over the others, the rest after them in file order: no share ends on a long test."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    if workers < 2:
+        return
+    compiles = [i for i in items if i.get_closest_marker("compiles")]
+    slow = [i for i in items if i.get_closest_marker("slow") and i not in compiles]
+    rest = [i for i in items if i not in compiles and i not in slow]
+    heads = [compiles] + [slow[k::workers - 1] for k in range(workers - 1)]
+    order, left = [], len(items)
+    for k, head in enumerate(heads):
+        size = left // (workers - k)  # the share worksteal hands worker k of those left
+        fill = max(0, size - len(head))
+        order += head + rest[:fill]
+        rest, left = rest[fill:], left - len(head) - fill
+    items[:] = order + rest
+
+
 def pinned_versions():
     """{package: version} of the `name==version` lines of requirements*.txt."""
     pins = {}

@@ -164,6 +164,7 @@ def check_stages(rank, world_size):
                 assert train_stage(stage, rank, world_size, ckpt, r) == ref, (stage, r, ckpt)
 
 
+@pytest.mark.slow
 def test_zero_stages_and_lora_two_ranks():
     """ZeRO-3's gather/free hooks fire around the recompute of every policy (frozen LoRA base
     weights too): the same losses as no checkpointing, bitwise, on 2 gloo ranks."""
@@ -300,6 +301,7 @@ def test_offload_counts_in_the_activation_line():
 
 
 @pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.compiles
 def test_offload_under_compile(stage):
     """--compile --offload-activations: the compiled backward gets back the strides it saved
     (a stand-in mover whose copies are contiguous, as pinned copies are): the same losses as
@@ -352,6 +354,7 @@ def test_resume_may_change_the_setting(data_root, tmp_path):
                                                                                "full"]
 
 
+@pytest.mark.slow
 def test_bench_keys_and_the_dial_table(capsys):
     """bench.costs keys each setting, bench.dial prints each beside none (1 timed step)."""
     from bench import costs, dial

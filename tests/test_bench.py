@@ -170,6 +170,7 @@ def test_our_step_is_train_py_step(data_root, tmp_path, dtype):
     assert ours == logged
 
 
+@pytest.mark.slow
 def test_gpu_tiny_and_crossover_smoke(capsys):
     run_main_ok("gpu", ["--tiny", "--configs", "plain,s0,s3,s0+ckpt", "--steps", "1",
                         "--rounds", "1", "--warmup", "1", "--no-write"])
@@ -180,6 +181,7 @@ def test_gpu_tiny_and_crossover_smoke(capsys):
     assert "bf16 matrix units" in out and "| 32 |" in out
 
 
+@pytest.mark.slow
 def test_head_smoke(capsys):
     """Both heads in their own processes: ours saves less for backward, and the loss agrees.
     The bytes per logit: the GPU's fused path moves less than the eager one (a 4k vocabulary:
@@ -215,6 +217,7 @@ np.array([stoi[c] for c in text[n:]], dtype=np.uint16).tofile("val.bin")
 """
 
 
+@pytest.mark.slow
 def test_nanogpt_against_a_fake_checkout(tmp_path, capsys):
     """Prepares the checkout's data from our copy, runs both sides in turn, parses nanoGPT's
     per-iteration lines and our metrics.jsonl."""

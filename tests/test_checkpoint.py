@@ -167,6 +167,7 @@ def test_sigterm_saves_and_resumes(data_root, tmp_path):
     assert sorted(losses(out)) == list(range(stopped_at + 2))
 
 
+@pytest.mark.slow
 def test_sigkill_one_rank_under_torchrun_restarts_and_ends_the_same(data_root, tmp_path):
     """torchrun --max-restarts=1 restarts the group after a rank is killed (even mid-save); the
     run carries on from the newest complete checkpoint and ends with the uninterrupted loss."""

@@ -17,6 +17,7 @@ from train import build
 SHAPE = dict(n_layer=3, n_head=2, n_embd=32, block_size=16, batch_size=4, dropout=0.0,
              lora_targets="all", bucket_mb=0.0001)
 VOCAB = 50
+pytestmark = pytest.mark.compiles  # conftest.py deals these to one worker
 
 
 def batches(n):

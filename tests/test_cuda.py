@@ -130,6 +130,7 @@ def test_fp8_without_compile_says_so_once(capsys):
 
 
 @pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.compiles
 def test_offload_under_compile_on_cuda(stage):
     """--compile --offload-activations on a GPU: pinned copies out and back on side streams,
     the saved views rebuilt with their strides; the same losses as without offloading."""

@@ -9,11 +9,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, run_train
 from machinery.flags import parse_args
 from memory import main as memory_main
 
 
+@pytest.mark.slow
 def test_a_short_run_then_sample_with_no_other_flag(tmp_path):
     run = lambda *argv: subprocess.run([sys.executable, os.path.join(ROOT, argv[0]), *argv[1:]],
                                        cwd=tmp_path, capture_output=True, text=True, timeout=300,

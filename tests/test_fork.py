@@ -41,6 +41,7 @@ def losses(out):
     return {r["iter"]: r["loss"] for r in rows if "loss" in r}
 
 
+@pytest.mark.slow
 def test_the_fork_trains_through_every_stage_lora_qlora_and_a_resharded_resume(data_root,
                                                                                 tmp_path):
     args = TINY + ["--data-root", data_root, "--max-iters", "6"]

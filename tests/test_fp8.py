@@ -133,6 +133,7 @@ def train_losses(cfg, steps=3):
     return out, model
 
 
+@pytest.mark.compiles
 def test_compile_grad_ckpt_and_lora_with_fp8():
     """--compile and --grad-ckpt train as eager does (bf16: to its rounding); under LoRA the
     frozen base computes in FP8 and only the adapters move."""

@@ -21,6 +21,7 @@ ARGS = ["--device", "cpu", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
         "100", "--log-interval", "1", "--dataset", "shakespeare_char", "--out-dir", "out"]
 
 
+@pytest.mark.slow
 def test_two_nodes_under_torchrun_prepare_their_own_data(tmp_path):
     port, procs = free_port(), []
     for node in (0, 1):

@@ -201,6 +201,7 @@ def test_lora_fine_tuning_flow_end_to_end(data_root, tmp_path):
     assert r.returncode == 0 and r.stdout.startswith("T"), r.stderr
 
 
+@pytest.mark.slow
 def test_nan_on_one_rank_makes_both_skip_under_torchrun(data_root, tmp_path):
     """fp16 with the dynamic scaler, ZeRO-1, 2 gloo ranks under torchrun: a NaN loss on the last rank
     at step 2 makes both ranks skip, the scale halves, and the ranks still end bitwise identical.

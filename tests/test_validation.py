@@ -367,6 +367,7 @@ def test_12_every_cli_usage_error_is_one_line(capsys):
         assert err.count("\n") == 1 and "usage" not in err, err
 
 
+@pytest.mark.slow
 def test_12_under_torchrun_one_rank_prints_a_refusal(data_root, runs, tmp_path):
     out = copy_run(runs, "cons", tmp_path)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
