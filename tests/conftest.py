@@ -87,6 +87,10 @@ def on_pinned_versions():
 
 
 def pytest_configure(config):
+    if getattr(config, "workerinput", {}).get("workercount", 1) > 1:
+        # make test: the workers fill every core, so each process the tests start (train.py,
+        # torchrun's ranks, sample.py) computes on one thread, as each test's own process does
+        os.environ["OMP_NUM_THREADS"] = "1"
     if on_pinned_versions():
         for line in STRICT_WARNINGS:
             config.addinivalue_line("filterwarnings", line)
