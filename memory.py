@@ -51,14 +51,14 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
                  f"{HEADROOM:.0%}): " + ("fits" if fits(one, gpu_bytes) else "does not fit")
                  + "\n   " + breakdown(one))
     # ZeRO-2 holds the 16-bit weights whole: tried where its model state can fit at all
-    zero2 = est(stage=2, grad_ckpt=True)
-    if not fits(one, gpu_bytes) and N > 1 and not fits(zero2, gpu_bytes):
+    zero2 = est(stage=2, grad_ckpt=True) if not fits(one, gpu_bytes) and N > 1 else None
+    zero2_fits = zero2 is not None and fits(zero2, gpu_bytes)
+    if zero2 is not None and not zero2_fits:
         lines.append(f"ZeRO-2 on {N} GPUs: its model state alone needs "
                      f"{zero2['state']['total'] / GB:.2f} GB (the 16-bit weights whole, "
                      f"{zero2['state']['params'] / GB:.2f} GB): no micro-batch fits")
     best = None  # (run, micro-batch): the cheapest plan that fits
-    for stage, ckpt, r, quant, why in advise_plans(N, fits(one, gpu_bytes),
-                                                    fits(zero2, gpu_bytes)):
+    for stage, ckpt, r, quant, why in advise_plans(N, fits(one, gpu_bytes), zero2_fits):
         if best and (stage, ckpt) != (3, best[0]["grad_ckpt"]):
             break  # a fitting ZeRO-2 competes only with ZeRO-3 at the same checkpointing
         run = dict(stage=stage, grad_ckpt=ckpt, lora_rank=r, quantize=quant)
@@ -69,10 +69,11 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
         peak = est(batch=max(b, 1), **run)["peak"] / GB
         lines.append(f"{why}: " + (f"micro-batch up to {b} fits (peak {peak:.2f} GB)" if b
                                    else f"batch 1 needs {peak:.2f} GB"))
+        cheaper = best is not None and b > 3 * best[1]  # than the ZeRO-2 plan found
         if best and b:  # a micro-step moves Ψ on ZeRO-2 (its reduce-scatter), 3Ψ on ZeRO-3
             lines.append(f"a sequence moves Ψ/{best[1]} on ZeRO-2, 3Ψ/{b} on ZeRO-3: "
-                         + ("ZeRO-3" if b > 3 * best[1] else "ZeRO-2"))
-        if b and (best is None or b > 3 * best[1]):
+                         + ("ZeRO-3" if cheaper else "ZeRO-2"))
+        if b and (best is None or cheaper):
             best = (run, b)
         if best and best[0]["stage"] != 2:
             break

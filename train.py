@@ -228,7 +228,7 @@ def main(argv=None):
     weights = init and pretrained.init_weights(init, cfg, asdict(gptconf), meta, print0)
     model, zero, scaler = build(cfg, meta["vocab_size"], device, dtype, rank, world_size,
                                 grad_accum, weights, init_hf)
-    if init:
+    if init and weights is None:  # a LoRA run's checkpoint, taken as it trained
         pretrained.init_trained(init, cfg, zero, model)
     print0(f"model: {model.num_params(non_embedding=False):,} parameters, "
            f"{zero.psi:,} trainable")

@@ -16,7 +16,6 @@ refusal, leaves a lock or a .tmp save behind, or changes a file it must not: a c
 bytes (rotation may delete one), metrics.jsonl other than by appending to it, or anything at
 all in a folder that sample.py, memory.py or export.py only read.
 """
-import argparse
 import multiprocessing
 import os
 import random
@@ -388,14 +387,13 @@ def fuzz(cases, seed, timeout=120, mem_gb=3.0, log=print, torchrun=True):
 
 
 def main(argv=None):
-    from bench.common import Stopwatch, command, machine, table, write_section
-    p = argparse.ArgumentParser(prog="python -m bench.fuzz", allow_abbrev=False,
-                                description=__doc__.strip().split("\n\n")[0])
+    from bench.common import Stopwatch, command, machine, parser, table, write_section
+    p = parser("fuzz", __doc__, writes=False)
     p.add_argument("--cases", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120, help="seconds a case may take")
     p.add_argument("--mem-gb", type=float, default=3.0, help="each case's address space")
-    p.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md")
+    p.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
     if args.cases < 1 or not args.timeout > 0 or not args.mem_gb > 0:
         p.error("--cases, --timeout and --mem-gb must be positive")

@@ -62,12 +62,6 @@ def block_matrices(model):
     return {id(p) for m in modules for p in m.parameters(recurse=False) if p.dim() == 2}
 
 
-def wants_whole_matrices(optimizer):
-    """Muon, or an optimizer that says needs_whole_matrices = True: it orthogonalises or
-    factors each matrix, so it cannot step an element range of one."""
-    return optimizer == "muon" or getattr(optimizer, "needs_whole_matrices", False)
-
-
 def whole_matrix_buckets(params, matrices):
     """zero.py's layout for a matrix optimizer (stages 1-2): the parameters that are not block
     matrices, and [(the block matrices of one shape, last layer first; a matrix's numel)]:

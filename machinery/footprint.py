@@ -184,10 +184,11 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
         if stage == 3 and params:
             layout = frozen_buckets(cfg, dtype, quantize, build)
     fp32_grad_accum = fp32_grad_accum and E != 4
-    state = model_state_bytes(trainable, stage, N, dtype, buckets, rank, frozen, quantized,
-                              quantize, layout, fp32_grad_accum, optimizer)
     if optimizer == "muon" and params and not lora_rank:  # its own layout and state
         state = muon_state_bytes(cfg, build, stage, N, dtype, bucket_mb, rank, fp32_grad_accum)
+    else:
+        state = model_state_bytes(trainable, stage, N, dtype, buckets, rank, frozen, quantized,
+                                  quantize, layout, fp32_grad_accum, optimizer)
     acts = activation_bytes(cfg, batch, seq, dtype, grad_ckpt, lora_rank, lora_targets, device,
                             build, fp8, chunked_loss)
     # --fp8: per linear an amax history and cast counters (fp8.FP8Matmul's buffers), and in a

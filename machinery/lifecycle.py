@@ -173,9 +173,10 @@ def run_main(main, name, errors):
             print(f"{name}: error: {e}", file=sys.stderr)
         sys.exit(2)
     except RuntimeError as e:
-        if out_of_memory(e) is None:
+        line = out_of_memory(e)
+        if line is None:
             raise
-        print(f"{name}: error: {out_of_memory(e)}", file=sys.stderr)
+        print(f"{name}: error: {line}", file=sys.stderr)
         sys.exit(2)
     finally:  # an error after init: leave no communicator behind (NCCL warns, may hang)
         if dist.is_initialized():

@@ -77,8 +77,6 @@ def init_trained(reader, cfg, zero, model):
     """The LoRA run's tensors init_weights left for after the build, into this run's ZeRO on
     any stage and world size: the adapters (fp32 masters) and the frozen base as stored. Not
     its optimizer, scaler, RNG or iteration: a new run. The adapter file names its base."""
-    if not _as_trained(reader, cfg):
-        return
     check_compatible(reader.header, asdict(model.config), None, cfg.init_from,
                      {k: getattr(cfg, k) for k in validate.SETTINGS}, stored_shapes(model))
     shapes = reader.header["shapes"]

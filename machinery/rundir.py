@@ -33,6 +33,7 @@ import torch.distributed as dist
 from configurator import ConfigError
 from machinery import validate
 from machinery.tensorfile import torch_save
+from machinery.validate import is_int
 
 LOCK = "lock"
 RUN_FILES = re.compile(r"ckpt-\d+(\.tmp)?|metrics\.jsonl|adapter\.safetensors")  # a run's own
@@ -72,10 +73,6 @@ def _owner():
     return {"pid": pid, "host": socket.gethostname(), "boot_id": _boot_id(),
             "start_time": _start_time(pid), "job": os.environ.get("TORCHELASTIC_RUN_ID"),
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
-
-
-def is_int(x):
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def judge(owner):
