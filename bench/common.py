@@ -34,6 +34,7 @@ from train import get_lr
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS_MD = os.path.join(ROOT, "BENCHMARKS.md")
+H100_HBM = 3.35e12  # bytes/s: an H100 SXM's HBM3 (data sheet), for bandwidth-bound times
 # CPU flags that mean 16-bit matrix arithmetic in hardware (oneDNN uses them when present)
 CPU_UNITS = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "amx_fp16")}
 

@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script: import from the repository roo
 import torch
 
 from beyond import fp8
-from bench.common import (KernelBytes, Stopwatch, comma_list, command, cpu_units,
+from bench.common import (H100_HBM, KernelBytes, Stopwatch, comma_list, command, cpu_units,
                           default_device, paired_ratio, parser, report, run_train, table,
                           time_block)
 
@@ -158,7 +158,7 @@ def cast_times(device, shapes, rounds):
     return out
 
 
-H100 = {"hbm": 3.35e12, "bf16": 989e12, "fp8": 1979e12}  # bytes/s, dense FLOP/s: data sheet
+H100 = {"hbm": H100_HBM, "bf16": 989e12, "fp8": 1979e12}  # bytes/s, dense FLOP/s: data sheet
 
 
 def casts_report(argv, watch, write):

@@ -42,12 +42,12 @@ import torch
 import torch.nn.functional as F
 
 from machinery.activations import activation_bytes, head_working_bytes
-from bench.common import KernelBytes, Stopwatch, command, parser, report, table
+from bench.common import (H100_HBM as HBM, KernelBytes, Stopwatch, command, parser,
+                          report, table)
 from beyond.chunked_loss import cross_entropy
 from model import GPTConfig
 
 WIDTH, VOCAB = 768, 50257
-HBM = 3.35e12  # bytes/s: an H100 SXM's HBM3, for the time a bandwidth-bound head takes
 # the loss heads whose bytes are counted: (name, logits dtype, loss(logits, targets, vocab))
 HEADS = [("textbook (F.cross_entropy)", torch.bfloat16,
           lambda l, t, v: F.cross_entropy(l[:, :v].float(), t, ignore_index=-1)),
