@@ -33,12 +33,11 @@ import uuid
 
 import torch
 
-import optim
 from collectives import all_gather_object
 from machinery import lifecycle, rundir, validate
 from machinery.ckpt_reader import CheckpointError, Reader, newest_checkpoint  # read, checked
-from machinery.pieces import (full_tensors, optimizer_header, owned_pieces, rng_state,
-                              set_rng_state, stored, stored_shapes)
+from machinery.pieces import (full_tensors, opt_state_keys, optimizer_header, owned_pieces,
+                              rng_state, set_rng_state, set_step_count, stored, stored_shapes)
 from machinery.rundir import list_checkpoints
 from machinery.validate import crc
 
@@ -129,7 +128,7 @@ def _read_owned(reader, zero, shapes):
     ([(segment, {key: tensor})], [(frozen values, tensor)])."""
     trainable, frozen = [], []
     for s in zero.segments:
-        saved, mine = validate.keys_of(reader.header, s.name), optim.state_keys(zero.opt, s.master)
+        saved, mine = validate.keys_of(reader.header, s.name), opt_state_keys(zero.opt, s.master)
         if tuple(mine) != saved:
             raise CheckpointError(f"{reader.path} holds optimizer state {list(saved)} of "
                                   f"{s.name}, this run's {zero.optimizer} keeps {mine}: the "
@@ -168,9 +167,10 @@ def restore(path, zero, model, scaler, config, model_args, vocab_meta):
     for s, saved in trainable:
         n, state = len(saved["master"]), zero.opt.state[s.master]
         s.flat[:n].copy_(saved["master"])
-        for k in saved.keys() - {"master"}:
-            state[k].view(-1)[:n].copy_(saved[k])
-    optim.set_step_count(zero.opt, [s.master for s in zero.segments], h["opt_step"])
+        for k in saved.keys() - {"master"}:  # a per-tensor statistic: its first elements
+            m = min(n, state[k].numel())
+            state[k].view(-1)[:m].copy_(saved[k][:m])
+    set_step_count(zero.opt, [s.master for s in zero.segments], h["opt_step"])
     for values, saved in frozen:
         values[:len(saved)].copy_(saved)
     zero.publish()

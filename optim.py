@@ -77,6 +77,25 @@ def build(optimizer, groups, lr, betas=(0.9, 0.95), eps=1e-8):
                      "a torch.optim.Optimizer subclass or a function of the param groups")
 
 
+# optimizers whose step treats every element alone: flat pieces of buckets step as the whole
+ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,
+               torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+               torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD, Lion)
+
+
+def reads_whole(optimizer):
+    """What the optimizer must be handed whole, not as flat pieces (zero.py): "matrices"
+    (Muon's orthogonalised block matrices), "tensors" (a class not known to be elementwise:
+    torch's Adafactor factors a matrix's statistics and scales by its norms), or None. A
+    function of the groups is taken as elementwise: ZeRO(..., whole="tensors") if it is not."""
+    cls = getattr(optimizer, "func", optimizer)  # functools.partial(torch.optim.SGD, ...)
+    if optimizer == "muon" or getattr(cls, "needs_whole_matrices", False):
+        return "matrices"
+    if isinstance(cls, type) and not issubclass(cls, ELEMENTWISE):
+        return "tensors"
+    return None
+
+
 def check_name(name):
     """--optimizer: a ValueError, one line, before any work, for a name build() lacks."""
     if name not in OPTIMIZERS:
@@ -113,21 +132,3 @@ def init_state(opt, params):
         for t in opt.state[p].values():
             if torch.is_tensor(t):
                 t.zero_()  # per-element state, and a step count the lr-0 step advanced
-
-
-def state_keys(opt, param):
-    """The names of the per-element state tensors the optimizer keeps for param."""
-    return sorted(k for k, t in opt.state[param].items() if torch.is_tensor(t) and t.dim() > 0)
-
-
-def step_count(opt, param):
-    """The optimizer's step count for param (AdamW's "step"), or None if it keeps none."""
-    t = opt.state[param].get("step")
-    return None if t is None else int(t.item() if torch.is_tensor(t) else t)
-
-
-def set_step_count(opt, params, step):
-    """A resumed step count (AdamW's bias correction needs it), where the optimizer keeps one."""
-    for p in params:
-        if torch.is_tensor(opt.state[p].get("step")):
-            opt.state[p]["step"].fill_(step)

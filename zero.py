@@ -28,6 +28,7 @@ Read this file in three parts:
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -162,20 +163,19 @@ class Bucket:
     """Tensors packed into one flat buffer (padded to a multiple of N) that they become views
     of. This rank owns [lo, hi): that range's optimizer state (stage 2+: gradient) lives here."""
 
-    def __init__(self, tensors, rank, world_size, dtype, device, pad=True, unit=1):
-        self.params = tensors
-        numel = sum(t.numel() for t in tensors)
-        # padded to N equal slices of whole units (unit: a matrix's numel for Muon's layout)
-        self.numel = math.ceil(numel / (world_size * unit)) * world_size * unit if pad else numel
+    def __init__(self, tensors, rank, world_size, dtype, device, pad=True, whole=False):
+        self.params, numels = tensors, [t.numel() for t in tensors]
+        self.offsets = [0, *accumulate(numels)][:-1]  # packed, in order
+        self.numel = math.ceil(sum(numels) / world_size) * world_size if pad else sum(numels)
+        if whole:  # each tensor inside one rank's slice (beyond/muon.py: whole tensors)
+            from beyond.muon import deal
+            self.offsets, self.numel = deal(numels, world_size)
         shard = self.numel // world_size if pad else self.numel
         self.lo, self.hi = (rank * shard, (rank + 1) * shard) if pad else (0, self.numel)
         self.flat = torch.zeros(self.numel, dtype=dtype, device=device)
-        self.offsets, offset = [], 0
-        for t in tensors:
+        for t, offset in zip(tensors, self.offsets):
             self.flat[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
             t.data = self.flat[offset:offset + t.numel()].view_as(t)  # the tensor is now a view
-            self.offsets.append(offset)
-            offset += t.numel()
         self.flat_grad = None  # stages 0-1: the full gradient of the bucket
         self.grad_shard = None  # stages 2-3: only this rank's reduced slice of it
         self.segments = []  # the pieces of its parameters this rank owns, in order
@@ -244,7 +244,7 @@ class ZeRO:
     def __init__(self, model, stage, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8,
                  bucket_mb=25.0, rank=0, world_size=1, group=None, fp32_grad_accum=False,
                  reduce_dtype=None, optimizer="adamw", decay=None, master_weights=None,
-                 whole_matrices=None):
+                 whole=None):
         if stage not in self.STAGES:
             raise ValueError(f"{type(self).__name__} runs ZeRO stages {self.STAGES}, not {stage}")
         self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
@@ -273,14 +273,17 @@ class ZeRO:
         # fp32 as torchtitan and Megatron do by default (a 16-bit sum over many ranks rounds).
         # One rank moves nothing, so nothing is cast there.
         self.reduce_dtype = reduce_dtype or self.dtype
-        # a matrix optimizer (Muon) needs each block matrix whole: then a rank owns whole ones
-        self.whole_matrices = whole_matrices if whole_matrices is not None else \
-            optimizer == "muon" or getattr(optimizer, "needs_whole_matrices", False)
-        self.matrices = set()
-        if self.whole_matrices:
+        self.optimizer = optimizer if isinstance(optimizer, str) else \
+            getattr(getattr(optimizer, "func", optimizer), "__name__", "custom")  # a partial's
+        # an optimizer that reads a tensor whole gets whole ones at every stage, a rank owning
+        # whole tensors: "matrices" (Muon's block matrices), "tensors" (all: Adafactor's)
+        self.whole = optim.reads_whole(optimizer) if whole is None else whole
+        self.matrices = set()  # Muon's block matrices, stepped in groups of their own
+        if self.whole == "matrices":
             from beyond import muon
             self.matrices = muon.block_matrices(model)
-        self.buckets = self._make_buckets(model, [p for _, p in named])  # (1) pack
+        kept_whole = {id(p) for _, p in named} if self.whole == "tensors" else self.matrices
+        self.buckets = self._make_buckets(model, [p for _, p in named], kept_whole)  # (1) pack
         # where each trainable parameter lives: its bucket, its offset in the flat buffer
         self.where = {id(p): (b, offset) for b in self.buckets
                       for p, offset in zip(b.params, b.offsets)}
@@ -296,8 +299,6 @@ class ZeRO:
             self._seed_master(master_weights)
         # optim.py builds it and makes its state now, by its own code: start-up measures
         # what training holds
-        self.optimizer = optimizer if isinstance(optimizer, str) else \
-            getattr(optimizer, "__name__", type(optimizer).__name__)
         self.opt = optim.build(optimizer, self._param_groups(weight_decay, decay), lr=lr,
                                betas=betas, eps=eps)
         if self.segments:  # a rank may own nothing but padding
@@ -319,9 +320,9 @@ class ZeRO:
         matrices and embeddings, not the biases and norm gains); for a matrix optimizer, its
         whole block matrices in groups of their own, marked "matrices"."""
         decay = decay or (lambda name, p: p.dim() >= 2)
-        matrix = lambda s: self.whole_matrices and s.block_matrix and s.whole
+        matrix = lambda s: self.whole == "matrices" and s.block_matrix and s.whole
         groups = []
-        for matrices in (False, True) if self.whole_matrices else (False,):
+        for matrices in (False, True) if self.whole == "matrices" else (False,):
             for decays in (True, False):
                 group = {"params": [s.master for s in self.segments if matrix(s) == matrices
                                     and decay(s.name, s.param) == decays],
@@ -338,20 +339,20 @@ class ZeRO:
                 values = source[s.name].reshape(-1)[s.lo:s.hi]  # stored rows: no vocab padding
                 s.flat[:len(values)].copy_(values)
 
-    def _make_buckets(self, model, params):
+    def _make_buckets(self, model, params, kept_whole):
         """Stages 0-2: buckets of about bucket_mb, last layer first, each with its gradient;
-        whole matrices (Muon, stages 1-2) in buckets of their own (beyond/muon.py)."""
-        rest, whole = params, []  # whole: (a shape's block matrices, a matrix's numel)
-        if self.whole_matrices and self.stage in (1, 2):
-            from beyond import muon
-            rest, whole = muon.whole_matrix_buckets(params, self.matrices)
+        at stages 1-2 the tensors kept whole in buckets of their own, dealt whole to ranks."""
         cap = max(1, int(self.bucket_mb * 2**20 / params[0].element_size()))
-        plans = [([rest[i] for i in indices], 1) for indices in
-                 plan_buckets([p.numel() for p in rest], cap)] if rest else []
-        buckets = []
-        for tensors, unit in plans + whole:
-            b = Bucket(tensors, self.rank, self.world_size, self.dtype, self.device,
-                       pad=self.stage >= 1, unit=unit)
+        plans = []  # (the bucket's indices into params, whole)
+        for whole in (False, True):
+            mine = [i for i, p in enumerate(params)
+                    if (self.stage in (1, 2) and id(p) in kept_whole) == whole]
+            plans += [([mine[j] for j in b], whole) for b in
+                      plan_buckets([params[i].numel() for i in mine], cap) if b]
+        buckets = []  # in the order their gradients complete: the last layer's first
+        for indices, whole in sorted(plans, key=lambda plan: -plan[0][0]):
+            b = Bucket([params[i] for i in indices], self.rank, self.world_size, self.dtype,
+                       self.device, pad=self.stage >= 1, whole=whole)
             if self.stage <= 1:
                 b.flat_grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
                 if self.grad_dtype == self.dtype:  # the parameters' .grad are views into it
@@ -419,15 +420,11 @@ class ZeRO:
         """ZeRO-2: the bucket's gradients in a temporary flat buffer that lives until its
         reduce-scatter lands (never 2Ψ held); each .grad is freed as it is copied."""
         dtype = self.reduce_dtype if self.world_size > 1 else self.dtype
-        flat = torch.empty(b.numel, dtype=dtype, device=self.device)
+        flat = torch.zeros(b.numel, dtype=dtype, device=self.device)  # the padding stays 0
         for p, offset in zip(b.params, b.offsets):
-            piece = flat[offset:offset + p.numel()]
-            if p.grad is None:  # the parameter was unused in this forward
-                piece.zero_()
-            else:
-                piece.copy_(p.grad.reshape(-1))
+            if p.grad is not None:  # else the parameter was unused in this forward
+                flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
-        flat[b.offsets[-1] + b.params[-1].numel():].zero_()  # the padding
         return flat
 
     def backward(self, loss, sync=True):

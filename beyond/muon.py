@@ -22,13 +22,20 @@ them, in the same optimizer.
 
 Why ZeRO's flat sharding breaks it: zero.py cuts every bucket into N equal element ranges,
 so a rank owns a piece of a matrix, and the orthogonal factor of a piece is not a piece of
-the orthogonal factor. The layout that fixes it (zero.py's whole-matrix buckets): the block
-matrices of one shape, L of them, go into a bucket of their own, padded with zero matrices
-to a multiple of N. Its reduce-scatter then hands every rank L/N whole matrices, summed
-over ranks; the rank orthogonalises and steps them; the all-gather publishes them. The
-traffic is ZeRO's 2Ψ (plus the padding); the momentum is sharded by whole matrices, as
-ZeRO-1/2 shard AdamW's moments by elements. Stage 0 owns every matrix on every rank. ZeRO-3
-shards every matrix for the forward too: zero3.py refuses Muon in one line.
+the orthogonal factor. The layout that fixes it (deal() below, zero.py's whole buckets): the
+block matrices go into buckets of their own, and each matrix is dealt whole into one rank's
+slice, the largest first to the least loaded rank; every slice is padded to the longest.
+The reduce-scatter then hands each rank its whole matrices, summed over ranks; the rank
+orthogonalises and steps them; the all-gather publishes them. The traffic is ZeRO's 2Ψ plus
+the padding (none when a bucket's L equal matrices are a multiple of N); the momentum is
+sharded by whole matrices, as ZeRO-1/2 shard AdamW's moments by elements. Stage 0 owns every
+matrix on every rank. ZeRO-3 shards every matrix for the forward too: zero3.py refuses.
+
+The same layout serves any optimizer whose step reads a tensor whole (optim.reads_whole):
+torch's Adafactor keeps a matrix's row and column statistics, not one per element, and scales
+each update by norms over the whole tensor, 1-D ones included. There every trainable tensor
+is dealt whole. Its cost: a tensor larger than the others of its bucket (an embedding) makes
+a slice that long on every rank, padding that the reduce-scatter and all-gather carry too.
 """
 import math
 
@@ -62,16 +69,17 @@ def block_matrices(model):
     return {id(p) for m in modules for p in m.parameters(recurse=False) if p.dim() == 2}
 
 
-def whole_matrix_buckets(params, matrices):
-    """zero.py's layout for a matrix optimizer (stages 1-2): the parameters that are not block
-    matrices, and [(the block matrices of one shape, last layer first; a matrix's numel)]:
-    each such bucket is padded to N whole matrices, so a rank owns whole ones."""
-    groups = {}
-    for p in reversed(params):
-        if id(p) in matrices:
-            groups.setdefault(tuple(p.shape), []).append(p)
-    rest = [p for p in params if id(p) not in matrices]
-    return rest, [(g, g[0].numel()) for g in groups.values()]
+def deal(numels, world_size):
+    """Whole tensors dealt to N ranks in one bucket: the largest first, each to the least
+    loaded rank (Graham's LPT schedule), every rank's slice as long as the longest, the rest
+    zero padding. Returns (each tensor's offset in the bucket, the bucket's numel). L equal
+    matrices go round robin: L/N each, padded to a multiple of N as nanochat pads its stacks."""
+    loads, where = [0] * world_size, [None] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):  # stable: ties in order
+        r = loads.index(min(loads))
+        where[i], loads[r] = (r, loads[r]), loads[r] + numels[i]
+    S = max(loads)
+    return [r * S + at for r, at in where], S * world_size
 
 
 class MuonAdamW(torch.optim.Optimizer):

@@ -17,7 +17,7 @@ import math
 import optim
 from quant import QuantizedWeight
 from machinery.activations import BYTES, activation_bytes, head_working_bytes, shapes_model
-from beyond.muon import block_matrices
+from beyond.muon import block_matrices, deal
 from zero import MAX_IN_FLIGHT, plan_buckets
 from beyond.zeropp import working_bytes
 
@@ -96,7 +96,7 @@ def frozen_buckets(cfg, dtype, quantize=None, build=None):
 
 def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, frozen_psi=0,
                       quantized_psi=0, quantize=None, frozen_layout=None, fp32_grad_accum=False,
-                      optimizer="adamw", units=None):
+                      optimizer="adamw", dealt=None):
     """Bytes of model state on one rank, as ZeRO.state_bytes() counts them at start-up.
     psi: trainable parameters (Ψ), in flat buffers of sizes `buckets` (default: one). Stages 1-3
     pad each buffer to a multiple of N, so every rank owns P/N elements (P: the padded total).
@@ -106,19 +106,22 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
     multiple of N (frozen_buckets()), or without a layout simply 1/N of them. fp32_grad_accum:
     the gradient buffer that accumulates micro-steps is fp32 (4 bytes, not 2). optimizer: its
     state bytes per parameter come from optim.STATE_BYTES (AdamW 8, SGD-momentum and Lion 4).
-    units: each buffer's padding unit (Muon's: a matrix, zero.py pads to N whole ones)."""
+    dealt: each buffer's numels, dealt whole to ranks (beyond/muon.deal) instead of cut in N."""
     E, N, buckets = BYTES[dtype], world_size, buckets or [psi]
     G = 4 if fp32_grad_accum else E  # bytes per gradient element
     assert sum(buckets) == psi, "the buckets must hold exactly psi parameters"
-    units = units or [1] * len(buckets)
-    padded = [math.ceil(n / (N * u)) * N * u if stage >= 1 else n
-              for n, u in zip(buckets, units)]
-    P = sum(padded)
-    owned = P // N if stage >= 1 else P
+    padded = [math.ceil(n / N) * N if stage >= 1 else n for n in buckets]
     real = psi
     if stage >= 1:  # optimizer state exists for real parameters only: a slice may end in padding
         real = sum(max(0, min(n, (rank + 1) * p // N) - rank * p // N)
                    for n, p in zip(buckets, padded))
+    if dealt and stage >= 1:  # whole tensors: a rank's slice holds its dealt ones, then zeros
+        layouts = [(deal(numels, N), numels) for numels in dealt]
+        padded = [numel for (_, numel), _ in layouts]
+        real = sum(n for (offsets, numel), numels in layouts for o, n in zip(offsets, numels)
+                   if o // (numel // N) == rank)
+    P = sum(padded)
+    owned = P // N if stage >= 1 else P
     frozen = E * (frozen_psi - quantized_psi) + QUANT_BYTES.get(quantize, 0) * quantized_psi
     if stage == 3 and frozen:  # sharded with its unit: each buffer padded, or simply 1/N
         frozen = (sum(math.ceil(n / N) * e for n, e in frozen_layout) if frozen_layout
@@ -134,7 +137,7 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
 def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32_grad_accum):
     """Model state under --optimizer muon (beyond/muon.py): Muon's momentum (4 bytes) for each
     block-matrix element, AdamW's moments (8) for the rest; at stages 1-2 zero.py's layout, the
-    rest in buckets of bucket_mb, each shape of block matrix padded to N whole matrices."""
+    rest and the block matrices in buckets of bucket_mb each, the matrices dealt whole."""
     model = shapes_only(cfg, build)
     mats = block_matrices(model)
     params = list(model.parameters())  # in named_parameters() order, a tied weight once
@@ -146,18 +149,14 @@ def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32
         out["optimizer"] = 8 * sum(rest) + 4 * sum(mat)
         out["total"] = sum(v for k, v in out.items() if k != "total")
         return out
-    groups = {}  # shape -> numel of its matrices, last layer first
-    for p in reversed(params):
-        if id(p) in mats:
-            groups.setdefault(tuple(p.shape), []).append(p.numel())
     cap = max(1, int(bucket_mb * 2**20 / BYTES[dtype]))
     rest_buckets = [sum(rest[i] for i in b) for b in plan_buckets(rest, cap)]
+    mat_buckets = [[mat[i] for i in b] for b in plan_buckets(mat, cap)]
     parts = [model_state_bytes(sum(rest), stage, world_size, dtype, rest_buckets, rank,
                                fp32_grad_accum=fp32_grad_accum, optimizer="adamw"),
-             model_state_bytes(sum(mat), stage, world_size, dtype,
-                               [sum(g) for g in groups.values()], rank,
-                               fp32_grad_accum=fp32_grad_accum, optimizer="muon",
-                               units=[g[0] for g in groups.values()])]
+             model_state_bytes(sum(mat), stage, world_size, dtype, list(map(sum, mat_buckets)),
+                               rank, fp32_grad_accum=fp32_grad_accum, optimizer="muon",
+                               dealt=mat_buckets)]
     return {k: parts[0][k] + parts[1][k] for k in parts[0]}
 
 

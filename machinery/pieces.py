@@ -12,7 +12,6 @@ import random
 import numpy as np
 import torch
 
-import optim
 from collectives import Traffic, all_gather_object, all_gather_params
 
 def rng_state():
@@ -55,18 +54,26 @@ def stored(shapes, name, lo, hi):
     return lo, min(hi, int(np.prod(shapes[name])))
 
 
+def state_piece(t, n):
+    """n elements of optimizer state for a piece of n elements: per-element state as it is; a
+    statistic of a whole tensor shaped otherwise (Adafactor's row and column means, only ever
+    of whole tensors: zero.py deals them whole) flat in the first elements, zeros after."""
+    flat = t.reshape(-1)
+    return flat[:n] if len(flat) >= n else torch.cat([flat, flat.new_zeros(n - len(flat))])
+
+
 def owned_pieces(zero, shapes):
     """This rank's pieces, copied to the host: {name: {"lo", "hi", "master", each optimizer state
     key}} for trainable tensors and {name: {"lo", "hi", "value"}} for frozen ones. Up to stage 2
-    the frozen tensors are whole on every rank: rank 0 owns them."""
+    the frozen tensors are whole on every rank, at stage 0 all tensors: rank 0 owns them."""
     out = {}
-    for s in zero.segments:
+    for s in zero.segments if zero.stage >= 1 or zero.rank == 0 else ():
         lo, hi = stored(shapes, s.name, s.lo, s.hi)
         if lo < hi:
             state, n = zero.opt.state[s.master], hi - lo
             out[s.name] = {"lo": lo, "hi": hi, "master": s.flat[:n].detach().cpu().clone(),
-                           **{k: state[k].reshape(-1)[:n].cpu().clone()
-                              for k in optim.state_keys(zero.opt, s.master)}}
+                           **{k: state_piece(state[k], n).cpu().clone()
+                              for k in opt_state_keys(zero.opt, s.master)}}
     if zero.stage == 3 or zero.rank == 0:
         for name, lo, hi, values in zero.frozen_pieces():
             lo, stop = stored(shapes, name, lo, hi)
@@ -99,7 +106,7 @@ def state_keys(zero):
     """{tensor name: the optimizer's per-element state keys} for every trainable tensor, as the
     optimizer made them (AdamW: exp_avg, exp_avg_sq; SGD: momentum_buffer; Muon's matrices:
     momentum_buffer), agreed by every rank: a checkpoint saves each, by key. A collective."""
-    mine = {s.name: optim.state_keys(zero.opt, s.master) for s in zero.segments}
+    mine = {s.name: opt_state_keys(zero.opt, s.master) for s in zero.segments}
     keys = {}
     for every in all_gather_object(mine, zero.world_size):
         keys.update(every)
@@ -109,7 +116,7 @@ def state_keys(zero):
 def optimizer_header(zero):
     """The optimizer's name, per-element state keys and step count, agreed by every rank (a
     rank that owns nothing but padding has neither keys nor a count)."""
-    counts = [optim.step_count(zero.opt, s.master) for s in zero.segments]
+    counts = [step_count(zero.opt, s.master) for s in zero.segments]
     every = all_gather_object(max((c for c in counts if c is not None), default=None),
                               zero.world_size)
     return {"optimizer": zero.optimizer, "state_keys": state_keys(zero),
@@ -135,7 +142,7 @@ def full_tensors(zero, shapes, keys, keys_of=None):
             for s in b.segments:
                 if has(s.name):
                     src = s.flat if key == "master" else zero.opt.state[s.master][key]
-                    owned[s.start:s.start + s.hi - s.lo] = src.reshape(-1)
+                    owned[s.start:s.start + s.hi - s.lo] = state_piece(src, s.hi - s.lo)
             with _gathered(zero, b, owned) as full:
                 if zero.rank == 0:
                     for p, offset in zip(b.params, b.offsets):
@@ -154,3 +161,21 @@ def full_tensors(zero, shapes, keys, keys_of=None):
         for t in zero.frozen:
             out[zero.names[id(t)]] = {"value": host(zero.names[id(t)], t.detach().reshape(-1))}
     return out
+
+
+def opt_state_keys(opt, param):
+    """The names of the per-element state tensors the optimizer keeps for param."""
+    return sorted(k for k, t in opt.state[param].items() if torch.is_tensor(t) and t.dim() > 0)
+
+
+def step_count(opt, param):
+    """The optimizer's step count for param (AdamW's "step"), or None if it keeps none."""
+    t = opt.state[param].get("step")
+    return None if t is None else int(t.item() if torch.is_tensor(t) else t)
+
+
+def set_step_count(opt, params, step):
+    """A resumed step count (AdamW's bias correction needs it), where the optimizer keeps one."""
+    for p in params:
+        if torch.is_tensor(opt.state[p].get("step")):
+            opt.state[p]["step"].fill_(step)

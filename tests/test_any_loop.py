@@ -47,7 +47,9 @@ def batch(step, rank=0, world_size=1):
 
 OPTIMIZERS = {"sgd": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
               "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0,
-                                         fused=False)}
+                                         fused=False),
+              # factors each matrix's statistics and scales by whole-tensor norms
+              "adafactor": functools.partial(torch.optim.Adafactor, lr=1e-2)}
 
 
 def one_process(name, world_size):
@@ -65,34 +67,99 @@ def one_process(name, world_size):
 
 
 def check_plain_loop(rank, world_size):
-    """The loop a forker writes, at every stage, with torch.optim.SGD and AdamW(fused=False):
-    equal to one process with the same optimizer, to 1e-6 (fp32)."""
-    for name in OPTIMIZERS:
+    """The loop a forker writes, at every stage, with torch.optim.SGD, AdamW(fused=False) and
+    Adafactor: equal to one process with the same optimizer, to 1e-6 (fp32). Adafactor is
+    dealt whole tensors at stages 1-2 (a bucket a tensor: rank 0 owns them all; one bucket:
+    every rank owns some), and ZeRO-3, which shards every tensor, refuses it in one line."""
+    runs = [(name, stage, 1e-4) for name in OPTIMIZERS for stage in (0, 1, 2, 3)]
+    for name, stage, bucket_mb in runs + [("adafactor", 1, 1.0), ("adafactor", 2, 1.0)]:
         want = one_process(name, world_size)
-        for stage in (0, 1, 2, 3):
-            torch.manual_seed(0)
-            model = (ToyBlocks if stage == 3 else Toy)()
-            zero = make_zero(model, stage, optimizer=OPTIMIZERS[name], weight_decay=0.0,
-                             rank=rank, world_size=world_size, bucket_mb=1e-4)
-            for step in range(STEPS):
-                model.zero_grad()  # set_to_none, PyTorch's default
-                x, y = batch(step, rank, world_size)
-                nn.functional.cross_entropy(model(x), y).backward()
-                zero.finish_backward()
-                zero.step()  # the optimizer's own lr; published before the next forward
-            if stage == 3:
-                from checkpoint import state_dict
-                full = state_dict(zero, model)
-                got = [full[n] for n, _ in model.named_parameters()] if rank == 0 else None
-            else:
-                zero.wait_published()
-                got = [p.detach() for p in model.parameters()]
-            for a, b in zip(got or [], want):
-                torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=(name, stage))
+        torch.manual_seed(0)
+        model = (ToyBlocks if stage == 3 else Toy)()
+        if name == "adafactor" and stage == 3:
+            with pytest.raises(ValueError, match="Adafactor steps each tensor whole, and ZeRO-3 shards"):
+                make_zero(model, 3, optimizer=OPTIMIZERS[name], rank=rank,
+                          world_size=world_size)
+            continue
+        zero = make_zero(model, stage, optimizer=OPTIMIZERS[name], weight_decay=0.0,
+                         rank=rank, world_size=world_size, bucket_mb=bucket_mb)
+        if name == "adafactor":  # whole tensors, and which rank owns how many
+            assert all(s.whole for s in zero.segments)
+            every = [len(zero.segments)] * world_size
+            if world_size > 1:
+                torch.distributed.all_gather_object(every, len(zero.segments))
+            owners = sum(n > 0 for n in every)
+            assert sum(every) == (8 * world_size if stage == 0 else 8)
+            assert owners == (world_size if stage == 0 or bucket_mb == 1.0 else 1), every
+        for step in range(STEPS):
+            model.zero_grad()  # set_to_none, PyTorch's default
+            x, y = batch(step, rank, world_size)
+            nn.functional.cross_entropy(model(x), y).backward()
+            zero.finish_backward()
+            zero.step()  # the optimizer's own lr; published before the next forward
+        if stage == 3:
+            from checkpoint import state_dict
+            full = state_dict(zero, model)
+            got = [full[n] for n, _ in model.named_parameters()] if rank == 0 else None
+        else:
+            zero.wait_published()
+            got = [p.detach() for p in model.parameters()]
+        for a, b in zip(got or [], want):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=(name, stage, bucket_mb))
 
 
 def test_a_plain_loop_with_torch_optimizers_equals_one_process():
     run_distributed(check_plain_loop, 2)
+
+
+def adafactor_run(stage, rank, world_size, steps, path=None, save=None):
+    """Adafactor through the engine, in one bucket (every rank owns some whole tensors), on
+    steps; restored from path first, saved in format save after. Returns the master weights."""
+    import checkpoint
+    torch.manual_seed(0)
+    model = Toy()
+    zero = make_zero(model, stage, optimizer=OPTIMIZERS["adafactor"], weight_decay=0.0,
+                     rank=rank, world_size=world_size, bucket_mb=1.0)
+    scaler, header = GradScaler(init_scale=1.0, dynamic=False), \
+        {"config": {"dtype": "fp32", "loss_scale": "none"}, "meta": {}, "model_args": {}}
+    if path:
+        checkpoint.restore(path, zero, model, scaler, {}, {}, None)
+    for step in steps:  # the global batch of 2 ranks: on one rank, all of it
+        model.zero_grad()
+        x, y = (torch.cat(t) for t in zip(*(batch(step, r, 2) for r in range(2)
+                                            if world_size == 1 or r == rank)))
+        nn.functional.cross_entropy(model(x), y).backward()
+        zero.finish_backward()
+        zero.step()
+    if save:
+        return checkpoint.save(save[0], steps[-1] + 1, zero, model, scaler, header, save[1], 1)
+    return checkpoint.state_dict(zero, model)
+
+
+def check_adafactor_resume(rank, world_size, tmp):
+    """Adafactor's per-tensor statistics (a row and a column mean a matrix, not per element)
+    survive a checkpoint: k + save + resume + k == 2k bitwise, consolidated and sharded."""
+    half = STEPS // 2
+    for stage in (0, 1, 2):
+        want = adafactor_run(stage, rank, world_size, range(STEPS))
+        for fmt in ("consolidated", "sharded"):
+            out = f"{tmp}/n{world_size}s{stage}{fmt}"
+            path = adafactor_run(stage, rank, world_size, range(half), save=(out, fmt))
+            got = adafactor_run(stage, rank, world_size, range(half, STEPS), path=path)
+            for k in want or {}:
+                assert torch.equal(want[k], got[k]), (stage, fmt, k)
+    if rank == 0:
+        torch.save(want, f"{tmp}/want.pt")
+
+
+def test_adafactor_resumes_exactly_and_on_another_world_size(tmp_path):
+    run_distributed(check_adafactor_resume, 2, str(tmp_path))
+    want = torch.load(tmp_path / "want.pt")  # 2 ranks, stage 2, STEPS steps
+    for stage in (1, 2):  # the 2-rank checkpoint, resumed by one rank at another stage
+        path = f"{tmp_path}/n2s{stage}sharded/ckpt-{STEPS // 2:07d}"
+        got = adafactor_run(3 - stage, 0, 1, range(STEPS // 2, STEPS), path=path)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=(stage, k))
 
 
 def check_set_to_none(rank, world_size):
