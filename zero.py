@@ -100,7 +100,8 @@ class NaiveZeRO:
 # The trainable parameters (a tied weight once), last layer first, in buckets of about
 # --bucket-mb: one flat tensor each, padded to N equal slices, the parameters views into it
 # (collectives want contiguous memory). Rank r owns slice r of every bucket; the padding
-# stays zero, outside norms, inf checks and checkpoints. A checkpoint saves each Segment
+# stays zero, outside norms, inf checks and checkpoints (an optimizer that reads a tensor
+# whole gets each one inside one slice: beyond/muon.py). A checkpoint saves each Segment
 # by (name, element range): a layout no world size is built into.
 
 def plan_buckets(numels, cap):
@@ -238,7 +239,7 @@ class ZeRO:
     of your own (no_sync() as DDP's); per step master_grads, clip_grad_norm_, step, publish.
     optimizer: a name, an Optimizer class or a function of the groups (optim.build);
     decay(name, param): what weight_decay applies to; master_weights: {name: fp32 tensor},
-    the full-precision values the master starts from (docs/forking.md)."""
+    the values the master starts from; whole: optim.reads_whole's answer (docs/forking.md)."""
     STAGES = (0, 1, 2)
 
     def __init__(self, model, stage, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8,

@@ -49,6 +49,8 @@ def pytest_collection_modifyitems(config, items):
     if workers < 2:
         return
     compiles = [i for i in items if i.get_closest_marker("compiles")]
+    # test_compile's first: the others' graphs are theirs (offload's) or few (selective's, FP8's)
+    compiles.sort(key=lambda i: "test_compile.py" not in i.nodeid)
     slow = [i for i in items if i.get_closest_marker("slow") and i not in compiles]
     rest = [i for i in items if i not in compiles and i not in slow]
     heads = [compiles] + [slow[k::workers - 1] for k in range(workers - 1)]
