@@ -103,9 +103,10 @@ def _gathered(zero, b, owned):
 
 
 def state_keys(zero):
-    """{tensor name: the optimizer's per-element state keys} for every trainable tensor, as the
-    optimizer made them (AdamW: exp_avg, exp_avg_sq; SGD: momentum_buffer; Muon's matrices:
-    momentum_buffer), agreed by every rank: a checkpoint saves each, by key. A collective."""
+    """{tensor name: the optimizer's state keys} for every trainable tensor, as the optimizer
+    made them (AdamW: exp_avg, exp_avg_sq; SGD and Muon's matrices: momentum_buffer;
+    Adafactor's matrices: row_var, col_var), agreed by every rank: a checkpoint saves each, by
+    key (state_piece). A collective."""
     mine = {s.name: opt_state_keys(zero.opt, s.master) for s in zero.segments}
     keys = {}
     for every in all_gather_object(mine, zero.world_size):
@@ -164,7 +165,7 @@ def full_tensors(zero, shapes, keys, keys_of=None):
 
 
 def opt_state_keys(opt, param):
-    """The names of the per-element state tensors the optimizer keeps for param."""
+    """The names of the state tensors the optimizer keeps for param (not its scalar step)."""
     return sorted(k for k, t in opt.state[param].items() if torch.is_tensor(t) and t.dim() > 0)
 
 
