@@ -83,23 +83,19 @@ ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim
                torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD, Lion)
 
 
-def reads_whole(optimizer):
+def reads_whole(optimizer, whole=None):
     """What the optimizer must be handed whole, not as flat pieces (zero.py): "matrices"
     (Muon's orthogonalised block matrices), "tensors" (a class not known to be elementwise:
     torch's Adafactor factors a matrix's statistics and scales by its norms), or None. A
-    function of the groups is taken as elementwise: ZeRO(..., whole="tensors") if it is not."""
+    function of the groups is taken as elementwise unless `whole` (ZeRO's) says otherwise."""
+    if whole not in (None, False, "matrices", "tensors"):
+        raise ValueError(f'whole={whole!r}: use "matrices", "tensors", or False (elementwise)')
     cls = getattr(optimizer, "func", optimizer)  # functools.partial(torch.optim.SGD, ...)
+    if whole is not None:
+        return whole or None
     if optimizer == "muon" or getattr(cls, "needs_whole_matrices", False):
         return "matrices"
-    if isinstance(cls, type) and not issubclass(cls, ELEMENTWISE):
-        return "tensors"
-    return None
-
-
-def check_name(name):
-    """--optimizer: a ValueError, one line, before any work, for a name build() lacks."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"--optimizer {name}: use one of {', '.join(OPTIMIZERS)}")
+    return "tensors" if isinstance(cls, type) and not issubclass(cls, ELEMENTWISE) else None
 
 
 def skip_on_host(opt):

@@ -278,7 +278,7 @@ class ZeRO:
             getattr(getattr(optimizer, "func", optimizer), "__name__", "custom")  # a partial's
         # an optimizer that reads a tensor whole gets whole ones at every stage, a rank owning
         # whole tensors: "matrices" (Muon's block matrices), "tensors" (all: Adafactor's)
-        self.whole = optim.reads_whole(optimizer) if whole is None else whole
+        self.whole = optim.reads_whole(optimizer, whole)
         self.matrices = set()  # Muon's block matrices, stepped in groups of their own
         if self.whole == "matrices":
             from beyond import muon

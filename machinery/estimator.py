@@ -10,7 +10,7 @@ from configurator import ConfigError, grad_accum_for, parse_zeropp
 from machinery.flags import config_from, load_preset, make_parser
 from lora import parse_targets
 from machinery.footprint import estimate
-from machinery.validate import BOUNDS, check_model_args
+from machinery.validate import BOUNDS, check_model_args, check_optimizer
 import model as model_py  # model.GPT when called: a fork's edit of it is estimated
 from model import GPTConfig
 
@@ -151,7 +151,7 @@ def parse_flags(argv):
                               f"[1, {most:g}]")
     tc = config_from(a)
     try:
-        optim.check_name(tc.optimizer)
+        check_optimizer(tc.optimizer)
     except ValueError as e:
         raise ConfigError(str(e))
     if tc.quantize == "int8":

@@ -484,12 +484,18 @@ def check_declarations(cls, cfg):
                          f"{DECLARATIONS[missing[0]]} (see docs/forking.md)")
 
 
+def check_optimizer(name):
+    """--optimizer: a ValueError, one line, before any work, for a name optim.build() lacks."""
+    if name not in optim.OPTIMIZERS:
+        raise ValueError(f"--optimizer {name}: use one of {', '.join(optim.OPTIMIZERS)}")
+
+
 def check_run(cfg, model_class, device):
     """What a run's flags ask of the device, the optimizer and the model class, checked before
     any work: a ConfigError, one line. Returns the working dtype."""
     try:
         check_declarations(model_class, cfg)  # a fork's model: what the flags read off it
-        optim.check_name(cfg.optimizer)
+        check_optimizer(cfg.optimizer)
         if cfg.lora:  # names of the model's declared LINEARS
             parse_targets(cfg.lora_targets, model_class.LINEARS)
         return resolve_dtype(cfg.dtype, device)

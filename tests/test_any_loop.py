@@ -251,6 +251,17 @@ def test_zero3_without_blocks_is_one_line():
         make_zero(Toy(), 3)
 
 
+def test_whole_is_read_or_refused_in_one_line():
+    """whole= overrides what the optimizer's class says; a misspelt value is refused."""
+    with pytest.raises(ValueError, match='whole=\'tensor\': use "matrices", "tensors", or False'):
+        ZeRO(Toy(), 1, whole="tensor")
+    assert ZeRO(Toy(), 1, optimizer=torch.optim.Adafactor).whole == "tensors"  # by its class
+    assert ZeRO(Toy(), 1, optimizer=torch.optim.Adafactor, whole=False).whole is None
+    assert ZeRO(Toy(), 1, optimizer=OPTIMIZERS["sgd"]).whole is None  # a partial: its class
+    assert ZeRO(Toy(), 1, optimizer=lambda g: torch.optim.SGD(g, lr=0.1),
+                whole="tensors").whole == "tensors"
+
+
 @pytest.mark.parametrize("fresh", [True, False])
 def test_the_fp32_master_starts_at_the_fp32_values(fresh, tmp_path):
     """--bf16 from the fp32 init, and --init-from X --bf16 with X's fp32 weights: the master
