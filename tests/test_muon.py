@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import checkpoint
-from beyond.muon import newton_schulz
+from beyond.muon import deal, newton_schulz
 from conftest import make_zero, run_distributed, zero_step
 from data.loader import get_batch
 from machinery.footprint import estimate
@@ -34,6 +34,13 @@ def test_newton_schulz_orthogonalises():
         G = U @ torch.diag(torch.logspace(-1.3, 0, min(shape))) @ V  # singular values 0.05-1
         s = torch.linalg.svdvals(newton_schulz(G))
         assert 0.6 < s.min() and s.max() < 1.25, (shape, s)  # all directions about equal
+
+
+def test_deal_gives_each_rank_whole_tensors_largest_first():
+    offsets, numel = deal([4, 4, 3, 1], 2)  # 4 -> rank 0, 4 -> 1, 3 -> 0 (7), 1 -> 1 (5)
+    assert (offsets, numel) == ([0, 7, 4, 11], 14)  # slices of 7: rank 1's padded by 2
+    assert deal([5, 5, 5], 2) == ([0, 10, 5], 20)  # equal matrices round robin, one of padding
+    assert deal([6], 4) == ([0], 24)  # a lone tensor: N times its size
 
 
 def make_model():
