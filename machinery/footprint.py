@@ -143,12 +143,6 @@ def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32
     params = list(model.parameters())  # in named_parameters() order, a tied weight once
     rest = [p.numel() for p in params if id(p) not in mats]
     mat = [p.numel() for p in params if id(p) in mats]
-    if stage == 0:  # every rank owns everything, unpadded: only K differs by element
-        out = model_state_bytes(sum(rest) + sum(mat), 0, world_size, dtype,
-                                fp32_grad_accum=fp32_grad_accum)
-        out["optimizer"] = 8 * sum(rest) + 4 * sum(mat)
-        out["total"] = sum(v for k, v in out.items() if k != "total")
-        return out
     cap = max(1, int(bucket_mb * 2**20 / BYTES[dtype]))
     rest_buckets = [sum(rest[i] for i in b) for b in plan_buckets(rest, cap)]
     mat_buckets = [[mat[i] for i in b] for b in plan_buckets(mat, cap)]
