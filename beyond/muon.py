@@ -72,8 +72,9 @@ def block_matrices(model):
 def deal(numels, world_size):
     """Whole tensors dealt to N ranks in one bucket: the largest first, each to the least
     loaded rank (Graham 1969's LPT: its longest slice within 4/3 of the shortest possible),
-    every rank's slice as long as the longest, the rest zero padding. Returns (each tensor's offset in the bucket, the bucket's numel). L equal
-    matrices go round robin: L/N each, padded to a multiple of N as nanochat pads its stacks."""
+    every slice as long as the longest, the rest zero padding. Returns (each tensor's offset
+    in the bucket, the bucket's numel). L equal matrices go round robin: L/N each, padded to
+    a multiple of N as nanochat pads its stacks."""
     loads, where = [0] * world_size, [None] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: -numels[i]):  # stable: ties in order
         r = loads.index(min(loads))
