@@ -88,13 +88,13 @@ def reads_whole(optimizer, whole=None):
     (Muon's orthogonalised block matrices), "tensors" (a class not known to be elementwise:
     torch's Adafactor factors a matrix's statistics and scales by its norms), or None. A
     function of the groups is taken as elementwise unless `whole` (ZeRO's) says otherwise."""
-    if whole not in (None, False, "matrices", "tensors"):
-        raise ValueError(f'whole={whole!r}: use "matrices", "tensors", or False (elementwise)')
     cls = getattr(optimizer, "func", optimizer)  # functools.partial(torch.optim.SGD, ...)
-    if whole is not None:
-        return whole or None
-    if optimizer == "muon" or getattr(cls, "needs_whole_matrices", False):
-        return "matrices"
+    muon = optimizer == "muon" or getattr(cls, "needs_whole_matrices", False)
+    allowed = (None, "matrices") + (() if muon else ("tensors", False))  # False: elementwise
+    if whole not in allowed:
+        raise ValueError(f"whole={whole!r}: use one of {allowed}" + (" with Muon" * muon))
+    if whole is not None or muon:
+        return whole or ("matrices" if muon else None)
     return "tensors" if isinstance(cls, type) and not issubclass(cls, ELEMENTWISE) else None
 
 

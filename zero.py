@@ -344,14 +344,16 @@ class ZeRO:
         """Stages 0-2: buckets of about bucket_mb, last layer first, each with its gradient;
         at stages 1-2 the tensors kept whole in buckets of their own, dealt whole to ranks."""
         cap = max(1, int(self.bucket_mb * 2**20 / params[0].element_size()))
-        plans = []  # (the bucket's indices into params, whole)
-        for whole in (False, True):
-            mine = [i for i, p in enumerate(params)
-                    if (self.stage in (1, 2) and id(p) in kept_whole) == whole]
-            plans += [([mine[j] for j in b], whole) for b in
-                      plan_buckets([params[i].numel() for i in mine], cap) if b]
-        buckets = []  # in the order their gradients complete: the last layer's first
-        for indices, whole in sorted(plans, key=lambda plan: -plan[0][0]):
+        kept = [i for i, p in enumerate(params) if self.stage in (1, 2) and id(p) in kept_whole]
+        rest = sorted(set(range(len(params))) - set(kept))
+        plans = [([rest[j] for j in b], False) for b in
+                 plan_buckets([params[i].numel() for i in rest], cap) if b]
+        if kept:  # (beyond/muon.py) of one shape together, dealt whole to the ranks
+            from beyond.muon import plan_whole
+            plans += [([kept[j] for j in b], True) for b in
+                      plan_whole([params[i].shape for i in kept], cap, self.world_size)]
+        buckets = []  # in the order they complete: a bucket's first parameter's gradient last
+        for indices, whole in sorted(plans, key=lambda plan: -min(plan[0])):
             b = Bucket([params[i] for i in indices], self.rank, self.world_size, self.dtype,
                        self.device, pad=self.stage >= 1, whole=whole)
             if self.stage <= 1:

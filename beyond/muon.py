@@ -23,11 +23,11 @@ them, in the same optimizer.
 Why ZeRO's flat sharding breaks it: zero.py cuts every bucket into N equal element ranges,
 so a rank owns a piece of a matrix, and the orthogonal factor of a piece is not a piece of
 the orthogonal factor. The layout that fixes it (deal() below, zero.py's whole buckets): the
-block matrices go into buckets of their own, and each matrix is dealt whole into one rank's
-slice, the largest first to the least loaded rank; every slice is padded to the longest.
+block matrices go into buckets of their own, those of one shape together, and each matrix
+is dealt whole into one rank's slice (plan_whole, deal); every slice is padded to the longest.
 The reduce-scatter then hands each rank its whole matrices, summed over ranks; the rank
 orthogonalises and steps them; the all-gather publishes them. The traffic is ZeRO's 2Ψ plus
-the padding (none when a bucket's L equal matrices are a multiple of N); the momentum is
+the padding (none when N divides a shape's number of matrices); the momentum is
 sharded by whole matrices, as ZeRO-1/2 shard AdamW's moments by elements. Stage 0 owns every
 matrix on every rank. ZeRO-3 shards every matrix for the forward too: zero3.py refuses.
 
@@ -67,6 +67,23 @@ def block_matrices(model):
     modules = [m for blk in blocks for m in blk.modules()] if blocks is not None else \
         [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     return {id(p) for m in modules for p in m.parameters(recurse=False) if p.dim() == 2}
+
+
+def plan_whole(shapes, cap, world_size):
+    """Buckets of tensors kept whole, as lists of indices into shapes: those of one shape
+    together (nanochat's stacks), last layer first, N or a multiple of N of them a bucket
+    (up to cap elements): a shape's L matrices then need padding only when N does not
+    divide L. Each bucket is dealt() whole to the ranks."""
+    groups = {}
+    for i, shape in enumerate(shapes):
+        groups.setdefault(tuple(shape), []).append(i)
+    buckets = []
+    for indices in groups.values():
+        numel = math.prod(shapes[indices[0]])
+        per = max(1, cap // (world_size * max(1, numel))) * world_size  # tensors a bucket
+        last_first = indices[::-1]
+        buckets += [last_first[j:j + per] for j in range(0, len(last_first), per)]
+    return buckets
 
 
 def deal(numels, world_size):

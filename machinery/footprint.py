@@ -17,7 +17,7 @@ import math
 import optim
 from quant import QuantizedWeight
 from machinery.activations import BYTES, activation_bytes, head_working_bytes, shapes_model
-from beyond.muon import block_matrices, deal
+from beyond.muon import block_matrices, deal, plan_whole
 from zero import MAX_IN_FLIGHT, plan_buckets
 from beyond.zeropp import working_bytes
 
@@ -137,18 +137,19 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
 def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32_grad_accum):
     """Model state under --optimizer muon (beyond/muon.py): Muon's momentum (4 bytes) for each
     block-matrix element, AdamW's moments (8) for the rest; at stages 1-2 zero.py's layout, the
-    rest and the block matrices in buckets of bucket_mb each, the matrices dealt whole."""
+    rest in buckets of bucket_mb, the block matrices as plan_whole() puts them, dealt whole."""
     model = shapes_only(cfg, build)
     mats = block_matrices(model)
     params = list(model.parameters())  # in named_parameters() order, a tied weight once
     rest = [p.numel() for p in params if id(p) not in mats]
-    mat = [p.numel() for p in params if id(p) in mats]
+    mat = [p.shape for p in params if id(p) in mats]
     cap = max(1, int(bucket_mb * 2**20 / BYTES[dtype]))
     rest_buckets = [sum(rest[i] for i in b) for b in plan_buckets(rest, cap)]
-    mat_buckets = [[mat[i] for i in b] for b in plan_buckets(mat, cap)]
+    mat_buckets = [[math.prod(mat[i]) for i in b] for b in plan_whole(mat, cap, world_size)]
+    mat_sizes = [sum(b) for b in mat_buckets]
     parts = [model_state_bytes(sum(rest), stage, world_size, dtype, rest_buckets, rank,
                                fp32_grad_accum=fp32_grad_accum, optimizer="adamw"),
-             model_state_bytes(sum(mat), stage, world_size, dtype, list(map(sum, mat_buckets)),
+             model_state_bytes(sum(mat_sizes), stage, world_size, dtype, mat_sizes,
                                rank, fp32_grad_accum=fp32_grad_accum, optimizer="muon",
                                dealt=mat_buckets)]
     return {k: parts[0][k] + parts[1][k] for k in parts[0]}

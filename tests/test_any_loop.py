@@ -69,8 +69,8 @@ def one_process(name, world_size):
 def check_plain_loop(rank, world_size):
     """The loop a forker writes, at every stage, with torch.optim.SGD, AdamW(fused=False) and
     Adafactor: equal to one process with the same optimizer, to 1e-6 (fp32). Adafactor is
-    dealt whole tensors at stages 1-2 (a bucket a tensor: rank 0 owns them all; one bucket:
-    every rank owns some), and ZeRO-3, which shards every tensor, refuses it in one line."""
+    dealt whole tensors at stages 1-2 (tensors of a shape N a bucket, or all in one; either
+    way every rank owns some), and ZeRO-3, which shards every tensor, refuses it in one line."""
     runs = [(name, stage, 1e-4) for name in OPTIMIZERS for stage in (0, 1, 2, 3)]
     for name, stage, bucket_mb in runs + [("adafactor", 1, 1.0), ("adafactor", 2, 1.0)]:
         want = one_process(name, world_size)
@@ -90,7 +90,7 @@ def check_plain_loop(rank, world_size):
                 torch.distributed.all_gather_object(every, len(zero.segments))
             owners = sum(n > 0 for n in every)
             assert sum(every) == (8 * world_size if stage == 0 else 8)
-            assert owners == (world_size if stage == 0 or bucket_mb == 1.0 else 1), every
+            assert owners == world_size, every
         for step in range(STEPS):
             model.zero_grad()  # set_to_none, PyTorch's default
             x, y = batch(step, rank, world_size)
@@ -253,8 +253,10 @@ def test_zero3_without_blocks_is_one_line():
 
 def test_whole_is_read_or_refused_in_one_line():
     """whole= overrides what the optimizer's class says; a misspelt value is refused."""
-    with pytest.raises(ValueError, match='whole=\'tensor\': use "matrices", "tensors", or False'):
+    with pytest.raises(ValueError, match="whole='tensor': use one of \\(None, 'matrices', "):
         ZeRO(Toy(), 1, whole="tensor")
+    with pytest.raises(ValueError, match="whole=False: use one of .* with Muon"):
+        ZeRO(Toy(), 1, optimizer="muon", whole=False)  # it would run AdamW alone
     assert ZeRO(Toy(), 1, optimizer=torch.optim.Adafactor).whole == "tensors"  # by its class
     assert ZeRO(Toy(), 1, optimizer=torch.optim.Adafactor, whole=False).whole is None
     assert ZeRO(Toy(), 1, optimizer=OPTIMIZERS["sgd"]).whole is None  # a partial: its class
