@@ -43,6 +43,21 @@ def test_deal_gives_each_rank_whole_tensors_largest_first():
     assert deal([6], 4) == ([0], 24)  # a lone tensor: N times its size
 
 
+def test_matrix_buckets_launch_during_backward():
+    """ZeRO-2 launches each bucket once its gradients are in, buckets in the order they complete:
+    Muon's matrix buckets start while backward goes on (they all waited for the embeddings)."""
+    model = make_model()
+    zero = make_zero(model, 2, bucket_mb=0.002, optimizer="muon")
+    arrived, launches, reduce = [0], [], zero._reduce
+    for p in model.parameters():  # after the engine's own hook
+        p.register_post_accumulate_grad_hook(lambda p: arrived.__setitem__(0, arrived[0] + 1))
+    zero._reduce = lambda b: (launches.append(arrived[0]), reduce(b))
+    x, y = get_batch(DATA, SEED, 0, 0, 0, 1, B, T, 1)
+    zero.backward(model(x, y)[1])
+    total = sum(1 for _ in model.parameters())
+    assert len(launches) == len(zero.buckets) > 4 and launches[0] <= total // 4, launches
+
+
 def make_model():
     torch.manual_seed(0)
     return GPT(GPTConfig(**CFG))
@@ -75,6 +90,8 @@ def _runs(rank, world_size, tmp):
             if world_size > 1:
                 torch.distributed.all_gather_object(every, mine)
             assert len(set.union(*every)) == sum(map(len, every)) == 2 * 4  # no matrix twice
+            held = [b for b in zero.buckets if id(b.params[0]) in zero.matrices]
+            assert all(b.numel == sum(p.numel() for p in b.params) for b in held)  # N | L
             assert all(zero.opt.state[s.master]["momentum_buffer"].shape == s.param.shape
                        for s in mats)
         train(model, zero, range(STEPS), rank, world_size, scaler)
