@@ -93,8 +93,8 @@ def reads_whole(optimizer, whole=None):
     allowed = (None, "matrices") + (() if muon else ("tensors", False))  # False: elementwise
     if whole not in allowed:
         raise ValueError(f"whole={whole!r}: use one of {allowed}" + (" with Muon" * muon))
-    if whole is not None or muon:
-        return whole or ("matrices" if muon else None)
+    if muon or whole is not None:  # Muon: its matrices; else as asked, False: elementwise
+        return "matrices" if muon else whole or None
     return "tensors" if isinstance(cls, type) and not issubclass(cls, ELEMENTWISE) else None
 
 

@@ -171,6 +171,8 @@ class Bucket:
         if whole:  # each tensor inside one rank's slice (beyond/muon.py: whole tensors)
             from beyond.muon import deal
             self.offsets, self.numel = deal(numels, world_size)
+        ends = sorted((o, o + n) for o, n in zip(self.offsets, numels))
+        self.gaps = [(e, s) for (_, e), (s, _) in zip(ends, ends[1:] + [(self.numel, 0)]) if e < s]
         shard = self.numel // world_size if pad else self.numel
         self.lo, self.hi = (rank * shard, (rank + 1) * shard) if pad else (0, self.numel)
         self.flat = torch.zeros(self.numel, dtype=dtype, device=device)
@@ -276,15 +278,13 @@ class ZeRO:
         self.reduce_dtype = reduce_dtype or self.dtype
         self.optimizer = optimizer if isinstance(optimizer, str) else \
             getattr(getattr(optimizer, "func", optimizer), "__name__", "custom")  # a partial's
-        # an optimizer that reads a tensor whole gets whole ones at every stage, a rank owning
-        # whole tensors: "matrices" (Muon's block matrices), "tensors" (all: Adafactor's)
+        # what the optimizer steps whole, a rank owning whole ones: Muon's matrices, Adafactor's all
         self.whole = optim.reads_whole(optimizer, whole)
         self.matrices = set()  # Muon's block matrices, stepped in groups of their own
         if self.whole == "matrices":
             from beyond import muon
             self.matrices = muon.block_matrices(model)
-        kept_whole = {id(p) for _, p in named} if self.whole == "tensors" else self.matrices
-        self.buckets = self._make_buckets(model, [p for _, p in named], kept_whole)  # (1) pack
+        self.buckets = self._make_buckets(model, [p for _, p in named])  # (1) pack
         # where each trainable parameter lives: its bucket, its offset in the flat buffer
         self.where = {id(p): (b, offset) for b in self.buckets
                       for p, offset in zip(b.params, b.offsets)}
@@ -340,11 +340,12 @@ class ZeRO:
                 values = source[s.name].reshape(-1)[s.lo:s.hi]  # stored rows: no vocab padding
                 s.flat[:len(values)].copy_(values)
 
-    def _make_buckets(self, model, params, kept_whole):
+    def _make_buckets(self, model, params):
         """Stages 0-2: buckets of about bucket_mb, last layer first, each with its gradient;
         at stages 1-2 the tensors kept whole in buckets of their own, dealt whole to ranks."""
         cap = max(1, int(self.bucket_mb * 2**20 / params[0].element_size()))
-        kept = [i for i, p in enumerate(params) if self.stage in (1, 2) and id(p) in kept_whole]
+        kept = [i for i, p in enumerate(params) if self.stage in (1, 2) and
+                (self.whole == "tensors" or id(p) in self.matrices)]
         rest = sorted(set(range(len(params))) - set(kept))
         plans = [([rest[j] for j in b], False) for b in
                  plan_buckets([params[i].numel() for i in rest], cap) if b]
@@ -423,9 +424,12 @@ class ZeRO:
         """ZeRO-2: the bucket's gradients in a temporary flat buffer that lives until its
         reduce-scatter lands (never 2Ψ held); each .grad is freed as it is copied."""
         dtype = self.reduce_dtype if self.world_size > 1 else self.dtype
-        flat = torch.zeros(b.numel, dtype=dtype, device=self.device)  # the padding stays 0
+        flat = torch.empty(b.numel, dtype=dtype, device=self.device)
+        unused = [(o, o + p.numel()) for p, o in zip(b.params, b.offsets) if p.grad is None]
+        for lo, hi in b.gaps + unused:  # the padding, and parameters unused in this forward
+            flat[lo:hi].zero_()
         for p, offset in zip(b.params, b.offsets):
-            if p.grad is not None:  # else the parameter was unused in this forward
+            if p.grad is not None:
                 flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
         return flat

@@ -76,7 +76,7 @@ class ZeRO3(ZeRO):
         super().__init__(model, stage, **kwargs)
         self.frozen = []  # now in the units' frozen buckets, sharded like everything else
 
-    def _make_buckets(self, model, params, kept_whole):
+    def _make_buckets(self, model, params):
         """(1) shard: one unit per block, then the root. Returns the trainable buckets in the
         order their gradients complete: last block first, the root (the tied embedding's
         gradient comes last) at the end."""
@@ -88,8 +88,7 @@ class ZeRO3(ZeRO):
         if self.whole:
             what = "block matrix" if self.whole == "matrices" else "tensor"
             raise ValueError(f"{self.optimizer} steps each {what} whole, and ZeRO-3 shards every "
-                             "tensor over the ranks: use ZeRO stage 0-2, which give each rank "
-                             "whole ones")
+                             "tensor over the ranks: use stage 0-2, whole ones per rank")
         in_blocks = {id(t) for blk in blocks for t in list(blk.parameters()) + list(blk.buffers())}
         self.units = [self._make_unit(blk, lambda t: True) for blk in blocks]
         self.root = self._make_unit(model, lambda t: id(t) not in in_blocks, root=True)

@@ -110,16 +110,15 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
     E, N, buckets = BYTES[dtype], world_size, buckets or [psi]
     G = 4 if fp32_grad_accum else E  # bytes per gradient element
     assert sum(buckets) == psi, "the buckets must hold exactly psi parameters"
-    padded = [math.ceil(n / N) * N if stage >= 1 else n for n in buckets]
-    real = psi
-    if stage >= 1:  # optimizer state exists for real parameters only: a slice may end in padding
-        real = sum(max(0, min(n, (rank + 1) * p // N) - rank * p // N)
-                   for n, p in zip(buckets, padded))
+    padded, real = [math.ceil(n / N) * N if stage >= 1 else n for n in buckets], psi
     if dealt and stage >= 1:  # whole tensors: a rank's slice holds its dealt ones, then zeros
         layouts = [(deal(numels, N), numels) for numels in dealt]
         padded = [numel for (_, numel), _ in layouts]
         real = sum(n for (offsets, numel), numels in layouts for o, n in zip(offsets, numels)
                    if o // (numel // N) == rank)
+    elif stage >= 1:  # optimizer state exists for real parameters only: a slice may end in padding
+        real = sum(max(0, min(n, (rank + 1) * p // N) - rank * p // N)
+                   for n, p in zip(buckets, padded))
     P = sum(padded)
     owned = P // N if stage >= 1 else P
     frozen = E * (frozen_psi - quantized_psi) + QUANT_BYTES.get(quantize, 0) * quantized_psi
