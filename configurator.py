@@ -153,8 +153,9 @@ class TrainConfig:
     offload_activations: bool = opt(False, "CUDA: keep the tensors saved for backward in "
                                            "pinned host memory (a no-op on a CPU)")
     compile: bool = opt(False, "torch.compile each block's forward and the loss head")
-    chunked_loss: bool = opt(True, "the loss head's fp32 softmax a chunk of rows at a time "
-                                   "(beyond/chunked_loss.py); off: model.py's plain head")
+    chunked_loss: bool = opt(False, "the loss head's fp32 softmax a chunk of rows at a time "
+                                    "(beyond/chunked_loss.py; pays at a 50k vocabulary: "
+                                    "config/gpt2_124m.py sets it); off: model.py's plain head")
     bucket_mb: float = opt(25.0, "gradient bucket size in MiB for overlapped communication",
                            check="(0, 2**20]")
     peak_tflops: float = opt(0.0, "peak TFLOP/s per device for MFU; 0 = look the GPU up",

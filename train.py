@@ -28,14 +28,14 @@ import torch.distributed as dist
 
 import checkpoint
 from checkpoint import CheckpointError
-from configurator import ConfigError, grad_accum_for
-from machinery.flags import keep_schedule, parse_args
+from configurator import ConfigError, TrainConfig, grad_accum_for
+from machinery.flags import parse_args
 from data.loader import Batches, estimate_loss, load_data
 from lora import apply_lora
 from machinery import adapters, lifecycle, report, rundir, validate
 from machinery.rundir import RunDirError
 from model import GPT, GPTConfig
-from precision import DTYPES, GradScaler, grad_zero_frac, set_tf32
+from precision import DTYPES, GradScaler, grad_zero_frac, resolve_dtype, set_tf32
 from quant import quantize_base
 from zero import ZeRO
 from zero3 import ZeRO3
@@ -73,6 +73,75 @@ def get_lr(it, cfg):
     ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
     coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
     return cfg.min_lr + coeff * (cfg.learning_rate - cfg.min_lr)
+
+
+def fit_schedule(cfg):
+    """A short run decays over its own length: --lr-decay-iters follows --max-iters unless a
+    preset or a flag sets it, and the warm-up is cut to a tenth of the run (nanoGPT's 2,000
+    warm-up steps would be a 50-step run's whole life). cfg.explicit: what a flag or preset set."""
+    if "lr_decay_iters" not in cfg.explicit and "max_iters" in cfg.explicit:
+        cfg.lr_decay_iters = cfg.max_iters
+        if "warmup_iters" not in cfg.explicit:
+            cfg.warmup_iters = min(TrainConfig.warmup_iters, cfg.max_iters // 10)
+    return cfg
+
+
+def keep_schedule(cfg, saved):
+    """On resume, the saved run's schedule wins over what fit_schedule derived for this one: a
+    resumed run is the run it continues, only a flag or preset that sets a schedule setting
+    changes it. Returns the line that says which schedule runs."""
+    changed = []
+    for key in validate.SCHEDULE:  # get_lr's settings
+        if key in saved and key not in cfg.explicit:
+            setattr(cfg, key, saved[key])
+        elif key in saved and saved[key] != getattr(cfg, key):
+            changed.append(f"--{key.replace('_', '-')} {saved[key]:g} -> {getattr(cfg, key):g}")
+    past = (f", then {cfg.min_lr:.2e} to --max-iters {cfg.max_iters}"
+            if cfg.max_iters > cfg.lr_decay_iters else "")
+    return (f"schedule: warmup {cfg.warmup_iters:g}, cosine {cfg.learning_rate:.2e} -> "
+            f"{cfg.min_lr:.2e} by iteration {cfg.lr_decay_iters:g}{past} ("
+            + (f"changed: {', '.join(changed)})" if changed else "the checkpoint's; a schedule "
+               "flag changes it)"))
+
+
+# ----------------------------------------------------------------------------------------------
+# the training step: the lecture, in its order
+
+def train_step(model, zero, scaler, cfg, next_batch, grad_accum, lr, on_grads=None):
+    """One optimizer step on grad_accum micro-batches (next_batch() -> x, y). Nothing in it
+    waits for the device. on_grads(grads): called with this rank's fp32 master gradients
+    before they are unscaled (the loop measures fp16's underflow there on logged steps).
+    Returns (the loss summed over micro-steps, found_inf, the gradient norm, on_grads' value):
+    device tensors."""
+    loss_sum = torch.zeros((), device=zero.device)
+    for micro in range(grad_accum):
+        x, y = next_batch()
+        _, loss = model(x, y)
+        loss = loss / grad_accum  # the gradient of the mean over micro-steps
+        loss_sum += loss.detach()
+        # backward of the scaled loss; each gradient bucket's collective is launched as
+        # soon as the bucket is complete (all-reduce / reduce-scatter, by stage)
+        zero.backward(scaler.scale(loss), sync=micro == grad_accum - 1)
+    found_inf, grad_norm, measured = update(zero, scaler, lr, cfg.grad_clip, on_grads)
+    if cfg.fp8:  # delayed scaling: this step's amaxes (MAX over ranks) join the history
+        from beyond import fp8
+        fp8.end_step(model)
+    return loss_sum, found_inf, grad_norm, measured
+
+
+def update(zero, scaler, lr, grad_clip, on_grads=None):
+    """After backward: the step's second half, the part a loop of its own around ZeRO calls
+    after its own backward (the tests do). Returns (found_inf, grad_norm, on_grads' value)."""
+    grads = zero.master_grads()  # this rank's gradient slice -> fp32 master gradient
+    measured = on_grads(grads) if on_grads else None
+    found_inf = scaler.unscale_(grads)  # divide by the loss scale; an inf/NaN anywhere?
+    grad_norm = zero.clip_grad_norm_(grad_clip)  # global norm over every rank's slice
+    zero.step(lr, found_inf)  # the optimizer on this rank's fp32 slice (skipped on an
+    # inf/NaN); the gradient buffers then start the next step from zero
+    zero.publish(wait=False)  # fp32 master -> weights (stages 1-2: all-gathers,
+    # waited for bucket by bucket in the next forward's pre-hooks: they overlap it)
+    scaler.update(found_inf)  # halve the scale after an overflow, grow it after a run
+    return found_inf, grad_norm, measured
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,12 +271,16 @@ def compile_model(model):
 
 @rundir.releasing_locks  # out_dir's lock is released however the run ends
 def main(argv=None):
-    cfg = parse_args(argv)
+    cfg = fit_schedule(parse_args(argv))
     rank, world_size, device = init_distributed(cfg)
     print0 = print if rank == 0 else (lambda *a, **k: None)
     # before any work: the memory it needs, then out_dir's lock and history (one run a folder)
     rundir.claim(cfg, rank, world_size, print0, lambda: lifecycle.check_memory(cfg, device))
-    dtype = validate.check_run(cfg, GPT, device)  # what the flags ask of device and model
+    validate.check_run(cfg, GPT)  # what the flags ask of the model class and the optimizer
+    try:  # the working dtype of weights and gradients; bf16 where the device has it natively
+        dtype = resolve_dtype(cfg.dtype, device)
+    except ValueError as e:
+        raise ConfigError(str(e))
     # --init-from: weights of ours (init) or a Hugging Face GPT-2 (init_hf), whose
     # config.json sets the model flags not given, and the vocabulary the data must be in
     init = init_hf = base_meta = None
@@ -232,8 +305,6 @@ def main(argv=None):
         pretrained.init_trained(init, cfg, zero, model)
     print0(f"model: {model.num_params(non_embedding=False):,} parameters, "
            f"{zero.psi:,} trainable")
-    if cfg.fp8:
-        from beyond import fp8
 
     # resume: read and check everything before touching any file of the run
     start_it, ckpt, note = resume(cfg, zero, model, scaler, gptconf, meta, print0)
@@ -269,29 +340,13 @@ def main(argv=None):
         logging = it % cfg.log_interval == 0 or it == cfg.max_iters - 1
         log.new_step()  # count this step's collectives
         if cfg.fp8:  # count the casts' underflow and saturation on logged steps
+            from beyond import fp8
             fp8.measure(model, logging)
 
-        # ---- the training step: the lecture, in its order -----------------------------------
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(grad_accum):
-            x, y = batches.next()
-            _, loss = model(x, y)
-            loss = loss / grad_accum  # the gradient of the mean over micro-steps
-            loss_sum += loss.detach()
-            # backward of the scaled loss; each gradient bucket's collective is launched as
-            # soon as the bucket is complete (all-reduce / reduce-scatter, by stage)
-            zero.backward(scaler.scale(loss), sync=micro == grad_accum - 1)
-        grads = zero.master_grads()  # this rank's gradient slice -> fp32 master gradient
-        zero_frac = grad_zero_frac(grads) if logging else None  # fp16 underflow: zeros
-        found_inf = scaler.unscale_(grads)  # divide by the loss scale; an inf/NaN anywhere?
-        grad_norm = zero.clip_grad_norm_(cfg.grad_clip)  # global norm over every rank's slice
-        zero.step(lr, found_inf)  # the optimizer on this rank's fp32 slice (skipped on an
-        # inf/NaN); the gradient buffers then start the next step from zero
-        zero.publish(wait=False)  # fp32 master -> weights (stages 1-2: all-gathers,
-        # waited for bucket by bucket in the next forward's pre-hooks: they overlap it)
-        scaler.update(found_inf)  # halve the scale after an overflow, grow it after a run
-        if cfg.fp8:  # delayed scaling: this step's amaxes (MAX over ranks) join the history
-            fp8.end_step(model)
+        # ---- the training step (above): the lecture, in its order --------------------------
+        loss_sum, found_inf, grad_norm, zero_frac = train_step(
+            model, zero, scaler, cfg, batches.next, grad_accum, lr,
+            grad_zero_frac if logging else None)  # fp16 underflow: zeros, on logged steps
         # ---- everything after this is logging and saving -----------------------------------
 
         if logging:  # the only steps that wait for the device

@@ -27,10 +27,9 @@ from configurator import TrainConfig
 from data import loader
 from data.loader import get_batch
 from machinery import rundir
-from machinery.meter import saved_activation_bytes
+from machinery.meter import measure_next_forward, saved_activation_bytes
 from precision import DTYPES, set_tf32
-from train import build
-from train import get_lr
+from train import build, get_lr, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS_MD = os.path.join(ROOT, "BENCHMARKS.md")
@@ -258,22 +257,13 @@ def plain_step(model, opt, cfg, x, y, lr, amp=None, act=None):
 
 def our_step(model, zero, scaler, cfg, x, y, lr, act=None):
     """One step of train.py's loop as it runs on a step it does not log, with one micro-step:
-    the same calls in the same order (tests/test_bench.py holds the two to the same losses).
+    train.train_step itself. act: a list to add the bytes the forward saved for backward to.
     Returns (the loss, found_inf) as device tensors: nothing here waits for the device."""
     zero.traffic = Traffic()  # count this step's collectives
-    loss_sum = torch.zeros((), device=x.device)
-    with saved_activation_bytes(model, act) if act is not None else nullcontext():
-        _, loss = model(x, y)
-    loss_sum += loss.detach()
-    zero.backward(scaler.scale(loss), sync=True)
-    grads = zero.master_grads()
-    found_inf = scaler.unscale_(grads)
-    zero.clip_grad_norm_(cfg.grad_clip)
-    zero.step(lr, found_inf)
-    zero.publish(wait=False)  # as train.py: the next forward waits for each bucket
-    scaler.update(found_inf)
-    zero.zero_grad()
-    return loss_sum, found_inf
+    if act is not None:
+        measure_next_forward(model, lambda nbytes, moved: act.__setitem__(0, act[0] + nbytes))
+    loss, found_inf, _, _ = train_step(model, zero, scaler, cfg, lambda: (x, y), 1, lr)
+    return loss, found_inf
 
 
 class OurRun:

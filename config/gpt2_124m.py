@@ -23,3 +23,4 @@ weight_decay = 0.1
 eval_interval = 1000
 eval_iters = 200
 log_interval = 10
+chunked_loss = True  # 16 x 1024 tokens x 50,304 columns: no fp32 logits of the whole batch

@@ -14,7 +14,6 @@ import os
 from dataclasses import fields
 
 from configurator import ROOT, ConfigError, TrainConfig, check_config
-from machinery.validate import SCHEDULE
 
 
 def load_preset(path):
@@ -113,37 +112,12 @@ def config_from(args):
             if args.dtype not in (None, short):
                 raise ConfigError(f"--{short} conflicts with --dtype {args.dtype}: pick one")
             values["dtype"] = short
-    given = frozenset(values)  # a preset's or a flag's, not derived below
-    # a short run decays over its own length: --lr-decay-iters follows --max-iters unless a
-    # preset or a flag sets it, and warm-up is cut to fit inside it
-    if "lr_decay_iters" not in values and "max_iters" in values:
-        values["lr_decay_iters"] = values["max_iters"]
-        if "warmup_iters" not in values:
-            values["warmup_iters"] = min(TrainConfig.warmup_iters, values["max_iters"] // 10)
+    given = frozenset(values)  # a preset's or a flag's: train.fit_schedule derives the rest
     cfg = TrainConfig(**values)
     # the fields a preset or a flag set: --init-from a Hugging Face model takes the model's
     # shape from its config.json, and must know a flag that contradicts it from a default; a
-    # resume keeps the checkpoint's schedule unless one is given (keep_schedule)
+    # short run's schedule follows --max-iters, a resume keeps the checkpoint's unless one is
+    # given (train.fit_schedule, train.keep_schedule)
     cfg.explicit = given
     check_config(cfg)
     return cfg
-
-
-def keep_schedule(cfg, saved):
-    """On resume, the learning-rate schedule of the saved run's config (validate.SCHEDULE) wins
-    over what this run derived (--lr-decay-iters and --warmup-iters follow --max-iters): only a
-    flag or preset that sets one changes it. Returns the line that says which schedule runs."""
-    changed = []
-    for key in SCHEDULE:
-        if key in saved and key not in cfg.explicit:
-            setattr(cfg, key, saved[key])
-        elif key in saved and saved[key] != getattr(cfg, key):
-            changed.append(f"--{key.replace('_', '-')} {saved[key]:g} -> {getattr(cfg, key):g}")
-    past = (f", then {cfg.min_lr:.2e} to --max-iters {cfg.max_iters}"
-            if cfg.max_iters > cfg.lr_decay_iters else "")
-    return (f"schedule: warmup {cfg.warmup_iters:g}, cosine {cfg.learning_rate:.2e} -> "
-            f"{cfg.min_lr:.2e} by iteration {cfg.lr_decay_iters:g}{past} ("
-            + (f"changed: {', '.join(changed)})" if changed else "the checkpoint's; a schedule "
-               "flag changes it)"))
-
-

@@ -27,7 +27,6 @@ import optim
 from configurator import ConfigError
 from lora import TARGETS, parse_targets
 from model import GPTConfig
-from precision import resolve_dtype
 
 # the largest model a config or header may describe: GPT-2 xl is 48 x 1600 over 1024 positions
 # and 50257 tokens; these leave ample room and still build in seconds, never minutes
@@ -490,14 +489,13 @@ def check_optimizer(name):
         raise ValueError(f"--optimizer {name}: use one of {', '.join(optim.OPTIMIZERS)}")
 
 
-def check_run(cfg, model_class, device):
-    """What a run's flags ask of the device, the optimizer and the model class, checked before
-    any work: a ConfigError, one line. Returns the working dtype."""
+def check_run(cfg, model_class):
+    """What a run's flags ask of the optimizer and the model class, checked before any work: a
+    ConfigError, one line."""
     try:
         check_declarations(model_class, cfg)  # a fork's model: what the flags read off it
         check_optimizer(cfg.optimizer)
         if cfg.lora:  # names of the model's declared LINEARS
             parse_targets(cfg.lora_targets, model_class.LINEARS)
-        return resolve_dtype(cfg.dtype, device)
     except ValueError as e:
         raise ConfigError(str(e))

@@ -167,15 +167,11 @@ def make_zero(model, stage, **kwargs):
 
 
 def zero_step(zero, scaler, lr, clip):
-    """What train.py's loop does after backward, in its order. Returns (grad_norm, skipped)
-    as Python values (the loop reads them only on logged steps)."""
-    grads = zero.master_grads()
-    found_inf = scaler.unscale_(grads)
-    norm = zero.clip_grad_norm_(clip)
-    zero.step(lr, found_inf)
-    zero.publish()
-    scaler.update(found_inf)
-    zero.zero_grad()
+    """What train.py's loop does after backward (train.update), its weights then published.
+    Returns (grad_norm, skipped) as Python values (the loop reads them only on logged steps)."""
+    from train import update
+    found_inf, norm, _ = update(zero, scaler, lr, clip)
+    zero.wait_published()  # the tests read the weights right after the step
     return norm.item(), bool(found_inf.item())
 
 

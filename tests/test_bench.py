@@ -147,7 +147,7 @@ def test_our_step_is_train_py_step(data_root, tmp_path, dtype):
     from data.prepare import load_meta
     from precision import DTYPES
     from train import build
-    from train import get_lr, main
+    from train import fit_schedule, get_lr, main
     argv = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
             "--batch-size", "4", "--eval-iters", "1", "--eval-interval", "100", "--max-iters", "4",
             "--log-interval", "1", "--warmup-iters", "2", "--learning-rate", "3e-3",
@@ -156,7 +156,7 @@ def test_our_step_is_train_py_step(data_root, tmp_path, dtype):
     main(argv)
     with open(tmp_path / "metrics.jsonl") as f:
         logged = [r["loss"] for r in map(json.loads, f) if "loss" in r]
-    cfg = parse_args(argv)
+    cfg = fit_schedule(parse_args(argv))
     folder = os.path.join(data_root, "tiny")
     data = np.memmap(os.path.join(folder, "train.bin"), dtype=np.uint16, mode="r")
     vocab = load_meta(folder)["vocab_size"]

@@ -46,11 +46,13 @@ def test_help_shows_defaults_choices_and_sections():
 
 
 def test_max_iters_alone_sets_the_decay_and_presets_keep_theirs():
-    cfg = parse_args(["--max-iters", "50"])
+    from train import fit_schedule
+    cfg = fit_schedule(parse_args(["--max-iters", "50"]))
     assert cfg.lr_decay_iters == 50 and cfg.warmup_iters <= 5
-    cfg = parse_args(["--max-iters", "50", "--lr-decay-iters", "400", "--warmup-iters", "30"])
+    cfg = fit_schedule(parse_args(["--max-iters", "50", "--lr-decay-iters", "400",
+                                   "--warmup-iters", "30"]))
     assert (cfg.lr_decay_iters, cfg.warmup_iters) == (400, 30)
-    cfg = parse_args(["--config", "config/gpt2_124m.py", "--max-iters", "100"])
+    cfg = fit_schedule(parse_args(["--config", "config/gpt2_124m.py", "--max-iters", "100"]))
     assert cfg.lr_decay_iters == 600000  # the preset sets its own schedule
 
 

@@ -206,13 +206,13 @@ def test_advise_prints_a_command_train_py_accepts(capsys):
     assert cmd.startswith("torchrun --nproc_per_node=8 train.py ") and cmd in out
     cfg = parse_args(shlex.split(cmd.split("train.py", 1)[1]))  # flags that exist, values that parse
     assert (cfg.zero, cfg.dtype, cfg.n_layer) == (2, "bf16", 12) and cfg.batch_size > 12
-    # does not fit one GPU (20 B/parameter, broken down), but ZeRO-2 does, at micro-batch 5:
-    # its 16-bit weights fit whole, for the traffic of data parallelism (the lecture's
-    # flowchart jumped to ZeRO-3, which fits 6 for 3x the bytes a micro-step)
+    # does not fit one GPU (20 B/parameter, broken down), but ZeRO-2 does, at micro-batch 4
+    # with model.py's plain loss head (5 with --chunked-loss): its 16-bit weights fit whole,
+    # for the traffic of data parallelism (the lecture's flowchart jumped to ZeRO-3)
     cmd = main(["--params", "7e9", "--world-size", "8", "--gpu-mem", "80GB", "--advise"])
     out = capsys.readouterr().out
     cfg = parse_args(shlex.split(cmd.split("train.py", 1)[1]))
-    assert (cfg.zero, cfg.batch_size, cfg.dtype) == (2, 5, "bf16")
+    assert (cfg.zero, cfg.batch_size, cfg.dtype) == (2, 4, "bf16")
     assert ("= weights 14.00 + gradients 14.00 + master and optimizer 84.00: 16 B/parameter, "
             "the lecture's; + 28.00 in the optimizer step") in out and ": 20 B/parameter" in out
     assert "3. ZeRO-2 on 8 GPUs" in out and "4. ZeRO-3 on 8 GPUs" in out
