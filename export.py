@@ -13,7 +13,7 @@ import sys
 
 from checkpoint import CheckpointError
 from configurator import ConfigError
-from machinery.flags import OneLineParser
+from configurator import OneLineParser
 from machinery.exporter import ExportError, export
 from machinery.hf import HFError
 from precision import DTYPES

@@ -23,7 +23,7 @@ import torch
 
 from configurator import ConfigError
 
-from machinery.flags import OneLineParser
+from configurator import OneLineParser
 from data.prepare import DataError, get_codec
 from lora import merge_lora
 from machinery import pretrained

@@ -28,12 +28,10 @@ import torch.distributed as dist
 
 import checkpoint
 from checkpoint import CheckpointError
-from configurator import ConfigError, TrainConfig, grad_accum_for
-from machinery.flags import parse_args
+from configurator import SCHEDULE, ConfigError, TrainConfig, grad_accum_for, parse_args
 from data.loader import Batches, estimate_loss, load_data
 from lora import apply_lora
-from machinery import adapters, lifecycle, report, rundir, validate
-from machinery.rundir import RunDirError
+from machinery import lifecycle, report  # the run's guards; its numbers, measured
 from model import GPT, GPTConfig
 from precision import DTYPES, GradScaler, grad_zero_frac, resolve_dtype, set_tf32
 from quant import quantize_base
@@ -91,7 +89,7 @@ def keep_schedule(cfg, saved):
     resumed run is the run it continues, only a flag or preset that sets a schedule setting
     changes it. Returns the line that says which schedule runs."""
     changed = []
-    for key in validate.SCHEDULE:  # get_lr's settings
+    for key in SCHEDULE:
         if key in saved and key not in cfg.explicit:
             setattr(cfg, key, saved[key])
         elif key in saved and saved[key] != getattr(cfg, key):
@@ -179,7 +177,11 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
             except ValueError as e:
                 raise ConfigError(f"--init-from does not fit this model: {e}")
         # an adapter file names its base: the weights before LoRA and quantization
-        model.base_id = adapters.base_fingerprint(model) if cfg.lora else None
+        if cfg.lora:
+            from machinery import adapters
+            model.base_id = adapters.base_fingerprint(model)
+        else:
+            model.base_id = None
         source = init_weights if init_weights is not None else model.state_dict()
         model = model.to(device=device, dtype=dtype)
     # 2. LoRA before ZeRO: ZeRO packs what requires grad when it is built, so only the
@@ -269,14 +271,14 @@ def compile_model(model):
 
 # ----------------------------------------------------------------------------------------------
 
-@rundir.releasing_locks  # out_dir's lock is released however the run ends
+@lifecycle.releasing_locks  # out_dir's lock is released however the run ends
 def main(argv=None):
     cfg = fit_schedule(parse_args(argv))
     rank, world_size, device = init_distributed(cfg)
     print0 = print if rank == 0 else (lambda *a, **k: None)
-    # before any work: the memory it needs, then out_dir's lock and history (one run a folder)
-    rundir.claim(cfg, rank, world_size, print0, lambda: lifecycle.check_memory(cfg, device))
-    validate.check_run(cfg, GPT)  # what the flags ask of the model class and the optimizer
+    # before any work: what the flags ask of the model, the memory it needs, then out_dir's
+    # lock and history (one run a folder)
+    lifecycle.start(cfg, GPT, rank, world_size, device, print0)
     try:  # the working dtype of weights and gradients; bf16 where the device has it natively
         dtype = resolve_dtype(cfg.dtype, device)
     except ValueError as e:
@@ -314,7 +316,7 @@ def main(argv=None):
         print0(f"the run is already at iteration {start_it} (--max-iters {cfg.max_iters}): "
                "nothing to train; raise --max-iters to go on")
         return lifecycle.finish(model, zero, world_size)
-    metrics = rundir.Metrics(cfg.out_dir, rank == 0, print0)  # appended to, never truncated
+    metrics = lifecycle.Metrics(cfg.out_dir, rank == 0, print0)  # appended to, never truncated
     if ckpt:
         metrics.log({"event": "resume", "from": ckpt, "iter": start_it, "note": note})
     report.start(cfg, model, zero, metrics, print0)  # model state measured vs the paper's
@@ -365,9 +367,9 @@ def main(argv=None):
     if not stopped:  # the final checkpoint (a signal's was just written)
         save(cfg, it, zero, model, scaler, header, print0)
     if cfg.lora:  # the adapter alone: kilobytes
+        from machinery import adapters
         adapters.save_run_adapter(cfg.out_dir, zero, model, meta, print0)
-    rundir.release_locks()  # before finish's barrier: the run has written its last byte
-    lifecycle.finish(model, zero, world_size)
+    lifecycle.finish(model, zero, world_size)  # out_dir's lock released, the ranks leave together
 
 
 def resume(cfg, zero, model, scaler, gptconf, meta, print0):
@@ -398,4 +400,4 @@ def save(cfg, it, zero, model, scaler, header, print0):
 
 
 if __name__ == "__main__":
-    lifecycle.run_main(main, "train.py", (ConfigError, CheckpointError, RunDirError))
+    lifecycle.run_main(main, "train.py", (ConfigError, CheckpointError, lifecycle.RunDirError))

@@ -27,7 +27,7 @@ import torch
 from bench.common import (Stopwatch, batch, comma_list, command, load_data, parser, report,
                           run_train, table)
 from configurator import TrainConfig
-from machinery.flags import load_preset
+from configurator import load_preset
 from precision import DTYPES
 from train import build
 

@@ -38,7 +38,7 @@ from bench.common import (OurRun, PlainRun, Stopwatch, adamw, adamw_settings, co
                           cpu_units, decay_groups, load_data, paired_ratio, parser, report, table,
                           time_block)
 from configurator import TrainConfig
-from machinery.flags import load_preset
+from configurator import load_preset
 from lora import parse_targets
 from machinery.footprint import estimate
 from model import GPT

@@ -28,7 +28,7 @@ import torch
 from bench.common import (OurRun, PlainRun, Stopwatch, adamw, comma_list, command, default_device,
                           parser, report, spread, table, time_block)
 from configurator import TrainConfig
-from machinery.flags import load_preset
+from configurator import load_preset
 from model import GPT
 from machinery.report import peak_flops
 from precision import resolve_dtype

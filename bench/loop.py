@@ -28,7 +28,7 @@ from bench.common import (OurRun, PlainRun, Stopwatch, adamw, command, cpu_units
                           load_data, paired_ratio, parser, report, run_train, spread, table,
                           time_block)
 from configurator import TrainConfig
-from machinery.flags import load_preset
+from configurator import load_preset
 from model import GPT
 from precision import DTYPES, resolve_dtype
 from train import model_config

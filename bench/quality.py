@@ -25,7 +25,7 @@ import torch
 from bench.common import (Stopwatch, adamw, comma_list, command, parser, plain_step, report,
                           run_train, table)
 from configurator import ConfigError, TrainConfig
-from machinery.flags import load_preset
+from configurator import load_preset
 from model import GPT
 from data.loader import get_batch, load_data
 from train import model_config

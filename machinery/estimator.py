@@ -7,7 +7,7 @@ from dataclasses import asdict, replace
 
 import optim
 from configurator import ConfigError, grad_accum_for, parse_zeropp
-from machinery.flags import config_from, load_preset, make_parser
+from configurator import config_from, load_preset, make_parser
 from lora import parse_targets
 from machinery.footprint import estimate
 from machinery.validate import BOUNDS, check_model_args, check_optimizer

@@ -20,6 +20,9 @@ import torch
 import torch.distributed as dist
 
 from configurator import ConfigError
+from machinery import rundir, validate
+# train.py's, through this module: the run's metrics.jsonl and its folder's lock
+from machinery.rundir import Metrics, RunDirError, releasing_locks
 
 
 @torch.no_grad()
@@ -97,11 +100,21 @@ def inject_nan(model, step, rank, world_size, grad_accum, start_it):
     model.register_forward_hook(hook)
 
 
+def start(cfg, model_class, rank, world_size, device, print0):
+    """Before any work: what the flags ask of the model class and the optimizer, the memory the
+    run needs, then out_dir's lock and history (one run a folder): a ConfigError, one line,
+    the same on every rank."""
+    validate.check_run(cfg, model_class)
+    rundir.claim(cfg, rank, world_size, print0, lambda: check_memory(cfg, device))
+
+
 def finish(model, zero, world_size):
-    """Free the model, ZeRO's buffers and their finished collectives while the process
-    group exists (freed at interpreter exit instead, gloo can abort the process), then leave
-    together: a gloo rank that tears down while a peer still saves can abort
-    ("terminate called without an active exception")."""
+    """The run has written its last byte: out_dir's lock released (before the barrier: a
+    rank that waits there holds nothing). Then free the model, ZeRO's buffers and their
+    finished collectives while the process group exists (freed at interpreter exit instead,
+    gloo can abort the process), then leave together: a gloo rank that tears down while a
+    peer still saves can abort ("terminate called without an active exception")."""
+    rundir.release_locks()
     del model, zero
     gc.collect()
     if world_size > 1:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import optim
-from configurator import ConfigError
+from configurator import SCHEDULE, ConfigError
 from lora import TARGETS, parse_targets
 from model import GPTConfig
 
@@ -224,7 +224,6 @@ def _check_scaler(s):
 
 
 # the run's schedule in a header's config: numbers >= 0 where present (a resume keeps them)
-SCHEDULE = ("learning_rate", "min_lr", "warmup_iters", "lr_decay_iters")
 
 
 def check_header(h):

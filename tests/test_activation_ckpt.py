@@ -16,7 +16,7 @@ from beyond.activation_dial import Policy, policy
 from beyond.offload import Offload, install_offload
 from machinery.activations import activation_bytes
 from configurator import ConfigError, TrainConfig
-from machinery.flags import parse_args
+from configurator import parse_args
 from conftest import make_zero, run_distributed, run_train, zero_step
 from memory import advise, estimate
 from machinery.estimator import parse_bytes, shape_for

@@ -268,7 +268,7 @@ def test_whole_is_read_or_refused_in_one_line():
 def test_the_fp32_master_starts_at_the_fp32_values(fresh, tmp_path):
     """--bf16 from the fp32 init, and --init-from X --bf16 with X's fp32 weights: the master
     holds the fp32 values, not their bf16 rounding (which loses up to 2^-9 relative)."""
-    from machinery.flags import parse_args
+    from configurator import parse_args
     from model import GPT
     from train import build, model_config
     cfg = parse_args(["--bf16", "--n-layer", "2", "--n-embd", "32", "--n-head", "2",

@@ -143,7 +143,7 @@ def test_write_section_keeps_the_prose_around_the_markers(tmp_path):
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_our_step_is_train_py_step(data_root, tmp_path, dtype):
     """common.our_step is what train.py's loop runs on a step: the same losses, to the bit."""
-    from machinery.flags import parse_args
+    from configurator import parse_args
     from data.prepare import load_meta
     from precision import DTYPES
     from train import build

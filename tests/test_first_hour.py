@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import ROOT, run_train
-from machinery.flags import parse_args
+from configurator import parse_args
 from memory import main as memory_main
 
 

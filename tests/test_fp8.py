@@ -11,7 +11,7 @@ import torch
 
 from beyond import fp8
 from configurator import ConfigError, TrainConfig
-from machinery.flags import parse_args
+from configurator import parse_args
 from conftest import ROOT, run_distributed, run_train, zero_step
 from train import build
 

@@ -147,7 +147,7 @@ def test_train_py_leans_on_at_most_two_machinery_modules():
 def test_a_default_run_builds_nothing_from_beyond():
     """train.build at the default flags (and at --zero 2 --bf16): every module it loads is the
     lecture's. beyond/ is reached only when a flag asks (test_the_core_reaches_beyond_only_...)."""
-    code = ("import sys, torch, train; from machinery.flags import parse_args; "
+    code = ("import sys, torch, train; from configurator import parse_args; "
             "from precision import DTYPES\n"
             "for argv in ([], ['--zero', '2', '--bf16']):\n"
             "    cfg = parse_args(argv + ['--n-layer', '1', '--n-embd', '16', '--n-head', '2',"
@@ -221,7 +221,7 @@ def commands(text):
 def flags_of(script):
     """The option strings a script's parser knows."""
     if script == "train.py":
-        from machinery.flags import make_parser
+        from configurator import make_parser
         return set(make_parser()._option_string_actions)
     out = io.StringIO()  # main(["--help"]) in this process: no second start of Python and torch
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):

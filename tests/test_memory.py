@@ -11,7 +11,7 @@ import torch
 import lora
 import memory
 from machinery import estimator
-from machinery.flags import parse_args
+from configurator import parse_args
 from conftest import make_zero, run_distributed
 from machinery.activations import BYTES, activation_bytes
 from machinery.footprint import bucket_sizes, estimate, model_state_bytes, param_count, param_numels

@@ -28,7 +28,7 @@ import sample
 from checkpoint import Reader, list_checkpoints
 from conftest import ROOT, TEXT, run_train
 from configurator import ConfigError
-from machinery.flags import parse_args
+from configurator import parse_args
 from model import GPT, GPTConfig
 from data.loader import get_batch
 from train import build

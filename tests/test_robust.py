@@ -27,7 +27,7 @@ from checkpoint import CheckpointError, Reader, list_checkpoints
 from conftest import ROOT
 from configurator import ConfigError
 from machinery import adapters, ckpt_reader, hf, lifecycle, rundir, validate
-from machinery.flags import parse_args
+from configurator import parse_args
 from machinery.rundir import RunDirError
 from model import GPT, GPTConfig
 from precision import GradScaler

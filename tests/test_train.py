@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from checkpoint import Reader, list_checkpoints
 from conftest import ROOT, free_port, run_train
 from configurator import ConfigError
-from machinery.flags import parse_args
+from configurator import parse_args
 from data.loader import get_batch
 from train import main
 

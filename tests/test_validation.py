@@ -27,7 +27,7 @@ import sample
 from machinery import validate
 from checkpoint import CheckpointError, Reader, list_checkpoints
 from configurator import ConfigError
-from machinery.flags import parse_args
+from configurator import parse_args
 from conftest import ROOT, TEXT, free_port, make_zero
 from data.prepare import prepare
 from machinery.adapters import AdapterError

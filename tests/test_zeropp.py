@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import configurator
-from machinery import flags
+import configurator as flags
 from machinery import footprint
 from beyond import zeropp
 from collectives import Traffic, all_gather_params
