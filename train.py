@@ -4,8 +4,8 @@ Train a GPT with our own data parallelism / ZeRO and mixed precision.
 Read it top to bottom, as nanoGPT's train.py:
   1. distributed init: one process per GPU (or gloo processes on a CPU)
   2. build(): the model, LoRA, ZeRO and the loss scaler, each where it must come
-  3. main(): the data, a resume, then the loop: the training step in the
-     lecture's order, fenced off from the logging and saving after it
+  3. train_step(): the training step in the lecture's order, nothing else in it
+  4. main(): the data, a resume, then the loop: a train_step, then the logging and saving
 
 The configuration (every flag, the presets) is configurator.py.
 

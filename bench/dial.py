@@ -4,7 +4,7 @@ Activation memory as a dial: what each --grad-ckpt setting saves and what it cos
 bench.costs's rows (our ZeRO stage, each set up by train.build) for every setting in --ckpt,
 timed in alternating rounds (each round builds every setting afresh in a rotated order), each
 beside the same stage without checkpointing: the activations saved for backward per micro-step
-(model.saved_activation_bytes, beside memory.py's estimate), the step time (paired by round:
+(meter.saved_activation_bytes, beside memory.py's estimate), the step time (paired by round:
 a round slow for everyone cancels out) and their ratio, MiB saved per 1% of step time paid.
 The CPU demo model on one process by default; on GPUs bench.costs's GPU model.
 

@@ -9,7 +9,7 @@ of rows at a time. Each runs one forward and backward of the head alone (LM head
 bf16) in a fresh process, on the same inputs, and reports:
 
   saved     bytes autograd keeps for backward (every saved tensor's storage once, the weight
-            left out): what model.saved_activation_bytes counts in train.py
+            left out): what meter.saved_activation_bytes counts in train.py
   peak      the process's peak resident memory during forward + backward, less what it held
             just before (inputs allocated, one warm-up run done): the working set at its peak
   ms        the wall time of one forward + backward

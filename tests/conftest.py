@@ -33,7 +33,7 @@ STRICT_WARNINGS = [
     "error::DeprecationWarning",
     # torch's own inductor imports a module that still uses torch.jit.script_method
     "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning",
-    # torch 2.13's dynamo instantiates a custom autograd.Function (loss.py's) while tracing it
+    # torch 2.13's dynamo instantiates a custom autograd.Function (beyond/chunked_loss.py's) while tracing it
     "ignore:<class 'torch.autograd.function.Function'> should not be instantiated"
     ":DeprecationWarning",
 ]

@@ -1,4 +1,4 @@
-"""activation_ckpt.py: the dial's flags, losses and gradients equal to no checkpointing (bitwise in
+"""beyond/activation_dial.py: the dial's flags, losses and gradients equal to no checkpointing (bitwise in
 fp32) for every policy and K under ZeRO 0-3 and LoRA, memory.py's activation estimate equal to
 the bytes measured for each, the ordering a learner should see (none > selective > every-K >
 full), --advise trying the least checkpointing first, the offload hooks' logic on a CPU with a

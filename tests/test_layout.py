@@ -186,8 +186,8 @@ def test_no_import_cycle():
 # ----------------------------------------------------------------------------------------------
 # no drift: every command and every `module.function` the text names exists
 
-EXTERNAL = {"pytest", "venv", "pip", "torch.distributed.run"}  # python -m of other packages
-OTHERS = {"setup.py"}  # files of other projects the text names
+EXTERNAL = {"pytest", "venv", "pip", "torch.distributed.run"}  # other packages' -m modules
+OTHERS = {"setup.py", "sz.py", "functional.py"}  # files of other projects the text names
 SUFFIXES = {"bin", "json", "jsonl", "pt", "md", "txt", "safetensors", "png", "tmp"}
 
 
@@ -197,12 +197,18 @@ def placeholder(name):
 SCRIPTS = ("train.py", "memory.py", "sample.py", "export.py", "data/prepare.py")
 
 
+FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+
+
 def texts():
-    """(where, text) of the README, docs/ and every docstring and comment of the project."""
-    out = [(f, read(f)) for f in ["README.md", "BENCHMARKS.md"] + tracked("docs/*.md")]
+    """(where, text) of the README, docs/ and every docstring and comment of the project, the
+    benchmarks' and the tests' too; a Markdown file's fenced code blocks apart, as code
+    (`where` ends in ":code"): a name in them needs no backticks to be checked."""
+    out = []
+    for f in ["README.md", "BENCHMARKS.md"] + tracked("docs/*.md"):
+        text = read(f)
+        out += [(f, FENCE.sub("", text)), (f + ":code", "\n".join(FENCE.findall(text)))]
     for f in tracked():
-        if f.startswith("tests/"):  # their docstrings name the files they make
-            continue
         out.append((f, "\n".join(t.string for t in tokenize.generate_tokens(
             io.StringIO(read(f)).readline) if t.type in (tokenize.STRING, tokenize.COMMENT))))
     return out
@@ -272,6 +278,9 @@ def tiny_zero():
 
 
 INSTANCES = {"model": tiny_gpt, "zero": tiny_zero}  # `model.grad_ckpt`: an object's attribute
+# attributes a flag sets on the model after it is built, where that flag's code says so
+SET_LATER = {"model.offload": "beyond/offload.install_offload",
+             "model.base_id": "train.build, --lora", "model.lora_settings": "lora.apply_lora"}
 
 
 def resolves(obj, attrs):
@@ -283,14 +292,16 @@ def resolves(obj, attrs):
 
 
 def test_every_module_function_the_text_names_exists():
-    """`module.attr[.attr]` in backticks anywhere, and in docstrings and comments without
-    them unless the module's name is also a common variable's (model.grad_ckpt); a bare
-    `name.py` must be a file of ours."""
+    """`module.attr[.attr]` in backticks in prose, bare in fenced code blocks, docstrings and
+    comments (there a common variable's name, model.grad_ckpt, is resolved on a GPT or a
+    ZeRO, or skipped); a bare `name.py` must be a file of ours."""
     files = {os.path.basename(f) for f in tracked()} | {f for f in tracked()}
     bad = []
     for where, text in texts():
-        prose = not where.endswith(".py")
-        for m in re.finditer(r"(?<![\w./])((?:machinery|beyond)/)?(\w+)\.py\b", text):
+        prose = not where.endswith((".py", ":code"))
+        # a bare `name.py`: a file of ours (the tests' name the files they make: not checked)
+        for m in re.finditer(r"(?<![\w./])((?:machinery|beyond)/)?(\w+)\.py\b",
+                             "" if where.startswith("tests/") else text):
             name = (m.group(1) or "") + m.group(2) + ".py"
             if name not in files | OTHERS and not placeholder(name):
                 bad.append(f"{where}: {name}")
@@ -299,7 +310,9 @@ def test_every_module_function_the_text_names_exists():
         for m in re.finditer(pattern, text):
             first, *attrs = m.group(1).split(".")
             if first not in MODULES or attrs[0] == "py" or attrs[0] in SUFFIXES \
-                    or (not prose and first in VARIABLES):
+                    or (where.endswith(".py") and first in VARIABLES and first not in INSTANCES):
+                continue
+            if m.group(1) in SET_LATER:
                 continue
             if not resolves(importlib.import_module(MODULES[first]), attrs) and not (
                     first in INSTANCES and resolves(INSTANCES[first](), attrs)):

@@ -218,7 +218,7 @@ def test_padded_vocabulary_changes_nothing_but_speed():
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_chunked_loss_head_equals_the_textbook_head(monkeypatch, fused):
-    """loss.py's cross-entropy (fp32 softmax a chunk of rows at a time, the padded columns out)
+    """beyond/chunked_loss.py's cross-entropy (fp32 softmax a chunk of rows at a time, the padded columns out)
     against the textbook head (slice, fp32 copy, F.cross_entropy) in fp32: the loss and both
     gradients to 1e-6, with several chunks and an ignored target; no gradient reaches the
     padded rows of the head. fused: CUDA's path (one-pass softmax kernels, here in fp32, where
