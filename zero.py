@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
+import torch.distributed as dist
 
 import optim
 from collectives import (Traffic, all_gather_params, all_reduce_grads, all_reduce_sum,
                          gather_group, reduce_scatter_grads)
-from machinery import lifecycle
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,6 +135,23 @@ def frozen_tensors(module, keep=lambda t: True):
                                  "nn.Parameter")
             frozen.append(b)
     return frozen
+
+
+@torch.no_grad()
+def check_same_weights(tensors, world_size, group=None):
+    """Every rank must start from the same weights: ZeRO would otherwise mix them, shard by
+    shard. One all-gather of each tensor's sum and sum of squares (float64); a mismatch is one
+    line, on every rank."""
+    if world_size == 1 or not tensors:
+        return
+    mine = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()])
+                        for t in tensors]).reshape(-1)
+    every = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine, group=group)
+    bad = [r for r, theirs in enumerate(every) if not torch.equal(theirs, every[0])]
+    if bad:
+        raise ValueError(f"rank {bad[0]} holds other initial weights than rank 0: build the "
+                         "model alike on every rank (the same torch.manual_seed before it)")
 
 
 @dataclass
@@ -264,7 +281,7 @@ class ZeRO:
             self.names.setdefault(id(t), n)
         self.gathered_bytes = self.peak_gathered_bytes = 0  # full buffers gathered now / at most
         self.frozen = frozen_tensors(model)  # model state too: counted by state_bytes()
-        lifecycle.check_same_weights([p for _, p in named] + self.frozen, world_size, group)
+        check_same_weights([p for _, p in named] + self.frozen, world_size, group)
         self.dtype, self.device = named[0][1].dtype, named[0][1].device
         self.psi = sum(p.numel() for _, p in named)  # Ψ, each weight counted once
         self.frozen_numel = sum(t.numel() for t in self.frozen)

@@ -1,7 +1,6 @@
 """
 Guards how a run starts and ends: signals, agreed stops, one-line errors, a clean teardown.
 
-  - every rank starts from the same weights, or is refused in one line
   - SIGTERM (a preemption) or Ctrl-C asks every rank to finish its step, save and exit 0
   - a run whose every step overflows stops, with the reason, before it saves NaN weights
   - --nan-at makes one rank's loss NaN at one step: the lesson in skipped steps
@@ -20,23 +19,6 @@ import torch
 import torch.distributed as dist
 
 from configurator import ConfigError
-
-
-@torch.no_grad()
-def check_same_weights(tensors, world_size, group=None):
-    """Every rank must start from the same weights: ZeRO would otherwise mix them, shard by
-    shard. One all-gather of each tensor's sum and sum of squares (float64); a mismatch is one
-    line, on every rank."""
-    if world_size == 1 or not tensors:
-        return
-    mine = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()])
-                        for t in tensors]).reshape(-1)
-    every = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(every, mine, group=group)
-    bad = [r for r, theirs in enumerate(every) if not torch.equal(theirs, every[0])]
-    if bad:
-        raise ValueError(f"rank {bad[0]} holds other initial weights than rank 0: build the "
-                         "model alike on every rank (the same torch.manual_seed before it)")
 
 
 def stop_on_signals():
