@@ -19,7 +19,8 @@ Stages 0-2 move the same 2Ψ elements per step. A ring all-reduce *is* a
 reduce-scatter followed by an all-gather; stages 1-2 do the two halves at
 different times, and update only their own shard in between.
 
-Read this file in three parts:
+Read this file in four parts:
+  0. the table's numbers as functions: zero_formula (bytes), traffic_formula (elements sent)
   1. NaiveZeRO: the idea in one screen, synchronous, after a plain backward
   2. the layout: parameters packed into flat buckets, the pieces a rank owns
   3. ZeRO, the engine train.py runs: the same four steps, overlapped with backward
@@ -36,6 +37,45 @@ import torch.distributed as dist
 import optim
 from collectives import (Traffic, all_gather_params, all_reduce_grads, all_reduce_sum,
                          gather_group, reduce_scatter_grads)
+
+
+# ----------------------------------------------------------------------------------------------
+# 0. The stage table's numbers, as the paper counts them
+#
+# The start-up table (machinery/report.py) prints them beside what each rank measures
+# holding (ZeRO.state_bytes) and sending (collectives.Traffic); tests/test_zero.py holds
+# the two together. The measurement differs by the padding to N slices only.
+
+def zero_formula(psi, stage, world_size, dtype, optimizer="adamw"):
+    """The ZeRO paper's model-state bytes per rank for Ψ parameters, (2 + 2 + K)Ψ (Sec. 5.1;
+    the table at the top of this file): each term divided by N from the stage that shards it.
+
+    K = 12 in 16 bits with AdamW: an fp32 master (4) and two fp32 moments (8).
+    The optimizer's part of K is optim.STATE_BYTES (AdamW 8, SGD and Lion 4).
+    In fp32 a weight and a gradient are 4 bytes each, and there is no master copy:
+    the fp32 weights are the master."""
+    w = 4 if dtype == torch.float32 else 2  # bytes of a working weight / gradient
+    k = optim.STATE_BYTES[optimizer] + (0 if dtype == torch.float32 else 4)  # + the master
+    sharded = lambda by_stage: world_size if stage >= by_stage else 1
+    opt, grads = k * psi / sharded(1), w * psi / sharded(2)
+    params = w * psi / sharded(3)
+    return {"params": params, "grads": grads, "optimizer_side": opt,
+            "total": params + grads + opt}
+
+
+def traffic_formula(psi, stage, world_size, grad_accum=1, frozen=0):
+    """Elements each rank sends per optimizer step, as the ZeRO paper counts them (Sec. 7).
+
+      stages 0-1  2Ψ: a reduce-scatter and an all-gather (an all-reduce is both)
+      stage 2     (accum + 1)Ψ: it reduce-scatters on every micro-step
+      stage 3     3Ψ per micro-step: gather, re-gather, reduce-scatter
+
+    Our stage 3 measures a little less: the root unit skips its backward gather.
+    Stage 3 also gathers `frozen` elements (LoRA's base) twice per micro-step."""
+    if world_size == 1:
+        return 0
+    per_psi = {0: 2, 1: 2, 2: grad_accum + 1, 3: 3 * grad_accum}[stage]
+    return per_psi * psi + (stage == 3) * 2 * grad_accum * frozen
 
 
 # ----------------------------------------------------------------------------------------------

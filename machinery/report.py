@@ -4,10 +4,10 @@ Guards the lecture's claim: every number is measured and printed beside the pape
 train.py calls these in one line each. They read the run, never change it:
 
   1. the start-up table: the model state each rank holds, measured (ZeRO.state_bytes)
-     beside the ZeRO paper's formula (zero_formula)
+     beside the ZeRO paper's formula (zero.zero_formula)
   2. the bytes saved for backward in the first micro-step (meter.py)
   3. one row per logged step: loss, time, MFU, loss scale, skipped steps, the gradient
-     norm, and the traffic measured beside the paper's 2Ψ or 3Ψ (traffic_formula)
+     norm, and the traffic measured beside the paper's 2Ψ or 3Ψ (zero.traffic_formula)
   4. the replica check at the end: data parallelism's invariant, all weights bitwise equal
 
 The same rows go to metrics.jsonl (rundir.Metrics), one JSON object per row.
@@ -19,43 +19,9 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-import optim
 from collectives import all_reduce_sum
 from machinery import meter
-
-# ----------------------------------------------------------------------------------------------
-# the paper's numbers
-
-def zero_formula(psi, stage, world_size, dtype, optimizer="adamw"):
-    """The ZeRO paper's model-state bytes per rank for Ψ parameters, (2 + 2 + K)Ψ.
-
-    K = 12 in 16 bits with AdamW: an fp32 master (4) and two fp32 moments (8).
-    The optimizer's part of K is optim.STATE_BYTES (AdamW 8, SGD and Lion 4).
-    In fp32 a weight and a gradient are 4 bytes each, and there is no master copy:
-    the fp32 weights are the master."""
-    w = 4 if dtype == torch.float32 else 2  # bytes of a working weight / gradient
-    k = optim.STATE_BYTES[optimizer] + (0 if dtype == torch.float32 else 4)  # + the master
-    sharded = lambda by_stage: world_size if stage >= by_stage else 1
-    opt, grads = k * psi / sharded(1), w * psi / sharded(2)
-    params = w * psi / sharded(3)
-    return {"params": params, "grads": grads, "optimizer_side": opt,
-            "total": params + grads + opt}
-
-
-def traffic_formula(psi, stage, world_size, grad_accum=1, frozen=0):
-    """Elements each rank sends per optimizer step, as the ZeRO paper counts them.
-
-      stages 0-1  2Ψ: a reduce-scatter and an all-gather (an all-reduce is both)
-      stage 2     (accum + 1)Ψ: it reduce-scatters on every micro-step
-      stage 3     3Ψ per micro-step: gather, re-gather, reduce-scatter
-
-    Our stage 3 measures a little less: the root unit skips its backward gather.
-    Stage 3 also gathers `frozen` elements (LoRA's base) twice per micro-step."""
-    if world_size == 1:
-        return 0
-    per_psi = {0: 2, 1: 2, 2: grad_accum + 1, 3: 3 * grad_accum}[stage]
-    return per_psi * psi + (stage == 3) * 2 * grad_accum * frozen
-
+from zero import traffic_formula, zero_formula
 
 # ----------------------------------------------------------------------------------------------
 # 1. the start-up table

@@ -18,7 +18,7 @@ from machinery.footprint import bucket_sizes, estimate, model_state_bytes, param
 from memory import advise, main
 from model import GPT, GPTConfig
 from machinery.meter import saved_activation_bytes
-from machinery.report import zero_formula
+from zero import zero_formula
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # n_embd 9: every bucket has an odd size, so on 2 ranks the last one owns padding

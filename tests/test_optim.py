@@ -14,7 +14,7 @@ from data.loader import get_batch
 from precision import GradScaler
 from test_zero import B, DATA, SEED, T, make_model
 from machinery import pieces
-from machinery.report import zero_formula
+from zero import zero_formula
 
 
 def lion_reference(p, g, m, lr, betas, wd):
