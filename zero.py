@@ -140,9 +140,9 @@ class NaiveZeRO:
 # The trainable parameters (a tied weight once), last layer first, in buckets of about
 # --bucket-mb: one flat tensor each, padded to N equal slices, the parameters views into it
 # (collectives want contiguous memory). Rank r owns slice r of every bucket; the padding
-# stays zero, outside norms, inf checks and checkpoints (an optimizer that reads a tensor
-# whole gets each one inside one slice: beyond/muon.py). A checkpoint saves each Segment
-# by (name, element range): a layout no world size is built into.
+# stays zero, outside norms, inf checks and checkpoints. A checkpoint saves each Segment
+# by (name, element range): a layout no world size is built into. (An optimizer that reads a
+# tensor whole cannot step such pieces: beyond/muon.py's WholeZeRO deals whole tensors.)
 
 def plan_buckets(numels, cap):
     """Indices of tensors of sizes `numels` grouped into buckets of at most `cap` elements, last
@@ -205,7 +205,6 @@ class Segment:
     hi: int
     start: int  # where the piece begins inside its bucket's owned slice
     flat: torch.Tensor = None
-    block_matrix: bool = False  # a 2-D weight of one of the model's blocks (Muon's)
     master: torch.Tensor = None  # flat, or flat.view(param.shape) when the piece is whole
 
     def __post_init__(self):
@@ -213,7 +212,7 @@ class Segment:
             self.master = self.flat.view(self.param.shape) if self.whole else self.flat
 
     @property
-    def whole(self):
+    def whole(self):  # the piece is all of its tensor: stage 0 always, a slice's inner ones
         return self.lo == 0 and self.hi == self.param.numel()
 
 
@@ -221,13 +220,9 @@ class Bucket:
     """Tensors packed into one flat buffer (padded to a multiple of N) that they become views
     of. This rank owns [lo, hi): that range's optimizer state (stage 2+: gradient) lives here."""
 
-    def __init__(self, tensors, rank, world_size, dtype, device, pad=True, whole=False):
+    def __init__(self, tensors, rank, world_size, dtype, device, pad=True):
         self.params, numels = tensors, [t.numel() for t in tensors]
-        self.offsets = [0, *accumulate(numels)][:-1]  # packed, in order
-        self.numel = math.ceil(sum(numels) / world_size) * world_size if pad else sum(numels)
-        if whole:  # each tensor inside one rank's slice (beyond/muon.py: whole tensors)
-            from beyond.muon import deal
-            self.offsets, self.numel = deal(numels, world_size)
+        self.offsets, self.numel = self.layout(numels, world_size, pad)
         ends = sorted((o, o + n) for o, n in zip(self.offsets, numels))
         self.gaps = [(e, s) for (_, e), (s, _) in zip(ends, ends[1:] + [(self.numel, 0)]) if e < s]
         shard = self.numel // world_size if pad else self.numel
@@ -241,10 +236,18 @@ class Bucket:
         self.segments = []  # the pieces of its parameters this rank owns, in order
         self.ready = 0  # parameters whose gradient has landed in this backward
 
+    def layout(self, numels, world_size, pad):
+        """(each tensor's offset in the flat buffer, the buffer's numel): packed in order, and
+        with pad, padded to N equal slices (beyond/muon.py's DealtBucket places them otherwise)."""
+        total = sum(numels)
+        if pad:
+            total = math.ceil(total / world_size) * world_size
+        return [0, *accumulate(numels)][:-1], total
+
     def owned_grad(self):  # this rank's reduced gradient slice
         return self.grad_shard if self.grad_shard is not None else self.flat_grad[self.lo:self.hi]
 
-    def make_segments(self, names, master, block_matrices=()):
+    def make_segments(self, names, master):
         """Cut the owned range into one Segment per tensor that overlaps it; `master` is the
         fp32 copy (or, in fp32, the view) of the owned range, None for frozen tensors."""
         for p, offset in zip(self.params, self.offsets):
@@ -253,7 +256,7 @@ class Bucket:
                 start = lo - self.lo
                 view = None if master is None else master[start:start + hi - lo]
                 self.segments.append(Segment(names[id(p)], p, lo - offset, hi - offset, start,
-                                             view, id(p) in block_matrices))
+                                             view))
 
 
 def declared_blocks(model):
@@ -298,15 +301,18 @@ class ZeRO:
     of your own (no_sync() as DDP's); per step master_grads, clip_grad_norm_, step, publish.
     optimizer: a name, an Optimizer class or a function of the groups (optim.build);
     decay(name, param): what weight_decay applies to; master_weights: {name: fp32 tensor},
-    the values the master starts from; whole: optim.reads_whole's answer (docs/forking.md)."""
+    the values the master starts from. An optimizer that reads whole tensors (Muon, Adafactor)
+    is refused in one line: beyond/muon.py's WholeZeRO deals them (docs/forking.md)."""
     STAGES = (0, 1, 2)
 
     def __init__(self, model, stage, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8,
                  bucket_mb=25.0, rank=0, world_size=1, group=None, fp32_grad_accum=False,
-                 reduce_dtype=None, optimizer="adamw", decay=None, master_weights=None,
-                 whole=None):
+                 reduce_dtype=None, optimizer="adamw", decay=None, master_weights=None):
         if stage not in self.STAGES:
             raise ValueError(f"{type(self).__name__} runs ZeRO stages {self.STAGES}, not {stage}")
+        self.optimizer = optimizer if isinstance(optimizer, str) else \
+            getattr(getattr(optimizer, "func", optimizer), "__name__", "custom")  # a partial's
+        self.check_optimizer(optimizer, stage)
         self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
         self.bucket_mb, self.traffic = bucket_mb, Traffic()
         # all-gathers on a group of their own (collectives.py; stage 0 never all-gathers)
@@ -333,14 +339,6 @@ class ZeRO:
         # fp32 as torchtitan and Megatron do by default (a 16-bit sum over many ranks rounds).
         # One rank moves nothing, so nothing is cast there.
         self.reduce_dtype = reduce_dtype or self.dtype
-        self.optimizer = optimizer if isinstance(optimizer, str) else \
-            getattr(getattr(optimizer, "func", optimizer), "__name__", "custom")  # a partial's
-        # what the optimizer steps whole, a rank owning whole ones: Muon's matrices, Adafactor's all
-        self.whole = optim.reads_whole(optimizer, whole)
-        self.matrices = set()  # Muon's block matrices, stepped in groups of their own
-        if self.whole == "matrices":
-            from beyond import muon
-            self.matrices = muon.block_matrices(model)
         self.buckets = self._make_buckets(model, [p for _, p in named])  # (1) pack
         # where each trainable parameter lives: its bucket, its offset in the flat buffer
         self.where = {id(p): (b, offset) for b in self.buckets
@@ -351,14 +349,14 @@ class ZeRO:
         # 2018): an update below ~2^-8 of a weight rounds away in bf16 and would be lost.
         self.master = [self._owned_weights(b).float() for b in self.buckets]  # (2) master
         for b, master in zip(self.buckets, self.master):
-            b.make_segments(self.names, master, self.matrices)
+            b.make_segments(self.names, master)
         self.segments = [s for b in self.buckets for s in b.segments]
         if master_weights is not None and self.dtype != torch.float32:
             self._seed_master(master_weights)
         # optim.py builds it and makes its state now, by its own code: start-up measures
         # what training holds
-        self.opt = optim.build(optimizer, self._param_groups(weight_decay, decay), lr=lr,
-                               betas=betas, eps=eps)
+        self.opt = self.make_optimizer(optimizer, self._param_groups(weight_decay, decay), lr=lr,
+                                       betas=betas, eps=eps)
         if self.segments:  # a rank may own nothing but padding
             optim.init_state(self.opt, [s.master for s in self.segments])
 
@@ -373,20 +371,28 @@ class ZeRO:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)  # -> (3)
 
+    def check_optimizer(self, optimizer, stage):
+        """This engine hands the optimizer flat 1-D pieces of buckets, one group for all
+        matrices: an optimizer whose step reads a tensor whole (Muon orthogonalises each matrix,
+        Adafactor factors its statistics) would silently step the wrong thing. One line instead."""
+        if optim.elementwise(optimizer):
+            return
+        if stage == 3:
+            raise ValueError(f"{self.optimizer} steps each tensor whole, and ZeRO-3 shards every "
+                             "tensor over the ranks: use stage 0-2 (beyond.muon.WholeZeRO)")
+        raise ValueError(f"{self.optimizer} steps each tensor whole, and zero.ZeRO steps flat "
+                         "pieces of buckets: use beyond.muon.WholeZeRO, which deals whole tensors")
+
+    def make_optimizer(self, optimizer, groups, **hyper):
+        """optim.build's optimizer over the groups (beyond/muon.py's WholeZeRO adds Muon)."""
+        return optim.build(optimizer, groups, **hyper)
+
     def _param_groups(self, weight_decay, decay):
-        """The optimizer's groups: weight decay on what decay(name, param) picks (default: the
-        matrices and embeddings, not the biases and norm gains); for a matrix optimizer, its
-        whole block matrices in groups of their own, marked "matrices"."""
+        """The optimizer's two groups: weight decay on what decay(name, param) picks (default:
+        the matrices and embeddings, not the biases and norm gains), none on the rest."""
         decay = decay or (lambda name, p: p.dim() >= 2)
-        matrix = lambda s: self.whole == "matrices" and s.block_matrix and s.whole
-        groups = []
-        for matrices in (False, True) if self.whole == "matrices" else (False,):
-            for decays in (True, False):
-                group = {"params": [s.master for s in self.segments if matrix(s) == matrices
-                                    and decay(s.name, s.param) == decays],
-                         "weight_decay": weight_decay if decays else 0.0}
-                groups.append(dict(group, matrices=True) if matrices else group)
-        return groups
+        return [{"params": [s.master for s in self.segments if decay(s.name, s.param) == decays],
+                 "weight_decay": weight_decay if decays else 0.0} for decays in (True, False)]
 
     @torch.no_grad()
     def _seed_master(self, source):
@@ -398,31 +404,29 @@ class ZeRO:
                 s.flat[:len(values)].copy_(values)
 
     def _make_buckets(self, model, params):
-        """Stages 0-2: buckets of about bucket_mb, last layer first, each with its gradient;
-        at stages 1-2 the tensors kept whole in buckets of their own, dealt whole to ranks."""
-        cap = max(1, int(self.bucket_mb * 2**20 / params[0].element_size()))
-        kept = [i for i, p in enumerate(params) if self.stage in (1, 2) and
-                (self.whole == "tensors" or id(p) in self.matrices)]
-        rest = sorted(set(range(len(params))) - set(kept))
-        plans = [([rest[j] for j in b], False) for b in
-                 plan_buckets([params[i].numel() for i in rest], cap) if b]
-        if kept:  # (beyond/muon.py) of one shape together, dealt whole to the ranks
-            from beyond.muon import plan_whole
-            plans += [([kept[j] for j in b], True) for b in
-                      plan_whole([params[i].shape for i in kept], cap, self.world_size)]
-        buckets = []  # in the order they complete: a bucket's first parameter's gradient last
-        for indices, whole in sorted(plans, key=lambda plan: -min(plan[0])):
-            b = Bucket([params[i] for i in indices], self.rank, self.world_size, self.dtype,
-                       self.device, pad=self.stage >= 1, whole=whole)
-            if self.stage <= 1:
-                b.flat_grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
-                if self.grad_dtype == self.dtype:  # the parameters' .grad are views into it
-                    for p, offset in zip(b.params, b.offsets):
-                        p.grad = b.flat_grad[offset:offset + p.numel()].view_as(p)
-            else:
-                b.grad_shard = torch.zeros(b.hi - b.lo, dtype=self.grad_dtype, device=self.device)
-            buckets.append(b)
-        return buckets
+        """Stages 0-2: buckets of about bucket_mb, last layer first (the order their gradients
+        complete), each with its gradient buffer."""
+        return [self._new_bucket([params[i] for i in b], Bucket)
+                for b in plan_buckets([p.numel() for p in params], self.bucket_cap(params))]
+
+    def bucket_cap(self, params):
+        """--bucket-mb in elements of the working dtype."""
+        return max(1, int(self.bucket_mb * 2**20 / params[0].element_size()))
+
+    def _new_bucket(self, tensors, kind):
+        """A bucket of `kind` (Bucket, or a subclass that lays tensors out otherwise) and its
+        gradient: stages 0-1 the full flat gradient, the parameters' .grad views into it;
+        stage 2 only this rank's reduced slice."""
+        b = kind(tensors, self.rank, self.world_size, self.dtype, self.device,
+                 pad=self.stage >= 1)
+        if self.stage <= 1:
+            b.flat_grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
+            if self.grad_dtype == self.dtype:  # the parameters' .grad are views into it
+                for p, offset in zip(b.params, b.offsets):
+                    p.grad = b.flat_grad[offset:offset + p.numel()].view_as(p)
+        else:
+            b.grad_shard = torch.zeros(b.hi - b.lo, dtype=self.grad_dtype, device=self.device)
+        return b
 
     def _owned_weights(self, b):
         return b.flat[b.lo:b.hi]
