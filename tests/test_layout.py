@@ -108,6 +108,19 @@ def test_the_core_reaches_beyond_only_when_a_flag_asks_and_configurator_imports_
     assert not mine, f"configurator.py imports {mine}"
 
 
+ENGINE = ("zero.py", "zero3.py", "collectives.py", "precision.py", "optim.py")
+
+
+def test_the_engine_imports_only_the_engine():
+    """A forker takes these five files: at module level or inside a function, none of them
+    imports machinery/, beyond/ or any other file of ours (Muon's layout is beyond/muon.py's
+    subclass, the same-weights check and the paper's formulas live in zero.py)."""
+    ours, engine = project_modules(), {module_name(f) for f in ENGINE}
+    for f in ENGINE:
+        outside = sorted({m for m, _ in imports(f) if m in ours and m not in engine})
+        assert not outside, f"{f} imports {outside}: the engine imports only the engine"
+
+
 def test_no_import_cycle():
     ours = project_modules()
     graph = {}
