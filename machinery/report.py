@@ -4,7 +4,8 @@ Guards the lecture's claim: every number is measured and printed beside the pape
 train.py calls these in one line each. They read the run, never change it:
 
   1. the start-up table: the model state each rank holds, measured (ZeRO.state_bytes)
-     beside the ZeRO paper's formula (zero.zero_formula)
+     beside memory.py's estimate (footprint.for_run, the one estimator) and the ZeRO paper's
+     formula (zero.zero_formula)
   2. the bytes saved for backward in the first micro-step (meter.py)
   3. one row per logged step: loss, time, MFU, loss scale, skipped steps, the gradient
      norm, and the traffic measured beside the paper's 2Ψ or 3Ψ (zero.traffic_formula)
@@ -26,37 +27,53 @@ from zero import traffic_formula, zero_formula
 # ----------------------------------------------------------------------------------------------
 # 1. the start-up table
 
-def model_state_report(zero, world_size):
+def model_state_report(zero, world_size, estimate=None):
     """What each rank holds (ZeRO.state_bytes(), gathered from every rank: a collective)
-    beside the ZeRO paper's formula: (a table that fits 80 columns, a metrics.jsonl row)."""
+    beside memory.py's estimate of this rank's (footprint's state dict; None: not shown) and
+    the ZeRO paper's formula: (a table that fits 80 columns, a metrics.jsonl row)."""
     held = zero.state_bytes()
     per_rank = [held] * world_size
     if world_size > 1:
         dist.all_gather_object(per_rank, held)
     paper = zero_formula(zero.psi, zero.stage, world_size, zero.dtype, zero.optimizer)
     master = "fp32 master + " if zero.dtype != torch.float32 else ""
-    pairs = [("weights", held["params"], paper["params"], ""),
-             ("gradients", held["grads"], paper["grads"], ""),
-             ("optimizer side", held["master"] + held["optimizer"], paper["optimizer_side"],
+    side = lambda state: state["master"] + state["optimizer"]
+    est = estimate or {}
+    pairs = [("weights", held["params"], est.get("params"), paper["params"], ""),
+             ("gradients", held["grads"], est.get("grads"), paper["grads"], ""),
+             ("optimizer side", side(held), estimate and side(estimate), paper["optimizer_side"],
               f"{master}{zero.optimizer} state"),
-             ("total", held["total"], paper["total"], "")]
+             ("total", held["total"], est.get("total"), paper["total"], "")]
+    mib = lambda n: f"{n / 2**20:>6.2f} MiB  "
     lines = [f"model state per rank, ZeRO-{zero.stage} on {world_size} rank(s), Ψ = "
-             f"{zero.psi:,} trainable:", f"  {'':16}{'measured':>10}  {'ZeRO paper':>10}"]
-    lines += [f"  {name:16}{ours / 2**20:>6.2f} MiB  {p / 2**20:>6.2f} MiB  {note}".rstrip()
-              for name, ours, p, note in pairs]
+             f"{zero.psi:,} trainable:", f"  {'':16}{'measured':>10}  "
+             + (f"{'memory.py':>10}  " if estimate else "") + f"{'ZeRO paper':>10}"]
+    lines += [(f"  {name:16}{mib(ours)}" + (mib(guess) if estimate else "") + mib(p)
+               + note).rstrip() for name, ours, guess, p, note in pairs]
     row = {"event": "model_state", "psi": zero.psi, "stage": zero.stage,
            "world_size": world_size, "per_rank": per_rank, "formula": paper,
-           "optimizer": zero.optimizer}
+           "estimate": estimate, "optimizer": zero.optimizer}
     return "\n".join(lines), row
 
 
 def start(cfg, model, zero, metrics, print0):
     """The run's first rows: the start-up table (printed and logged with the whole
     configuration), then, once the first micro-step has run, its activations."""
-    line, row = model_state_report(zero, zero.world_size)
+    line, row = model_state_report(zero, zero.world_size, estimated_state(cfg, model, zero))
     print0(line)
     metrics.log({**row, "dtype": cfg.dtype, "config": asdict(cfg)})
     meter_first_forward(model, cfg, print0, metrics)
+
+
+def estimated_state(cfg, model, zero):
+    """memory.py's estimate of the model state this rank holds (footprint.for_run), or None
+    for a model it cannot count (no blocks(), a module activations.py has no entry for)."""
+    from machinery.footprint import for_run
+    try:
+        return for_run(cfg, model.config, zero.world_size, zero.rank,
+                       device=zero.device.type)["state"]
+    except ValueError:
+        return None
 
 
 # ----------------------------------------------------------------------------------------------
