@@ -9,10 +9,11 @@ Held to measurement by the tests.
   - Hu et al. 2021, "LoRA"; Dettmers et al. 2023, "QLoRA" (4-bit NF4 base weights)
 
 Model state is exact: the shapes-only model the flags describe is packed by zero.py's own
-planner (buckets.plan_buckets), padding included, and tests/test_memory.py holds it equal to
-ZeRO.state_bytes() (zero.zero_formula is the paper's count, without the padding). Activations are activations.py's, per module kind; beside them the
-transients of a step: ZeRO-3's gathered units, the gradient reductions in flight, the loss
-head's working set, the optimizer step's fp32 gradient slice.
+planner (zero.plan_buckets), padding included, and tests/test_memory.py holds it equal to
+ZeRO.state_bytes() (zero.zero_formula is the paper's count, without the padding). Activations
+are activations.py's, per module kind; beside them the transients of a step: ZeRO-3's gathered
+units, the gradient reductions in flight, the loss head's working set, the optimizer step's
+fp32 gradient slice.
 """
 import math
 from dataclasses import replace
@@ -143,7 +144,7 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
 
 def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32_grad_accum):
     """Model state under --optimizer muon (beyond/muon.py): Muon's momentum (4 bytes) for each
-    block-matrix element, AdamW's moments (8) for the rest; at stages 1-2 zero.py's layout, the
+    block-matrix element, AdamW's moments (8) for the rest; at stages 1-2 WholeZeRO's layout, the
     rest in buckets of bucket_mb, the block matrices as plan_whole() puts them, dealt whole."""
     from beyond.muon import block_matrices, plan_whole
     model = shapes_only(cfg, build)
