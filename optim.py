@@ -1,13 +1,15 @@
 """
 The optimizer, built in one place, from a name, a class or a function. ZeRO (zero.py) hands it
 this rank's fp32 master: 1-D pieces of flat buckets, or a parameter's own shape where the rank
-owns all of it. An elementwise optimizer shards like the master weights at every stage.
+owns all of it. An elementwise optimizer shards like the master weights at every stage; one
+whose step reads a tensor whole (Muon, Adafactor: elementwise() tells) needs each tensor
+whole on one rank, which beyond/muon.py's WholeZeRO deals.
 
   - Loshchilov & Hutter 2019 (AdamW): two fp32 moments, 8 bytes a parameter
   - SGD with momentum (Polyak 1964): one fp32 buffer, 4 bytes
   - Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms" (Lion), Algorithm 2:
     the sign of an interpolation of momentum and gradient, one buffer, 4 bytes
-  - Muon (beyond/muon.py): each weight matrix's update orthogonalised; whole matrices
+  - Muon (beyond/muon.py): each weight matrix's update orthogonalised; built there
 
 The ZeRO paper's (2 + 2 + K)Ψ takes its K from here: the fp32 master (4 bytes, 16-bit runs
 only) plus STATE_BYTES. A step with an inf/NaN gradient is skipped: on the device by an
@@ -17,7 +19,8 @@ is made at start-up by the optimizer's own code (init_state); checkpoints save i
 """
 import torch
 
-OPTIMIZERS = ("adamw", "sgd", "lion", "muon")  # --optimizer: the one list of names
+OPTIMIZERS = ("adamw", "sgd", "lion", "muon")  # --optimizer: the one list of names (muon's
+# optimizer and layout are beyond/muon.py's: its WholeZeRO builds it)
 STATE_BYTES = {"adamw": 8, "sgd": 4, "lion": 4, "muon": 4}  # fp32 state a parameter (Muon's
 # matrices: a momentum; its embeddings, head and 1-D parameters take AdamW's 8)
 
@@ -56,7 +59,7 @@ class Lion(torch.optim.Optimizer):
 
 def build(optimizer, groups, lr, betas=(0.9, 0.95), eps=1e-8):
     """The optimizer over param groups (each with its weight_decay). `optimizer` is:
-      a name   adamw | sgd (beta1 as its momentum) | lion | muon, with lr, betas, eps
+      a name   adamw | sgd (beta1 as its momentum) | lion, with lr, betas, eps
       a class  a torch.optim.Optimizer subclass, called as cls(groups, lr=lr)
       else     a function of the groups: functools.partial(torch.optim.SGD, lr=0.1), say
     """
@@ -70,32 +73,27 @@ def build(optimizer, groups, lr, betas=(0.9, 0.95), eps=1e-8):
         return torch.optim.SGD(groups, lr=lr, momentum=betas[0], fused=True)
     if optimizer == "lion":
         return Lion(groups, lr=lr, betas=betas)
-    if optimizer == "muon":  # a technique from after the lecture
-        from beyond.muon import MuonAdamW
-        return MuonAdamW(groups, lr=lr, betas=betas, eps=eps)
+    if optimizer == "muon":  # a technique from after the lecture, with its own layout
+        raise ValueError("muon steps whole matrices: beyond.muon.WholeZeRO builds it")
     raise ValueError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}, "
                      "a torch.optim.Optimizer subclass or a function of the param groups")
 
 
 # optimizers whose step treats every element alone: flat pieces of buckets step as the whole
+# (any other, Adafactor say, goes to beyond/muon.py's WholeZeRO)
 ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,
                torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
                torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD, Lion)
 
 
-def reads_whole(optimizer, whole=None):
-    """What the optimizer must be handed whole, not as flat pieces (zero.py): "matrices"
-    (Muon's orthogonalised block matrices), "tensors" (a class not known to be elementwise:
-    torch's Adafactor factors a matrix's statistics and scales by its norms), or None. A
-    function of the groups is taken as elementwise unless `whole` (ZeRO's) says otherwise."""
+def elementwise(optimizer):
+    """Whether the optimizer's step treats every element alone, so that zero.py may hand it flat
+    pieces: our names but Muon, torch's elementwise classes (a partial's class too). A function
+    of the groups is taken as elementwise: nothing more can be known of it."""
+    if isinstance(optimizer, str):
+        return optimizer != "muon"
     cls = getattr(optimizer, "func", optimizer)  # functools.partial(torch.optim.SGD, ...)
-    muon = optimizer == "muon" or getattr(cls, "needs_whole_matrices", False)
-    allowed = (None, "matrices") + (() if muon else ("tensors", False))  # False: elementwise
-    if whole not in allowed:
-        raise ValueError(f"whole={whole!r}: use one of {allowed}" + (" with Muon" * muon))
-    if muon or whole is not None:  # Muon: its matrices; else as asked, False: elementwise
-        return "matrices" if muon else whole or None
-    return "tensors" if isinstance(cls, type) and not issubclass(cls, ELEMENTWISE) else None
+    return not isinstance(cls, type) or issubclass(cls, ELEMENTWISE)
 
 
 def skip_on_host(opt):

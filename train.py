@@ -235,8 +235,12 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
 
 
 def make_engine(cfg, model, dtype, rank, world_size, grad_accum, source=None):
-    """ZeRO stages 0-2 (zero.py), 3 (zero3.py) or ZeRO++ (beyond/zeropp.py)."""
+    """ZeRO stages 0-2 (zero.py), 3 (zero3.py), ZeRO++ (beyond/zeropp.py), or for Muon, whose
+    matrices must be whole, stages 0-2 dealing them whole (beyond/muon.py)."""
     Engine, extra = (ZeRO3, {"prefetch": cfg.prefetch}) if cfg.zero == 3 else (ZeRO, {})
+    if cfg.optimizer == "muon" and cfg.zero < 3:
+        from beyond.muon import WholeZeRO
+        Engine = WholeZeRO
     node_size = cfg.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % node_size:
         raise ConfigError(f"--node-size {node_size} does not divide the world size "

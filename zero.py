@@ -19,7 +19,8 @@ Stages 0-2 move the same 2Ψ elements per step. A ring all-reduce *is* a
 reduce-scatter followed by an all-gather; stages 1-2 do the two halves at
 different times, and update only their own shard in between.
 
-Read this file in three parts:
+Read this file in four parts:
+  0. the table's numbers as functions: zero_formula (bytes), traffic_formula (elements sent)
   1. NaiveZeRO: the idea in one screen, synchronous, after a plain backward
   2. the layout: parameters packed into flat buckets, the pieces a rank owns
   3. ZeRO, the engine train.py runs: the same four steps, overlapped with backward
@@ -31,11 +32,50 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
+import torch.distributed as dist
 
 import optim
 from collectives import (Traffic, all_gather_params, all_reduce_grads, all_reduce_sum,
                          gather_group, reduce_scatter_grads)
-from machinery import lifecycle
+
+
+# ----------------------------------------------------------------------------------------------
+# 0. The stage table's numbers, as the paper counts them
+#
+# The start-up table (machinery/report.py) prints them beside what each rank measures
+# holding (ZeRO.state_bytes) and sending (collectives.Traffic); tests/test_zero.py holds
+# the two together. The measurement differs by the padding to N slices only.
+
+def zero_formula(psi, stage, world_size, dtype, optimizer="adamw"):
+    """The ZeRO paper's model-state bytes per rank for Ψ parameters, (2 + 2 + K)Ψ (Sec. 5.1;
+    the table at the top of this file): each term divided by N from the stage that shards it.
+
+    K = 12 in 16 bits with AdamW: an fp32 master (4) and two fp32 moments (8).
+    The optimizer's part of K is optim.STATE_BYTES (AdamW 8, SGD and Lion 4).
+    In fp32 a weight and a gradient are 4 bytes each, and there is no master copy:
+    the fp32 weights are the master."""
+    w = 4 if dtype == torch.float32 else 2  # bytes of a working weight / gradient
+    k = optim.STATE_BYTES[optimizer] + (0 if dtype == torch.float32 else 4)  # + the master
+    sharded = lambda by_stage: world_size if stage >= by_stage else 1
+    opt, grads = k * psi / sharded(1), w * psi / sharded(2)
+    params = w * psi / sharded(3)
+    return {"params": params, "grads": grads, "optimizer_side": opt,
+            "total": params + grads + opt}
+
+
+def traffic_formula(psi, stage, world_size, grad_accum=1, frozen=0):
+    """Elements each rank sends per optimizer step, as the ZeRO paper counts them (Sec. 7).
+
+      stages 0-1  2Ψ: a reduce-scatter and an all-gather (an all-reduce is both)
+      stage 2     (accum + 1)Ψ: it reduce-scatters on every micro-step
+      stage 3     3Ψ per micro-step: gather, re-gather, reduce-scatter
+
+    Our stage 3 measures a little less: the root unit skips its backward gather.
+    Stage 3 also gathers `frozen` elements (LoRA's base) twice per micro-step."""
+    if world_size == 1:
+        return 0
+    per_psi = {0: 2, 1: 2, 2: grad_accum + 1, 3: 3 * grad_accum}[stage]
+    return per_psi * psi + (stage == 3) * 2 * grad_accum * frozen
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,9 +140,9 @@ class NaiveZeRO:
 # The trainable parameters (a tied weight once), last layer first, in buckets of about
 # --bucket-mb: one flat tensor each, padded to N equal slices, the parameters views into it
 # (collectives want contiguous memory). Rank r owns slice r of every bucket; the padding
-# stays zero, outside norms, inf checks and checkpoints (an optimizer that reads a tensor
-# whole gets each one inside one slice: beyond/muon.py). A checkpoint saves each Segment
-# by (name, element range): a layout no world size is built into.
+# stays zero, outside norms, inf checks and checkpoints. A checkpoint saves each Segment
+# by (name, element range): a layout no world size is built into. (An optimizer that reads a
+# tensor whole cannot step such pieces: beyond/muon.py's WholeZeRO deals whole tensors.)
 
 def plan_buckets(numels, cap):
     """Indices of tensors of sizes `numels` grouped into buckets of at most `cap` elements, last
@@ -137,6 +177,23 @@ def frozen_tensors(module, keep=lambda t: True):
     return frozen
 
 
+@torch.no_grad()
+def check_same_weights(tensors, world_size, group=None):
+    """Every rank must start from the same weights: ZeRO would otherwise mix them, shard by
+    shard. One all-gather of each tensor's sum and sum of squares (float64); a mismatch is one
+    line, on every rank."""
+    if world_size == 1 or not tensors:
+        return
+    mine = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()])
+                        for t in tensors]).reshape(-1)
+    every = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine, group=group)
+    bad = [r for r, theirs in enumerate(every) if not torch.equal(theirs, every[0])]
+    if bad:
+        raise ValueError(f"rank {bad[0]} holds other initial weights than rank 0: build the "
+                         "model alike on every rank (the same torch.manual_seed before it)")
+
+
 @dataclass
 class Segment:
     """The piece [lo, hi) of one flattened parameter that this rank owns: what the optimizer
@@ -148,7 +205,6 @@ class Segment:
     hi: int
     start: int  # where the piece begins inside its bucket's owned slice
     flat: torch.Tensor = None
-    block_matrix: bool = False  # a 2-D weight of one of the model's blocks (Muon's)
     master: torch.Tensor = None  # flat, or flat.view(param.shape) when the piece is whole
 
     def __post_init__(self):
@@ -156,7 +212,7 @@ class Segment:
             self.master = self.flat.view(self.param.shape) if self.whole else self.flat
 
     @property
-    def whole(self):
+    def whole(self):  # the piece is all of its tensor: stage 0 always, a slice's inner ones
         return self.lo == 0 and self.hi == self.param.numel()
 
 
@@ -164,13 +220,9 @@ class Bucket:
     """Tensors packed into one flat buffer (padded to a multiple of N) that they become views
     of. This rank owns [lo, hi): that range's optimizer state (stage 2+: gradient) lives here."""
 
-    def __init__(self, tensors, rank, world_size, dtype, device, pad=True, whole=False):
+    def __init__(self, tensors, rank, world_size, dtype, device, pad=True):
         self.params, numels = tensors, [t.numel() for t in tensors]
-        self.offsets = [0, *accumulate(numels)][:-1]  # packed, in order
-        self.numel = math.ceil(sum(numels) / world_size) * world_size if pad else sum(numels)
-        if whole:  # each tensor inside one rank's slice (beyond/muon.py: whole tensors)
-            from beyond.muon import deal
-            self.offsets, self.numel = deal(numels, world_size)
+        self.offsets, self.numel = self.layout(numels, world_size, pad)
         ends = sorted((o, o + n) for o, n in zip(self.offsets, numels))
         self.gaps = [(e, s) for (_, e), (s, _) in zip(ends, ends[1:] + [(self.numel, 0)]) if e < s]
         shard = self.numel // world_size if pad else self.numel
@@ -184,10 +236,18 @@ class Bucket:
         self.segments = []  # the pieces of its parameters this rank owns, in order
         self.ready = 0  # parameters whose gradient has landed in this backward
 
+    def layout(self, numels, world_size, pad):
+        """(each tensor's offset in the flat buffer, the buffer's numel): packed in order, and
+        with pad, padded to N equal slices (beyond/muon.py's DealtBucket places them otherwise)."""
+        total = sum(numels)
+        if pad:
+            total = math.ceil(total / world_size) * world_size
+        return [0, *accumulate(numels)][:-1], total
+
     def owned_grad(self):  # this rank's reduced gradient slice
         return self.grad_shard if self.grad_shard is not None else self.flat_grad[self.lo:self.hi]
 
-    def make_segments(self, names, master, block_matrices=()):
+    def make_segments(self, names, master):
         """Cut the owned range into one Segment per tensor that overlaps it; `master` is the
         fp32 copy (or, in fp32, the view) of the owned range, None for frozen tensors."""
         for p, offset in zip(self.params, self.offsets):
@@ -196,7 +256,7 @@ class Bucket:
                 start = lo - self.lo
                 view = None if master is None else master[start:start + hi - lo]
                 self.segments.append(Segment(names[id(p)], p, lo - offset, hi - offset, start,
-                                             view, id(p) in block_matrices))
+                                             view))
 
 
 def declared_blocks(model):
@@ -241,15 +301,18 @@ class ZeRO:
     of your own (no_sync() as DDP's); per step master_grads, clip_grad_norm_, step, publish.
     optimizer: a name, an Optimizer class or a function of the groups (optim.build);
     decay(name, param): what weight_decay applies to; master_weights: {name: fp32 tensor},
-    the values the master starts from; whole: optim.reads_whole's answer (docs/forking.md)."""
+    the values the master starts from. An optimizer that reads whole tensors (Muon, Adafactor)
+    is refused in one line: beyond/muon.py's WholeZeRO deals them (docs/forking.md)."""
     STAGES = (0, 1, 2)
 
     def __init__(self, model, stage, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8,
                  bucket_mb=25.0, rank=0, world_size=1, group=None, fp32_grad_accum=False,
-                 reduce_dtype=None, optimizer="adamw", decay=None, master_weights=None,
-                 whole=None):
+                 reduce_dtype=None, optimizer="adamw", decay=None, master_weights=None):
         if stage not in self.STAGES:
             raise ValueError(f"{type(self).__name__} runs ZeRO stages {self.STAGES}, not {stage}")
+        self.optimizer = optimizer if isinstance(optimizer, str) else \
+            getattr(getattr(optimizer, "func", optimizer), "__name__", "custom")  # a partial's
+        self.check_optimizer(optimizer, stage)
         self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
         self.bucket_mb, self.traffic = bucket_mb, Traffic()
         # all-gathers on a group of their own (collectives.py; stage 0 never all-gathers)
@@ -264,7 +327,7 @@ class ZeRO:
             self.names.setdefault(id(t), n)
         self.gathered_bytes = self.peak_gathered_bytes = 0  # full buffers gathered now / at most
         self.frozen = frozen_tensors(model)  # model state too: counted by state_bytes()
-        lifecycle.check_same_weights([p for _, p in named] + self.frozen, world_size, group)
+        check_same_weights([p for _, p in named] + self.frozen, world_size, group)
         self.dtype, self.device = named[0][1].dtype, named[0][1].device
         self.psi = sum(p.numel() for _, p in named)  # Ψ, each weight counted once
         self.frozen_numel = sum(t.numel() for t in self.frozen)
@@ -276,14 +339,6 @@ class ZeRO:
         # fp32 as torchtitan and Megatron do by default (a 16-bit sum over many ranks rounds).
         # One rank moves nothing, so nothing is cast there.
         self.reduce_dtype = reduce_dtype or self.dtype
-        self.optimizer = optimizer if isinstance(optimizer, str) else \
-            getattr(getattr(optimizer, "func", optimizer), "__name__", "custom")  # a partial's
-        # what the optimizer steps whole, a rank owning whole ones: Muon's matrices, Adafactor's all
-        self.whole = optim.reads_whole(optimizer, whole)
-        self.matrices = set()  # Muon's block matrices, stepped in groups of their own
-        if self.whole == "matrices":
-            from beyond import muon
-            self.matrices = muon.block_matrices(model)
         self.buckets = self._make_buckets(model, [p for _, p in named])  # (1) pack
         # where each trainable parameter lives: its bucket, its offset in the flat buffer
         self.where = {id(p): (b, offset) for b in self.buckets
@@ -294,14 +349,14 @@ class ZeRO:
         # 2018): an update below ~2^-8 of a weight rounds away in bf16 and would be lost.
         self.master = [self._owned_weights(b).float() for b in self.buckets]  # (2) master
         for b, master in zip(self.buckets, self.master):
-            b.make_segments(self.names, master, self.matrices)
+            b.make_segments(self.names, master)
         self.segments = [s for b in self.buckets for s in b.segments]
         if master_weights is not None and self.dtype != torch.float32:
             self._seed_master(master_weights)
         # optim.py builds it and makes its state now, by its own code: start-up measures
         # what training holds
-        self.opt = optim.build(optimizer, self._param_groups(weight_decay, decay), lr=lr,
-                               betas=betas, eps=eps)
+        self.opt = self.make_optimizer(optimizer, self._param_groups(weight_decay, decay), lr=lr,
+                                       betas=betas, eps=eps)
         if self.segments:  # a rank may own nothing but padding
             optim.init_state(self.opt, [s.master for s in self.segments])
 
@@ -316,20 +371,28 @@ class ZeRO:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)  # -> (3)
 
+    def check_optimizer(self, optimizer, stage):
+        """This engine hands the optimizer flat 1-D pieces of buckets, one group for all
+        matrices: an optimizer whose step reads a tensor whole (Muon orthogonalises each matrix,
+        Adafactor factors its statistics) would silently step the wrong thing. One line instead."""
+        if optim.elementwise(optimizer):
+            return
+        if stage == 3:
+            raise ValueError(f"{self.optimizer} steps each tensor whole, and ZeRO-3 shards every "
+                             "tensor over the ranks: use stage 0-2 (beyond.muon.WholeZeRO)")
+        raise ValueError(f"{self.optimizer} steps each tensor whole, and zero.ZeRO steps flat "
+                         "pieces of buckets: use beyond.muon.WholeZeRO, which deals whole tensors")
+
+    def make_optimizer(self, optimizer, groups, **hyper):
+        """optim.build's optimizer over the groups (beyond/muon.py's WholeZeRO adds Muon)."""
+        return optim.build(optimizer, groups, **hyper)
+
     def _param_groups(self, weight_decay, decay):
-        """The optimizer's groups: weight decay on what decay(name, param) picks (default: the
-        matrices and embeddings, not the biases and norm gains); for a matrix optimizer, its
-        whole block matrices in groups of their own, marked "matrices"."""
+        """The optimizer's two groups: weight decay on what decay(name, param) picks (default:
+        the matrices and embeddings, not the biases and norm gains), none on the rest."""
         decay = decay or (lambda name, p: p.dim() >= 2)
-        matrix = lambda s: self.whole == "matrices" and s.block_matrix and s.whole
-        groups = []
-        for matrices in (False, True) if self.whole == "matrices" else (False,):
-            for decays in (True, False):
-                group = {"params": [s.master for s in self.segments if matrix(s) == matrices
-                                    and decay(s.name, s.param) == decays],
-                         "weight_decay": weight_decay if decays else 0.0}
-                groups.append(dict(group, matrices=True) if matrices else group)
-        return groups
+        return [{"params": [s.master for s in self.segments if decay(s.name, s.param) == decays],
+                 "weight_decay": weight_decay if decays else 0.0} for decays in (True, False)]
 
     @torch.no_grad()
     def _seed_master(self, source):
@@ -341,31 +404,29 @@ class ZeRO:
                 s.flat[:len(values)].copy_(values)
 
     def _make_buckets(self, model, params):
-        """Stages 0-2: buckets of about bucket_mb, last layer first, each with its gradient;
-        at stages 1-2 the tensors kept whole in buckets of their own, dealt whole to ranks."""
-        cap = max(1, int(self.bucket_mb * 2**20 / params[0].element_size()))
-        kept = [i for i, p in enumerate(params) if self.stage in (1, 2) and
-                (self.whole == "tensors" or id(p) in self.matrices)]
-        rest = sorted(set(range(len(params))) - set(kept))
-        plans = [([rest[j] for j in b], False) for b in
-                 plan_buckets([params[i].numel() for i in rest], cap) if b]
-        if kept:  # (beyond/muon.py) of one shape together, dealt whole to the ranks
-            from beyond.muon import plan_whole
-            plans += [([kept[j] for j in b], True) for b in
-                      plan_whole([params[i].shape for i in kept], cap, self.world_size)]
-        buckets = []  # in the order they complete: a bucket's first parameter's gradient last
-        for indices, whole in sorted(plans, key=lambda plan: -min(plan[0])):
-            b = Bucket([params[i] for i in indices], self.rank, self.world_size, self.dtype,
-                       self.device, pad=self.stage >= 1, whole=whole)
-            if self.stage <= 1:
-                b.flat_grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
-                if self.grad_dtype == self.dtype:  # the parameters' .grad are views into it
-                    for p, offset in zip(b.params, b.offsets):
-                        p.grad = b.flat_grad[offset:offset + p.numel()].view_as(p)
-            else:
-                b.grad_shard = torch.zeros(b.hi - b.lo, dtype=self.grad_dtype, device=self.device)
-            buckets.append(b)
-        return buckets
+        """Stages 0-2: buckets of about bucket_mb, last layer first (the order their gradients
+        complete), each with its gradient buffer."""
+        return [self._new_bucket([params[i] for i in b], Bucket)
+                for b in plan_buckets([p.numel() for p in params], self.bucket_cap(params))]
+
+    def bucket_cap(self, params):
+        """--bucket-mb in elements of the working dtype."""
+        return max(1, int(self.bucket_mb * 2**20 / params[0].element_size()))
+
+    def _new_bucket(self, tensors, kind):
+        """A bucket of `kind` (Bucket, or a subclass that lays tensors out otherwise) and its
+        gradient: stages 0-1 the full flat gradient, the parameters' .grad views into it;
+        stage 2 only this rank's reduced slice."""
+        b = kind(tensors, self.rank, self.world_size, self.dtype, self.device,
+                 pad=self.stage >= 1)
+        if self.stage <= 1:
+            b.flat_grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
+            if self.grad_dtype == self.dtype:  # the parameters' .grad are views into it
+                for p, offset in zip(b.params, b.offsets):
+                    p.grad = b.flat_grad[offset:offset + p.numel()].view_as(p)
+        else:
+            b.grad_shard = torch.zeros(b.hi - b.lo, dtype=self.grad_dtype, device=self.device)
+        return b
 
     def _owned_weights(self, b):
         return b.flat[b.lo:b.hi]

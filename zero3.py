@@ -85,10 +85,6 @@ class ZeRO3(ZeRO):
             raise ValueError(f"ZeRO-3 gathers the model a block at a time: declare "
                              f"{type(model).__name__}.blocks(), its repeated layers in forward "
                              "order (see model.py's GPT), or use stage 0-2")
-        if self.whole:
-            what = "block matrix" if self.whole == "matrices" else "tensor"
-            raise ValueError(f"{self.optimizer} steps each {what} whole, and ZeRO-3 shards every "
-                             "tensor over the ranks: use stage 0-2, whole ones per rank")
         in_blocks = {id(t) for blk in blocks for t in list(blk.parameters()) + list(blk.buffers())}
         self.units = [self._make_unit(blk, lambda t: True) for blk in blocks]
         self.root = self._make_unit(model, lambda t: id(t) not in in_blocks, root=True)

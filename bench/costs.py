@@ -45,7 +45,7 @@ from model import GPT
 from machinery.report import peak_flops
 from precision import DTYPES, set_tf32
 from train import model_config
-from machinery.report import traffic_formula, zero_formula
+from zero import traffic_formula, zero_formula
 
 # our configurations are keyed "s<stage>[+ckpt|+sel[K]][+lora|+qlora]" (sel: selective, K:
 # every K-th block); QLoRA is LoRA over an nf4 base (train.py's --lora --quantize nf4); r, alpha

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from bench.common import ROOT, parser, read_metrics, run_train
-from machinery.report import traffic_formula
+from zero import traffic_formula
 
 PARTS = (("params", "weights"), ("grads", "gradients"), ("master", "fp32 master"),
          ("optimizer", "Adam moments"), ("act", "activations (one micro-step)"))

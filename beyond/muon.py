@@ -22,24 +22,29 @@ them, in the same optimizer.
 
 Why ZeRO's flat sharding breaks it: zero.py cuts every bucket into N equal element ranges,
 so a rank owns a piece of a matrix, and the orthogonal factor of a piece is not a piece of
-the orthogonal factor. The layout that fixes it (deal() below, zero.py's whole buckets): the
-block matrices go into buckets of their own, those of one shape together, and each matrix
-is dealt whole into one rank's slice (plan_whole, deal); every slice is padded to the longest.
+the orthogonal factor. The layout that fixes it, WholeZeRO below (zero.py's engine with one
+layout of its own, as zero3.py extends it): the block matrices go into buckets of their own,
+those of one shape together (plan_whole), and each matrix is dealt whole into one rank's
+slice (deal, DealtBucket); every slice is padded to the longest. "Whole" means one thing
+here: a tensor one rank owns all of.
 The reduce-scatter then hands each rank its whole matrices, summed over ranks; the rank
 orthogonalises and steps them; the all-gather publishes them. The traffic is ZeRO's 2Ψ plus
 the padding (none when N divides a shape's number of matrices); the momentum is
 sharded by whole matrices, as ZeRO-1/2 shard AdamW's moments by elements. Stage 0 owns every
-matrix on every rank. ZeRO-3 shards every matrix for the forward too: zero3.py refuses.
+matrix on every rank. ZeRO-3 shards every matrix for the forward too: zero.py's check refuses.
 
-The same layout serves any optimizer whose step reads a tensor whole (optim.reads_whole):
+The same layout serves any optimizer whose step reads a tensor whole (not optim.elementwise):
 torch's Adafactor keeps a matrix's row and column statistics, not one per element, and scales
 each update by norms over the whole tensor, 1-D ones included. There every trainable tensor
-is dealt whole. Its cost: a tensor larger than the others of its bucket (an embedding) makes
-a slice that long on every rank, padding that the reduce-scatter and all-gather carry too.
+is dealt whole (zero.ZeRO refuses such an optimizer in one line that names WholeZeRO). Its
+cost: a tensor larger than the others of its bucket (an embedding) makes a slice that long
+on every rank, padding that the reduce-scatter and all-gather carry too.
 """
 import math
 
 import torch
+
+from zero import Bucket, ZeRO, declared_blocks, plan_buckets
 
 # Newton-Schulz quintic iteration (Jordan et al. 2024): five steps map singular values from
 # (0, 1] to about [0.7, 1.2], cheaper and more robust than the exact polar factor (an SVD)
@@ -62,8 +67,7 @@ def newton_schulz(G, steps=NS_STEPS):
 def block_matrices(model):
     """ids of the 2-D weights inside the model's blocks() (a matrix optimizer's: not the
     embeddings or the head); without blocks(), of every nn.Linear's weight."""
-    blocks = getattr(model, "blocks", None)
-    blocks = blocks() if callable(blocks) else None
+    blocks = declared_blocks(model)
     modules = [m for blk in blocks for m in blk.modules()] if blocks is not None else \
         [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     return {id(p) for m in modules for p in m.parameters(recurse=False) if p.dim() == 2}
@@ -101,11 +105,11 @@ def deal(numels, world_size):
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon for the param groups marked "matrices" (zero.py's whole block matrices), AdamW
+    """Muon for the param groups marked "matrices" (WholeZeRO's whole block matrices), AdamW
     (torch's fused kernel) for the others. Skips a step on the device where found_inf is 1,
     as AdamW's fused kernel does: nothing waits for the flag."""
     _step_supports_amp_scaling = True
-    needs_whole_matrices = True  # zero.py gives each rank whole block matrices
+    needs_whole_matrices = True  # WholeZeRO gives each rank whole block matrices
 
     def __init__(self, groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, momentum=0.95):
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, momentum=momentum,
@@ -136,3 +140,65 @@ class MuonAdamW(torch.optim.Optimizer):
                 if wd:
                     p.mul_(1 - step * wd)
                 p.add_(update * -step)
+
+
+# ----------------------------------------------------------------------------------------------
+# the engine that deals whole tensors
+
+class DealtBucket(Bucket):
+    """zero.py's Bucket with its tensors dealt whole into the ranks' slices (deal), not packed
+    and cut into N equal pieces: every tensor inside one rank's slice."""
+
+    def layout(self, numels, world_size, pad):
+        return deal(numels, world_size)
+
+
+class WholeZeRO(ZeRO):
+    """ZeRO stages 0-2 (zero.py) for an optimizer whose step reads tensors whole. Dealt whole:
+    Muon's block matrices (an optimizer that says needs_whole_matrices; the rest stays in flat
+    buckets, stepped by its AdamW), or for any other optimizer (Adafactor) every trainable
+    tensor. At stage 0 every rank owns every tensor whole already: zero.py's buckets."""
+
+    def __init__(self, model, stage, optimizer="adamw", **kwargs):
+        cls = getattr(optimizer, "func", optimizer)  # functools.partial(torch.optim.Adafactor, ...)
+        muon = optimizer == "muon" or getattr(cls, "needs_whole_matrices", False)
+        # Muon's block matrices, stepped in groups of their own; the tensors dealt whole
+        self.matrices = block_matrices(model) if muon else set()
+        self.dealt = self.matrices if muon else {id(p) for p in model.parameters()}
+        super().__init__(model, stage, optimizer=optimizer, **kwargs)
+
+    def check_optimizer(self, optimizer, stage):
+        """Any optimizer: each gets whole tensors (an elementwise one only pays the padding)."""
+
+    def make_optimizer(self, optimizer, groups, **hyper):
+        if optimizer == "muon":
+            return MuonAdamW(groups, **hyper)
+        return super().make_optimizer(optimizer, groups, **hyper)
+
+    def _make_buckets(self, model, params):
+        """Stages 1-2: the dealt tensors as plan_whole puts them, in DealtBuckets; the rest in
+        zero.py's flat buckets; all in the order they complete (a bucket's first parameter's
+        gradient comes last), so Muon's matrix buckets launch while backward goes on."""
+        if self.stage == 0:
+            return super()._make_buckets(model, params)
+        cap = self.bucket_cap(params)
+        dealt = [i for i, p in enumerate(params) if id(p) in self.dealt]
+        rest = [i for i, p in enumerate(params) if id(p) not in self.dealt]
+        plans = [([rest[j] for j in b], Bucket)
+                 for b in plan_buckets([params[i].numel() for i in rest], cap) if b]
+        plans += [([dealt[j] for j in b], DealtBucket)
+                  for b in plan_whole([params[i].shape for i in dealt], cap, self.world_size)]
+        plans.sort(key=lambda plan: -min(plan[0]))
+        return [self._new_bucket([params[i] for i in indices], kind) for indices, kind in plans]
+
+    def _param_groups(self, weight_decay, decay):
+        """zero.py's two groups, and for Muon the same two again with its whole block matrices,
+        marked "matrices" (MuonAdamW orthogonalises those, AdamW steps the rest)."""
+        groups = super()._param_groups(weight_decay, decay)
+        if not self.matrices:
+            return groups
+        seg = {id(s.master): s for s in self.segments}
+        matrix = lambda m: seg[id(m)].whole and id(seg[id(m)].param) in self.matrices
+        return ([dict(g, params=[m for m in g["params"] if not matrix(m)]) for g in groups]
+                + [dict(g, params=[m for m in g["params"] if matrix(m)], matrices=True)
+                   for g in groups])

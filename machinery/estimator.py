@@ -3,13 +3,11 @@ Guards memory.py's command line: sizes parsed and bounded, a bare --params given
 shape, the estimate printed term by term. The arithmetic itself is footprint.py's.
 """
 import math
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import optim
-from configurator import ConfigError, grad_accum_for, parse_zeropp
-from configurator import config_from, load_preset, make_parser
-from lora import parse_targets
-from machinery.footprint import estimate
+from configurator import ConfigError, config_from, load_preset, make_parser
+from machinery.footprint import for_run
 from machinery.validate import BOUNDS, check_model_args, check_optimizer
 import model as model_py  # model.GPT when called: a fork's edit of it is estimated
 from model import GPTConfig
@@ -237,16 +235,9 @@ def print_run(a, tc, cfg, psi, gpu):
     """memory.py without --advise: the estimate of the run these flags describe."""
     from beyond.activation_dial import Policy
     batch = tc.batch_size if "batch_size" in tc.explicit or not psi else 1
-    r, targets = (tc.lora_rank if tc.lora else 0), parse_targets(tc.lora_targets)
-    # micro-steps per step, as train.py derives them (--batch-tokens: from this micro-batch)
-    accum = grad_accum_for(replace(tc, batch_size=batch, block_size=cfg.block_size), a.world_size)
+    r = tc.lora_rank if tc.lora else 0
+    e = for_run(tc, cfg, a.world_size, psi=psi, batch=batch)  # the estimate train.py checks
     ckpt = Policy(tc.grad_ckpt, tc.grad_ckpt_every)
-    e = estimate(cfg, a.world_size, tc.zero, tc.dtype, batch, cfg.block_size, ckpt, r,
-                 targets, tc.quantize or None, psi, tc.bucket_mb,
-                 fp32_grad_accum=tc.fp32_grad_accum and accum > 1,
-                 zeropp=parse_zeropp(tc.zeropp), node_size=tc.node_size, fp8=tc.fp8,
-                 fp8_history=tc.fp8_amax_history, chunked_loss=tc.chunked_loss,
-                 optimizer=tc.optimizer)
     extras = ((f", {ckpt.flags()}" if ckpt else "") + (f", LoRA r={r} on {tc.lora_targets}"
               if r else "") + (f", {tc.quantize} base" if tc.quantize else "")
               + (", --fp8" if tc.fp8 else ""))

@@ -1,25 +1,29 @@
 """
-The bytes one rank holds, counted on the model itself: memory.py's arithmetic, held to
-measurement by the tests.
+The bytes one rank holds, counted on the model itself: the one memory estimator. memory.py
+prints it, the start-up table prints it beside the measurement (report.py), and a run that
+cannot fit is refused by it before any work (lifecycle.check_memory): all through for_run().
+Held to measurement by the tests.
 
   - Rajbhandari et al. 2019, "ZeRO", Sec. 5: model-state bytes per stage (zero.py implements
     them), (2 + 2 + K)Ψ with K from the optimizer (optim.py)
   - Hu et al. 2021, "LoRA"; Dettmers et al. 2023, "QLoRA" (4-bit NF4 base weights)
 
 Model state is exact: the shapes-only model the flags describe is packed by zero.py's own
-planner (buckets.plan_buckets), padding included, and tests/test_memory.py holds it equal to
-ZeRO.state_bytes(). Activations are activations.py's, per module kind; beside them the
-transients of a step: ZeRO-3's gathered units, the gradient reductions in flight, the loss
-head's working set, the optimizer step's fp32 gradient slice.
+planner (zero.plan_buckets), padding included, and tests/test_memory.py holds it equal to
+ZeRO.state_bytes() (zero.zero_formula is the paper's count, without the padding). Activations
+are activations.py's, per module kind; beside them the transients of a step: ZeRO-3's gathered
+units, the gradient reductions in flight, the loss head's working set, the optimizer step's
+fp32 gradient slice.
 """
 import math
+from dataclasses import replace
 
 import optim
+from configurator import grad_accum_for, parse_zeropp
+from lora import parse_targets
 from quant import QuantizedWeight
 from machinery.activations import BYTES, activation_bytes, head_working_bytes, shapes_model
-from beyond.muon import block_matrices, deal, plan_whole
 from zero import MAX_IN_FLIGHT, plan_buckets
-from beyond.zeropp import working_bytes
 
 # stored bytes per quantized weight, as quant.py stores nf4 by default: two 4-bit codes per byte
 # and an fp32 absmax per block of 64 (4.5 bits). Not modelled: --double-quant, where quant.py
@@ -38,6 +42,9 @@ def param_numels(cfg, build=None):
     """(unit, numel) of every parameter in named_parameters() order (a tied weight once): unit
     is the index of the block (the model's blocks()) that holds it, or "root": ZeRO-3's units."""
     model = shapes_only(cfg, build)
+    if not callable(getattr(model, "blocks", None)):  # a ValueError its callers can catch
+        raise ValueError(f"memory.py counts {type(model).__name__} by its blocks(): declare "
+                         "them (docs/forking.md)")
     block_of = {id(p): i for i, blk in enumerate(model.blocks()) for p in blk.parameters()}
     return [(block_of.get(id(p), "root"), p.numel()) for p in model.parameters()]
 
@@ -107,6 +114,8 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
     the gradient buffer that accumulates micro-steps is fp32 (4 bytes, not 2). optimizer: its
     state bytes per parameter come from optim.STATE_BYTES (AdamW 8, SGD-momentum and Lion 4).
     dealt: each buffer's numels, dealt whole to ranks (beyond/muon.deal) instead of cut in N."""
+    if dealt:
+        from beyond.muon import deal
     E, N, buckets = BYTES[dtype], world_size, buckets or [psi]
     G = 4 if fp32_grad_accum else E  # bytes per gradient element
     assert sum(buckets) == psi, "the buckets must hold exactly psi parameters"
@@ -135,8 +144,9 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
 
 def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32_grad_accum):
     """Model state under --optimizer muon (beyond/muon.py): Muon's momentum (4 bytes) for each
-    block-matrix element, AdamW's moments (8) for the rest; at stages 1-2 zero.py's layout, the
+    block-matrix element, AdamW's moments (8) for the rest; at stages 1-2 WholeZeRO's layout, the
     rest in buckets of bucket_mb, the block matrices as plan_whole() puts them, dealt whole."""
+    from beyond.muon import block_matrices, plan_whole
     model = shapes_only(cfg, build)
     mats = block_matrices(model)
     params = list(model.parameters())  # in named_parameters() order, a tied weight once
@@ -200,6 +210,7 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
             block_bytes = E * math.ceil(block / N) * N
         gathered = E * math.ceil(root / N) * N + (2 if prefetch else 1) * block_bytes
         if zeropp and buckets:  # ZeRO++'s second shards and code buffers (zeropp.py)
+            from beyond.zeropp import working_bytes
             gathered += working_bytes(buckets[1:], N, node_size or N, E, zeropp)
     # stages 2-3 reduce from full-size temporaries; without the real buckets, buckets of the cap
     cap = int(bucket_mb * 2**20 / E) if stage == 2 else 12 * h * h + 13 * h
@@ -213,6 +224,25 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     return {"psi": total, "trainable": trainable, "state": state, "activations": acts,
             "gathered": gathered, "head": head, "in_flight": in_flight, "step": step,
             "fp8_state": fp8_state, "fp8_cast": cast, "peak": peak}
+
+
+def for_run(tc, cfg, world_size, rank=0, psi=None, batch=None, device="cuda"):
+    """estimate() of a train.py run: its flags tc (a TrainConfig) on the model cfg, as rank
+    `rank` of world_size holds it; batch (default: --batch-size) and psi (a bare parameter
+    count) as memory.py asks. The micro-steps per step come as train.py derives them."""
+    batch = batch or tc.batch_size
+    r = tc.lora_rank if tc.lora else 0
+    accum = grad_accum_for(replace(tc, batch_size=batch, block_size=cfg.block_size), world_size)
+    ckpt = False
+    if tc.grad_ckpt != "none":  # a technique from after the lecture: asked for by the flag
+        from beyond.activation_dial import Policy
+        ckpt = Policy(tc.grad_ckpt, tc.grad_ckpt_every)
+    return estimate(cfg, world_size, tc.zero, tc.dtype, batch, cfg.block_size, ckpt, r,
+                    parse_targets(tc.lora_targets), tc.quantize or None, psi, tc.bucket_mb, rank,
+                    fp32_grad_accum=tc.fp32_grad_accum and accum > 1,
+                    zeropp=parse_zeropp(tc.zeropp), node_size=tc.node_size, fp8=tc.fp8,
+                    fp8_history=tc.fp8_amax_history, chunked_loss=tc.chunked_loss,
+                    optimizer=tc.optimizer, prefetch=tc.prefetch, device=device)
 
 
 def reduce_in_flight_bytes(buckets, stage, world_size, dtype):

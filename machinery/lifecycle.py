@@ -1,7 +1,6 @@
 """
 Guards how a run starts and ends: signals, agreed stops, one-line errors, a clean teardown.
 
-  - every rank starts from the same weights, or is refused in one line
   - SIGTERM (a preemption) or Ctrl-C asks every rank to finish its step, save and exit 0
   - a run whose every step overflows stops, with the reason, before it saves NaN weights
   - --nan-at makes one rank's loss NaN at one step: the lesson in skipped steps
@@ -23,23 +22,6 @@ from configurator import ConfigError
 from machinery import rundir, validate
 # train.py's, through this module: the run's metrics.jsonl and its folder's lock
 from machinery.rundir import Metrics, RunDirError, releasing_locks
-
-
-@torch.no_grad()
-def check_same_weights(tensors, world_size, group=None):
-    """Every rank must start from the same weights: ZeRO would otherwise mix them, shard by
-    shard. One all-gather of each tensor's sum and sum of squares (float64); a mismatch is one
-    line, on every rank."""
-    if world_size == 1 or not tensors:
-        return
-    mine = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()])
-                        for t in tensors]).reshape(-1)
-    every = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(every, mine, group=group)
-    bad = [r for r, theirs in enumerate(every) if not torch.equal(theirs, every[0])]
-    if bad:
-        raise ValueError(f"rank {bad[0]} holds other initial weights than rank 0: build the "
-                         "model alike on every rank (the same torch.manual_seed before it)")
 
 
 def stop_on_signals():
@@ -135,26 +117,28 @@ def free_bytes(device):
         return None
 
 
-def least_bytes(cfg, world_size=1):
-    """Half of what one rank of this run allocates at least (so a refusal is never a close
-    call): the blocks' weights (12·L·h² parameters, ZeRO-3: a 1/N share; a 4-bit base: half a
-    byte each), and the activations a step saves for backward, Korthikanti et al.'s ~17
-    elements per token and width per block (each block's input alone under --grad-ckpt)."""
-    e = 4 if cfg.dtype == "fp32" else 2
-    L, h, tokens = cfg.n_layer, cfg.n_embd, cfg.batch_size * cfg.block_size
-    weights = 12 * L * h * h * (0.5 if cfg.quantize == "nf4" else e)
-    weights /= world_size if cfg.zero == 3 else 1
-    per_block = (1 if cfg.grad_ckpt == "full" else 17) * tokens * h * e
-    return (weights + L * per_block) / 2
-
-
 def check_memory(cfg, device):
-    """A ConfigError, before any work, when this run cannot fit in the memory it has (its
-    least_bytes times the ranks sharing a host)."""
+    """A ConfigError, before any work, when this run cannot fit in the memory it has: half of
+    memory.py's estimate of one rank's peak (footprint.for_run, the one estimator) times the
+    ranks sharing a host, so that a refusal is never a close call. The data set, and with it
+    the vocabulary, is not read yet: the estimate takes the smallest, a need at least."""
+    from dataclasses import asdict
+    from machinery.footprint import for_run
+    from machinery.validate import check_model_args
+    from model import GPT, GPTConfig
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if device.type == "cpu" else 1
-    need, free = least_bytes(cfg, world_size) * ranks, free_bytes(device)
-    if free is not None and need > free:
+    free = free_bytes(device)
+    if free is None:
+        return
+    try:
+        shape = GPTConfig(arch=GPT.ARCH, block_size=cfg.block_size, vocab_size=1, bias=cfg.bias,
+                          n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd)
+        check_model_args(asdict(shape))  # validate.BOUNDS: no model of 10^5 layers to walk
+        need = for_run(cfg, shape, world_size, device=device.type)["peak"] / 2 * ranks
+    except ValueError:  # flags the model cannot be built from: check_run's one line follows
+        return
+    if need > free:
         where = f"{ranks} ranks on this host" if ranks > 1 else f"this {device.type}"
         raise ConfigError(f"--batch-size {cfg.batch_size} x --block-size {cfg.block_size} on "
                           f"{cfg.n_layer} x {cfg.n_embd}: {where} needs over {need / 1e9:.3g} GB, "

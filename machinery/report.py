@@ -4,10 +4,11 @@ Guards the lecture's claim: every number is measured and printed beside the pape
 train.py calls these in one line each. They read the run, never change it:
 
   1. the start-up table: the model state each rank holds, measured (ZeRO.state_bytes)
-     beside the ZeRO paper's formula (zero_formula)
+     beside memory.py's estimate (footprint.for_run, the one estimator) and the ZeRO paper's
+     formula (zero.zero_formula)
   2. the bytes saved for backward in the first micro-step (meter.py)
   3. one row per logged step: loss, time, MFU, loss scale, skipped steps, the gradient
-     norm, and the traffic measured beside the paper's 2Ψ or 3Ψ (traffic_formula)
+     norm, and the traffic measured beside the paper's 2Ψ or 3Ψ (zero.traffic_formula)
   4. the replica check at the end: data parallelism's invariant, all weights bitwise equal
 
 The same rows go to metrics.jsonl (rundir.Metrics), one JSON object per row.
@@ -19,78 +20,60 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-import optim
 from collectives import all_reduce_sum
 from machinery import meter
-
-# ----------------------------------------------------------------------------------------------
-# the paper's numbers
-
-def zero_formula(psi, stage, world_size, dtype, optimizer="adamw"):
-    """The ZeRO paper's model-state bytes per rank for Ψ parameters, (2 + 2 + K)Ψ.
-
-    K = 12 in 16 bits with AdamW: an fp32 master (4) and two fp32 moments (8).
-    The optimizer's part of K is optim.STATE_BYTES (AdamW 8, SGD and Lion 4).
-    In fp32 a weight and a gradient are 4 bytes each, and there is no master copy:
-    the fp32 weights are the master."""
-    w = 4 if dtype == torch.float32 else 2  # bytes of a working weight / gradient
-    k = optim.STATE_BYTES[optimizer] + (0 if dtype == torch.float32 else 4)  # + the master
-    sharded = lambda by_stage: world_size if stage >= by_stage else 1
-    opt, grads = k * psi / sharded(1), w * psi / sharded(2)
-    params = w * psi / sharded(3)
-    return {"params": params, "grads": grads, "optimizer_side": opt,
-            "total": params + grads + opt}
-
-
-def traffic_formula(psi, stage, world_size, grad_accum=1, frozen=0):
-    """Elements each rank sends per optimizer step, as the ZeRO paper counts them.
-
-      stages 0-1  2Ψ: a reduce-scatter and an all-gather (an all-reduce is both)
-      stage 2     (accum + 1)Ψ: it reduce-scatters on every micro-step
-      stage 3     3Ψ per micro-step: gather, re-gather, reduce-scatter
-
-    Our stage 3 measures a little less: the root unit skips its backward gather.
-    Stage 3 also gathers `frozen` elements (LoRA's base) twice per micro-step."""
-    if world_size == 1:
-        return 0
-    per_psi = {0: 2, 1: 2, 2: grad_accum + 1, 3: 3 * grad_accum}[stage]
-    return per_psi * psi + (stage == 3) * 2 * grad_accum * frozen
-
+from zero import traffic_formula, zero_formula
 
 # ----------------------------------------------------------------------------------------------
 # 1. the start-up table
 
-def model_state_report(zero, world_size):
+def model_state_report(zero, world_size, estimate=None):
     """What each rank holds (ZeRO.state_bytes(), gathered from every rank: a collective)
-    beside the ZeRO paper's formula: (a table that fits 80 columns, a metrics.jsonl row)."""
+    beside memory.py's estimate of this rank's (footprint's state dict; None: not shown) and
+    the ZeRO paper's formula: (a table that fits 80 columns, a metrics.jsonl row)."""
     held = zero.state_bytes()
     per_rank = [held] * world_size
     if world_size > 1:
         dist.all_gather_object(per_rank, held)
     paper = zero_formula(zero.psi, zero.stage, world_size, zero.dtype, zero.optimizer)
     master = "fp32 master + " if zero.dtype != torch.float32 else ""
-    pairs = [("weights", held["params"], paper["params"], ""),
-             ("gradients", held["grads"], paper["grads"], ""),
-             ("optimizer side", held["master"] + held["optimizer"], paper["optimizer_side"],
+    side = lambda state: state["master"] + state["optimizer"]
+    est = estimate or {}
+    pairs = [("weights", held["params"], est.get("params"), paper["params"], ""),
+             ("gradients", held["grads"], est.get("grads"), paper["grads"], ""),
+             ("optimizer side", side(held), estimate and side(estimate), paper["optimizer_side"],
               f"{master}{zero.optimizer} state"),
-             ("total", held["total"], paper["total"], "")]
+             ("total", held["total"], est.get("total"), paper["total"], "")]
+    mib = lambda n: f"{n / 2**20:>6.2f} MiB  "
     lines = [f"model state per rank, ZeRO-{zero.stage} on {world_size} rank(s), Ψ = "
-             f"{zero.psi:,} trainable:", f"  {'':16}{'measured':>10}  {'ZeRO paper':>10}"]
-    lines += [f"  {name:16}{ours / 2**20:>6.2f} MiB  {p / 2**20:>6.2f} MiB  {note}".rstrip()
-              for name, ours, p, note in pairs]
+             f"{zero.psi:,} trainable:", f"  {'':16}{'measured':>10}  "
+             + (f"{'memory.py':>10}  " if estimate else "") + f"{'ZeRO paper':>10}"]
+    lines += [(f"  {name:16}{mib(ours)}" + (mib(guess) if estimate else "") + mib(p)
+               + note).rstrip() for name, ours, guess, p, note in pairs]
     row = {"event": "model_state", "psi": zero.psi, "stage": zero.stage,
            "world_size": world_size, "per_rank": per_rank, "formula": paper,
-           "optimizer": zero.optimizer}
+           "estimate": estimate, "optimizer": zero.optimizer}
     return "\n".join(lines), row
 
 
 def start(cfg, model, zero, metrics, print0):
     """The run's first rows: the start-up table (printed and logged with the whole
     configuration), then, once the first micro-step has run, its activations."""
-    line, row = model_state_report(zero, zero.world_size)
+    line, row = model_state_report(zero, zero.world_size, estimated_state(cfg, model, zero))
     print0(line)
     metrics.log({**row, "dtype": cfg.dtype, "config": asdict(cfg)})
     meter_first_forward(model, cfg, print0, metrics)
+
+
+def estimated_state(cfg, model, zero):
+    """memory.py's estimate of the model state this rank holds (footprint.for_run), or None
+    for a model it cannot count (no blocks(), a module activations.py has no entry for)."""
+    from machinery.footprint import for_run
+    try:
+        return for_run(cfg, model.config, zero.world_size, zero.rank,
+                       device=zero.device.type)["state"]
+    except ValueError:
+        return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -157,12 +157,17 @@ def run_train(argv, nproc=1, wrap=None):
 
 
 def make_zero(model, stage, **kwargs):
-    """ZeRO for stages 0-2, ZeRO3 for stage 3 (train.build picks the same way)."""
+    """ZeRO for stages 0-2, ZeRO3 for stage 3, beyond/muon.py's WholeZeRO at stages 0-2 for an
+    optimizer that reads tensors whole (train.make_engine picks the same way)."""
+    import optim
     from zero import ZeRO
     from zero3 import ZeRO3
     if stage == 3:
         return ZeRO3(model, 3, **kwargs)
     kwargs.pop("prefetch", None)
+    if not optim.elementwise(kwargs.get("optimizer", "adamw")):
+        from beyond.muon import WholeZeRO
+        return WholeZeRO(model, stage, **kwargs)
     return ZeRO(model, stage, **kwargs)
 
 

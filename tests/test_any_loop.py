@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from conftest import make_zero, run_distributed, zero_step
 from precision import GradScaler
+from beyond.muon import WholeZeRO
 from zero import ZeRO
 
 STEPS, B, D = 4, 4, 8
@@ -68,16 +69,18 @@ def one_process(name, world_size):
 
 def check_plain_loop(rank, world_size):
     """The loop a forker writes, at every stage, with torch.optim.SGD, AdamW(fused=False) and
-    Adafactor: equal to one process with the same optimizer, to 1e-6 (fp32). Adafactor is
-    dealt whole tensors at stages 1-2 (tensors of a shape N a bucket, or all in one; either
-    way every rank owns some), and ZeRO-3, which shards every tensor, refuses it in one line."""
+    Adafactor: equal to one process with the same optimizer, to 1e-6 (fp32). Adafactor goes to
+    beyond/muon.py's WholeZeRO, dealt whole tensors at stages 1-2 (tensors of a shape N a
+    bucket, or all in one; either way every rank owns some), and ZeRO-3, which shards every
+    tensor, refuses it in one line."""
     runs = [(name, stage, 1e-4) for name in OPTIMIZERS for stage in (0, 1, 2, 3)]
     for name, stage, bucket_mb in runs + [("adafactor", 1, 1.0), ("adafactor", 2, 1.0)]:
         want = one_process(name, world_size)
         torch.manual_seed(0)
         model = (ToyBlocks if stage == 3 else Toy)()
         if name == "adafactor" and stage == 3:
-            with pytest.raises(ValueError, match="Adafactor steps each tensor whole, and ZeRO-3 shards"):
+            with pytest.raises(ValueError, match="Adafactor steps each tensor whole, and "
+                               "ZeRO-3 shards every tensor over the ranks: use stage 0-2"):
                 make_zero(model, 3, optimizer=OPTIMIZERS[name], rank=rank,
                           world_size=world_size)
             continue
@@ -199,8 +202,8 @@ def test_a_gradient_replaced_after_backward_is_refused_not_ignored():
 
 def test_optimizers_by_name_class_and_function_and_the_skip():
     """torch's for-loop AdamW (which refuses found_inf) skips an inf step through the engine;
-    Adafactor, a class, factors the whole matrices stage 0 hands it and equals one process;
-    lr=None keeps the optimizer's own."""
+    Adafactor, a class, factors the whole matrices WholeZeRO's stage 0 hands it and equals one
+    process; lr=None keeps the optimizer's own."""
     torch.manual_seed(0)
     model = Toy()
     zero = ZeRO(model, 0, optimizer=OPTIMIZERS["adamw"], weight_decay=0.0)
@@ -215,7 +218,8 @@ def test_optimizers_by_name_class_and_function_and_the_skip():
         torch.manual_seed(0)
         model = Toy()
         if engine:
-            zero = ZeRO(model, 0, optimizer=torch.optim.Adafactor, weight_decay=0.0, lr=1e-2)
+            zero = WholeZeRO(model, 0, optimizer=torch.optim.Adafactor, weight_decay=0.0,
+                             lr=1e-2)
             assert zero.opt.param_groups[0]["lr"] == 1e-2 and zero.optimizer == "Adafactor"
         else:
             opt = torch.optim.Adafactor(model.parameters(), lr=1e-2, weight_decay=0.0)
@@ -251,17 +255,25 @@ def test_zero3_without_blocks_is_one_line():
         make_zero(Toy(), 3)
 
 
-def test_whole_is_read_or_refused_in_one_line():
-    """whole= overrides what the optimizer's class says; a misspelt value is refused."""
-    with pytest.raises(ValueError, match="whole='tensor': use one of \\(None, 'matrices', "):
-        ZeRO(Toy(), 1, whole="tensor")
-    with pytest.raises(ValueError, match="whole=False: use one of .* with Muon"):
-        ZeRO(Toy(), 1, optimizer="muon", whole=False)  # it would run AdamW alone
-    assert ZeRO(Toy(), 1, optimizer=torch.optim.Adafactor).whole == "tensors"  # by its class
-    assert ZeRO(Toy(), 1, optimizer=torch.optim.Adafactor, whole=False).whole is None
-    assert ZeRO(Toy(), 1, optimizer=OPTIMIZERS["sgd"]).whole is None  # a partial: its class
-    assert ZeRO(Toy(), 1, optimizer=lambda g: torch.optim.SGD(g, lr=0.1),
-                whole="tensors").whole == "tensors"
+def test_an_optimizer_that_reads_whole_tensors_is_refused_by_zero_in_one_line():
+    """zero.ZeRO hands flat pieces: Muon, or a class that is not elementwise (Adafactor, a
+    partial's class too), is refused at every stage in one line that names WholeZeRO; an
+    elementwise class or a function of the groups is stepped as flat pieces. WholeZeRO deals
+    Muon's block matrices whole and anything else's every tensor."""
+    for optimizer in ("muon", torch.optim.Adafactor, OPTIMIZERS["adafactor"]):
+        for stage in (0, 1, 2):
+            with pytest.raises(ValueError, match="steps each tensor whole, and zero.ZeRO steps "
+                               "flat pieces of buckets: use beyond.muon.WholeZeRO"):
+                ZeRO(Toy(), stage, optimizer=optimizer)
+    assert ZeRO(Toy(), 1, optimizer=OPTIMIZERS["sgd"]).optimizer == "SGD"  # a partial's class
+    assert ZeRO(Toy(), 1, optimizer=lambda g: torch.optim.SGD(g, lr=0.1)).optimizer == "<lambda>"
+    model = ToyBlocks()
+    whole = WholeZeRO(model, 1, optimizer=lambda g: torch.optim.Adafactor(g, lr=1e-2))
+    assert whole.dealt == {id(p) for p in model.parameters()} and not whole.matrices
+    assert all(s.whole for s in whole.segments)
+    muon = WholeZeRO(ToyBlocks(), 1, optimizer="muon")  # the blocks' matrices, grouped
+    assert len(muon.matrices) == 3 and [g["matrices"] for g in muon.opt.param_groups] == \
+        [False, False, True, True]
 
 
 @pytest.mark.parametrize("fresh", [True, False])

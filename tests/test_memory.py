@@ -18,7 +18,7 @@ from machinery.footprint import bucket_sizes, estimate, model_state_bytes, param
 from memory import advise, main
 from model import GPT, GPTConfig
 from machinery.meter import saved_activation_bytes
-from machinery.report import zero_formula
+from zero import zero_formula
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # n_embd 9: every bucket has an odd size, so on 2 ranks the last one owns padding
@@ -245,3 +245,32 @@ def test_zero3_activations_count_no_weights():
         zero.backward(loss)
         measured.append(out[0])
     assert measured[0] == measured[1] > 0
+
+
+@pytest.mark.parametrize("flags", [["--zero", "2"], ["--zero", "1", "--lora"],
+                                   ["--zero", "0", "--optimizer", "sgd"]])
+def test_the_console_and_the_memory_check_call_memory_pys_estimate(flags, monkeypatch):
+    """One estimator (footprint.for_run): the start-up table's memory.py column is its model
+    state, equal to what the engine holds to the byte; check_memory refuses, in one line, the
+    run whose half peak by that same estimate exceeds the free memory, and lets pass the one
+    a byte under it."""
+    from configurator import ConfigError
+    from machinery import lifecycle, report
+    from machinery.footprint import for_run
+    from train import build
+    cfg = parse_args(["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
+                      "--batch-size", "3", "--device", "cpu", *flags])
+    model, zero, _ = build(cfg, 40, torch.device("cpu"), torch.float32)
+    est = report.estimated_state(cfg, model, zero)
+    assert est == zero.state_bytes()
+    table, row = report.model_state_report(zero, 1, est)
+    assert "memory.py" in table.splitlines()[1] and row["estimate"] == est
+    shape = GPTConfig(block_size=16, vocab_size=1, n_layer=2, n_head=2, n_embd=32,
+                      bias=cfg.bias)  # before the data: the smallest vocabulary
+    half = for_run(cfg, shape, 1, device="cpu")["peak"] / 2
+    monkeypatch.setattr(lifecycle, "free_bytes", lambda device: half)
+    lifecycle.check_memory(cfg, torch.device("cpu"))  # fits, just
+    monkeypatch.setattr(lifecycle, "free_bytes", lambda device: half - 1)
+    with pytest.raises(ConfigError, match="--batch-size 3 x --block-size 16 on 2 x 32: this cpu "
+                       "needs over"):
+        lifecycle.check_memory(cfg, torch.device("cpu"))

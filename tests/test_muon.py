@@ -1,9 +1,9 @@
-"""Muon under ZeRO (beyond/muon.py): Newton-Schulz gives an orthogonal factor; ZeRO stages 1-2
-hand each rank whole block matrices (dealt whole into its slice of a bucket), so 1 rank and
-2 ranks take the same steps (fp32, to 1e-6); k steps + save + resume + k steps == 2k steps
-bitwise at stages 0-2, consolidated and sharded, resharded from 2 ranks to 1; ZeRO-3 refuses
-it in one line; the model state holds Muon's momentum per matrix and AdamW's moments for the
-rest."""
+"""Muon under ZeRO (beyond/muon.py): Newton-Schulz gives an orthogonal factor; WholeZeRO's
+stages 1-2 hand each rank whole block matrices (dealt whole into its slice of a bucket), so
+1 rank and 2 ranks take the same steps (fp32, to 1e-6); k steps + save + resume + k steps ==
+2k steps bitwise at stages 0-2, consolidated and sharded, resharded from 2 ranks to 1;
+ZeRO-3 refuses it in one line; the model state holds Muon's momentum per matrix and AdamW's
+moments for the rest."""
 import pytest
 import torch
 
@@ -83,7 +83,7 @@ def _runs(rank, world_size, tmp):
     for stage in (0, 1, 2):
         model, zero = engine(stage, rank, world_size)
         if stage:  # each rank owns whole block matrices, and Muon's momentum for them only
-            mats = [s for s in zero.segments if s.block_matrix]
+            mats = [s for s in zero.segments if id(s.param) in zero.matrices]
             assert mats and all(s.whole for s in mats)
             mine = {s.name for s in mats}
             every = [mine] * world_size
@@ -110,7 +110,8 @@ def _runs(rank, world_size, tmp):
             for k in out[stage]:
                 assert torch.equal(out[stage][k], resumed[k]), (stage, k)
             torch.save(out[stage], f"{tmp}/n{world_size}s{stage}.pt")
-    with pytest.raises(ValueError, match="muon steps each block matrix whole, and ZeRO-3 shards every tensor"):
+    with pytest.raises(ValueError, match="muon steps each tensor whole, and ZeRO-3 shards every "
+                       "tensor over the ranks: use stage 0-2"):
         engine(3, rank, world_size)
 
 

@@ -8,13 +8,14 @@ import torch
 
 import checkpoint
 import optim
+from beyond.muon import MuonAdamW
 from checkpoint import CheckpointError
 from conftest import make_zero, run_distributed, zero_step
 from data.loader import get_batch
 from precision import GradScaler
 from test_zero import B, DATA, SEED, T, make_model
 from machinery import pieces
-from machinery.report import zero_formula
+from zero import zero_formula
 
 
 def lion_reference(p, g, m, lr, betas, wd):
@@ -55,8 +56,10 @@ def test_state_is_made_by_the_optimizer_and_a_first_skip_changes_nothing(name):
     runs = []
     for init in (False, True):
         p = torch.ones(20)
-        opt = optim.build(name, [{"params": [p], "weight_decay": 0.0}], lr=1e-2,
-                          betas=(0.9, 0.95), eps=1e-8)
+        groups, hyper = [{"params": [p], "weight_decay": 0.0}], dict(lr=1e-2, betas=(0.9, 0.95),
+                                                                    eps=1e-8)
+        # Muon's is built with its layout (beyond/muon.py's WholeZeRO), AdamW on a 1-D tensor
+        opt = MuonAdamW(groups, **hyper) if name == "muon" else optim.build(name, groups, **hyper)
         if init:
             optim.init_state(opt, [p])
             assert pieces.opt_state_keys(opt, p) == {"adamw": ["exp_avg", "exp_avg_sq"],

@@ -19,8 +19,7 @@ from model import GPT, GPTConfig
 from precision import GradScaler
 from data.loader import get_batch
 from collectives import Traffic
-from zero import ZeRO
-from machinery.report import zero_formula
+from zero import ZeRO, zero_formula
 
 # 2 layers, n_embd 10, vocab 13, bias: Ψ = 2,890 (tied wte counted once) -- not a multiple of 4
 CFG = dict(block_size=8, vocab_size=13, n_layer=2, n_head=2, n_embd=10, dropout=0.0, bias=True)
