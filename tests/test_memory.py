@@ -216,7 +216,7 @@ def test_advise_prints_a_command_train_py_accepts(capsys):
     assert ("= weights 14.00 + gradients 14.00 + master and optimizer 84.00: 16 B/parameter, "
             "the lecture's; + 28.00 in the optimizer step") in out and ": 20 B/parameter" in out
     assert "3. ZeRO-2 on 8 GPUs" in out and "4. ZeRO-3 on 8 GPUs" in out
-    assert "5. a sequence moves Ψ/5 on ZeRO-2, 3Ψ/6 on ZeRO-3: ZeRO-2" in out
+    assert "5. a sequence moves Ψ/4 on ZeRO-2, 3Ψ/5 on ZeRO-3: ZeRO-2" in out
     assert "6. the lecture's flowchart goes to ZeRO-3" in out
     # ... ZeRO-3 where the 16-bit weights do not fit, then checkpointing, then LoRA: on
     # ZeRO-3, which shards the frozen base too
