@@ -14,9 +14,6 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from beyond.chunked_loss import chunk_rows
-from beyond.activation_dial import policy
-from beyond.fp8 import FP8Linear, convert as fp8_convert
 from lora import LoRALinear, apply_lora
 import model as model_py
 from model import GPT, MLP, CausalSelfAttention, LayerNorm
@@ -42,7 +39,9 @@ def shapes_model(cfg, build=None, lora_rank=0, lora_targets=(), fp8=False):
             if lora_rank:
                 apply_lora(model, lora_rank, targets=lora_targets)
             if fp8:  # the block linears' products in FP8 (fp8.py)
-                fp8_convert(model)
+                from beyond.fp8 import FP8Linear, convert
+                SAVED.setdefault(FP8Linear, linear)  # priced as any linear (linear())
+                convert(model)
         if len(_MODELS) >= 4:
             _MODELS.pop(next(iter(_MODELS)))
         _MODELS[key] = model
@@ -75,9 +74,28 @@ def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_
     E = BYTES[dtype]
     flow = Flow(batch, seq, E, stat=4 if device == "cuda" else E, live=False)
     flow.chunked_loss = chunked_loss  # the loss head: model.py's plain one, or chunked
-    outside, blocks = SAVED[type(model)](model, flow, policy(grad_ckpt))
+    plan = NO_CHECKPOINT  # beyond/ is imported only when a flag asks for its technique
+    if grad_ckpt and grad_ckpt != "none":
+        from beyond.activation_dial import policy
+        plan = policy(grad_ckpt)
+    outside, blocks = SAVED[type(model)](model, flow, plan)
     return {"layer": blocks[-1], "outside": outside, "per_layer": sum(blocks[-1].values()),
             "total": sum(sum(t.values()) for t in blocks) + sum(outside.values())}
+
+
+class NoCheckpoint:
+    """No block checkpointed: what beyond/activation_dial.py's Policy("none") answers, without
+    importing it for a run that checkpoints nothing."""
+    kind = "none"
+
+    def applies(self, i):
+        return False
+
+    def __bool__(self):
+        return False
+
+
+NO_CHECKPOINT = NoCheckpoint()
 
 
 class Flow:
@@ -123,7 +141,8 @@ def linear(name, m, flow):
     adapter keeps A's output (r wide per adapted slice) for B's gradient. An FP8 product keeps
     its two fp32 scales whenever autograd records it."""
     lora = isinstance(m, LoRALinear)
-    fp8 = isinstance(m, FP8Linear) or (lora and m.base_matmul is not None)
+    # by its name: beyond/fp8.py is imported only under --fp8
+    fp8 = type(m).__name__ == "FP8Linear" or (lora and m.base_matmul is not None)
     terms, width = {}, m.weight.shape[-1]
     if fp8 and (flow.live or m.weight.requires_grad):  # autograd records the product
         terms[f"{name}: FP8 scales (2 fp32)"] = 8
@@ -214,7 +233,7 @@ def gpt(model, flow, grad_ckpt):
 # What each kind of module saves for backward. A fork with other layers adds its own entries
 # (tests/test_fork.py does, for a Llama-style model); walk() names a missing one.
 SAVED = {GPT: gpt, LayerNorm: layer_norm, CausalSelfAttention: attention, MLP: mlp,
-         nn.Linear: linear, QuantLinear: linear, LoRALinear: linear, FP8Linear: linear}
+         nn.Linear: linear, QuantLinear: linear, LoRALinear: linear}  # FP8Linear: shapes_model
 
 
 def fp8_terms(layer, rows, h, lora):
@@ -278,5 +297,6 @@ def head_working_bytes(cfg, batch, seq, dtype, chunked_loss=False):
     grad = BYTES[dtype] * batch * seq * cfg.padded_vocab
     if not chunked_loss:
         return grad + 3 * 4 * batch * seq * cfg.vocab_size
+    from beyond.chunked_loss import chunk_rows
     rows = min(batch * seq, chunk_rows(cfg.vocab_size))
     return grad + 2 * 4 * rows * cfg.vocab_size

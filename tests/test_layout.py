@@ -144,20 +144,21 @@ def test_train_py_leans_on_at_most_two_machinery_modules():
     assert len(machinery) <= 2, sorted(machinery)
 
 
-def test_a_default_run_builds_nothing_from_beyond():
-    """train.build at the default flags (and at --zero 2 --bf16): every module it loads is the
-    lecture's. beyond/ is reached only when a flag asks (test_the_core_reaches_beyond_only_...)."""
+def test_a_default_run_loads_nothing_from_beyond(data_root, tmp_path):
+    """train.py at the default flags, from its start-up table to its last checkpoint, and
+    train.build at --zero 2 --bf16: every module loaded is the lecture's or the machinery's.
+    beyond/ is reached only when a flag asks (test_the_core_reaches_beyond_only_...)."""
+    tiny = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "8"]
     code = ("import sys, torch, train; from configurator import parse_args; "
             "from precision import DTYPES\n"
-            "for argv in ([], ['--zero', '2', '--bf16']):\n"
-            "    cfg = parse_args(argv + ['--n-layer', '1', '--n-embd', '16', '--n-head', '2',"
-            " '--block-size', '8'])\n"
-            "    train.build(cfg, 65, torch.device('cpu'), DTYPES[cfg.dtype])\n"
-            "print(' '.join(m for m in sys.modules if m.split('.')[0] == 'beyond'))")
+            f"train.main({tiny + ['--max-iters', '2', '--eval-iters', '1', '--batch-size', '2', '--data-root', data_root, '--dataset', 'tiny', '--out-dir', str(tmp_path), '--device', 'cpu']!r})\n"
+            f"cfg = parse_args({tiny + ['--zero', '2', '--bf16']!r})\n"
+            "train.build(cfg, 65, torch.device('cpu'), DTYPES[cfg.dtype])\n"
+            "print('beyond:', *(m for m in sys.modules if m.split('.')[0] == 'beyond'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [], out.stdout
+    assert out.stdout.splitlines()[-1] == "beyond:", out.stdout.splitlines()[-1]
 
 
 def test_no_import_cycle():
