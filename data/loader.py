@@ -190,7 +190,9 @@ def changed_data(saved, identity, path, world_size):
             changes.append(f"{key} has other bytes of the same size (sha256 "
                            f"{str(was.get('sha256'))[:12]}... -> {now['sha256'][:12]}...)")
         else:
-            size = f"{was['bytes']:,}" if isinstance(was, dict) and "bytes" in was else "?"
+            # a header is data from disk: a size that is not a number is printed as "?"
+            size = was.get("bytes") if isinstance(was, dict) else None
+            size = f"{size:,}" if isinstance(size, int) else "?"
             changes.append(f"{key} {size} -> {now['bytes']:,} bytes")
     line = f"the data changed since {path} was saved: {'; '.join(changes)}" if changes else None
     return agreed_error(all_gather_object(line, world_size),

@@ -260,6 +260,22 @@ def test_1_a_checkpoint_from_before_data_identities_resumes_as_before(data_root,
     assert not [r for r in rows(out) if r.get("event") == "new_data"]
 
 
+def test_1_the_saved_identity_is_read_as_data_from_disk():
+    from data.loader import changed_data
+    now = {"vocab": "char:ab", "train.bin": {"bytes": 8, "sha256": "f" * 64},
+           "val.bin": {"bytes": 4, "sha256": "e" * 64}}
+    assert changed_data(None, now, "ckpt", 1) is None  # from before identities: no compare
+    assert changed_data(dict(now), now, "ckpt", 1) is None
+    odd = {"vocab": "char:ab", "train.bin": {"bytes": "8"}, "val.bin": [4]}
+    assert changed_data(odd, now, "ckpt", 1) == ("the data changed since ckpt was saved: "
+                                                 "train.bin ? -> 8 bytes; val.bin ? -> 4 bytes")
+    assert "a list, not a dict" in changed_data([], now, "ckpt", 1)
+    other = dict(now, vocab="char:ba", **{"val.bin": {"bytes": 4, "sha256": "d" * 64}})
+    assert changed_data(other, now, "ckpt", 1) == (
+        "the data changed since ckpt was saved: vocabulary char:ba -> char:ab; val.bin has "
+        "other bytes of the same size (sha256 dddddddddddd... -> eeeeeeeeeeee...)")
+
+
 # ----------------------------------------------------------------------------------------------
 # what already held, and holds
 
