@@ -69,6 +69,9 @@ class TrainConfig:
     keep_last: int = opt(2, "keep the newest K checkpoints in out_dir", check="int >= 1")
     resume: bool = opt(False, "carry on from the newest checkpoint in out_dir "
                               "(start fresh if there is none)")
+    accept_new_data: bool = opt(False, "--resume on data other than the checkpoint's (its "
+                                       "train.bin / val.bin sizes and sha256): go on, and "
+                                       "record the change in metrics.jsonl")
     archive: bool = opt(False, "a new run where an earlier one left its history: move that "
                                "run into OUT_DIR/archive-N/ first (nothing is deleted)")
     take_over_lock: bool = opt(False, "take OUT_DIR/lock over from a run this host cannot "

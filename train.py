@@ -29,7 +29,7 @@ import torch.distributed as dist
 import checkpoint
 from checkpoint import CheckpointError
 from configurator import SCHEDULE, ConfigError, TrainConfig, grad_accum_for, parse_args
-from data.loader import Batches, estimate_loss, load_data
+from data.loader import Batches, changed_data, data_identity, estimate_loss, load_data
 from lora import apply_lora
 from machinery import lifecycle, report  # the run's guards; its numbers, measured
 from model import GPT, GPTConfig
@@ -294,6 +294,7 @@ def main(argv=None):
         from machinery import pretrained
         init, init_hf, base_meta = pretrained.open_init(cfg)
     train, val, meta = load_data(cfg, rank, world_size, base_meta)
+    data_id = data_identity(cfg, train, val, meta, world_size)  # the bytes a resume compares
     if init_hf:
         pretrained.check_vocab(meta, base_meta, cfg)
     grad_accum = grad_accum_for(cfg, world_size)  # --batch-tokens: needs the block size
@@ -313,9 +314,11 @@ def main(argv=None):
            f"{zero.psi:,} trainable")
 
     # resume: read and check everything before touching any file of the run
-    start_it, ckpt, note = resume(cfg, zero, model, scaler, gptconf, meta, print0)
+    start_it, ckpt, note, new_data = resume(cfg, zero, model, scaler, gptconf, meta, data_id,
+                                            print0)
     header = {"config": asdict(cfg), "model_args": asdict(gptconf), "meta": meta,
-              "base_id": model.base_id}  # what an adapter of this run loads onto
+              "base_id": model.base_id,  # what an adapter of this run loads onto
+              "data": data_id}  # train.bin's and val.bin's sizes and sha256, the vocabulary
     if start_it >= cfg.max_iters:
         print0(f"the run is already at iteration {start_it} (--max-iters {cfg.max_iters}): "
                "nothing to train; raise --max-iters to go on")
@@ -323,6 +326,8 @@ def main(argv=None):
     metrics = lifecycle.Metrics(cfg.out_dir, rank == 0, print0)  # appended to, never truncated
     if ckpt:
         metrics.log({"event": "resume", "from": ckpt, "iter": start_it, "note": note})
+    if new_data:  # --accept-new-data: a person can tell this run apart later
+        metrics.log(new_data)
     report.start(cfg, model, zero, metrics, print0)  # model state measured vs the paper's
     if cfg.nan_at >= 0:  # the lesson in skipped steps: one rank's loss goes NaN
         lifecycle.inject_nan(model, cfg.nan_at, rank, world_size, grad_accum, start_it)
@@ -376,21 +381,33 @@ def main(argv=None):
     lifecycle.finish(model, zero, world_size)  # out_dir's lock released, the ranks leave together
 
 
-def resume(cfg, zero, model, scaler, gptconf, meta, print0):
+def resume(cfg, zero, model, scaler, gptconf, meta, data_id, print0):
     """--resume: rank 0's newest checkpoint, for every rank (each listing its own disk could
-    differ), restored exactly (checkpoint.restore), its schedule kept. Returns (the iteration
-    to go on from, the checkpoint or None, a note or None)."""
+    differ), restored exactly (checkpoint.restore), its schedule kept, on the data it trained
+    on (or --accept-new-data). Returns (the iteration to go on from, the checkpoint or None, a
+    note or None, the metrics row of accepted new data or None)."""
     path = checkpoint.newest_checkpoint(cfg.out_dir, zero.world_size) if cfg.resume else None
     if not path:
         if cfg.resume:
             print0(f"--resume: no checkpoint in {cfg.out_dir} yet, starting fresh")
-        return 0, None, None
+        return 0, None, None, None
     start_it, note, saved = checkpoint.restore(path, zero, model, scaler, asdict(cfg),
                                                asdict(gptconf), meta)
+    # the batch of step t is the run's only on the bytes it trained on: every rank compares
+    # the files it reads with the header's (a checkpoint older than that has none)
+    changed, new_data = changed_data(saved.get("data"), data_id, path, zero.world_size), None
+    if changed and not cfg.accept_new_data:
+        raise ConfigError(f"--resume: {changed}; the batches from here on would not be the "
+                          "run's: prepare the data it trained on again, or pass "
+                          "--accept-new-data to go on with this data (recorded in metrics.jsonl)")
+    if changed:
+        new_data = {"event": "new_data", "iter": start_it, "from": path, "change": changed,
+                    "data": data_id}
+        note = "; ".join(n for n in (note, f"{changed} (--accept-new-data)") if n)
     # the saved run's learning-rate schedule, unless a schedule flag is given
     note = "; ".join(n for n in (note, keep_schedule(cfg, saved["config"])) if n)
     print0(f"resumed from {path} at iteration {start_it}; {note}")
-    return start_it, path, note
+    return start_it, path, note, new_data
 
 
 def save(cfg, it, zero, model, scaler, header, print0):

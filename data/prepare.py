@@ -202,12 +202,68 @@ def get_codec(meta):
     raise DataError(f"unknown tokenizer {meta['tokenizer']!r} in meta.json")
 
 
-def load_meta(data_dir):
+def rebuild_command(data_dir, input_path=None):
+    """The data/prepare.py command that writes data_dir again, for an error line to name."""
+    name, root = os.path.basename(data_dir), os.path.dirname(os.path.abspath(data_dir))
+    if input_path:
+        cmd = f"python data/prepare.py --input {input_path} --name {name}"
+    elif name in DATASETS:
+        cmd = f"python data/prepare.py --dataset {name}"
+    else:  # a folder of the user's own text: we cannot know which file it was
+        cmd = f"python data/prepare.py --input FILE --name {name}"
+    if root != DATA_DIR:
+        cmd += f" --out-root {root}"
+    return f"`{cmd}`"
+
+
+def check_meta(meta):
+    """meta.json's shape, as prepare() writes it: a dict naming a tokenizer of ours, its
+    vocabulary size, a char vocabulary's characters in id order. Returns what is wrong, or None."""
+    if not isinstance(meta, dict):
+        return f"holds a JSON {type(meta).__name__}, not an object"
+    tokenizer, size = meta.get("tokenizer"), meta.get("vocab_size")
+    if tokenizer not in ("char", "gpt2"):
+        return f"names tokenizer {tokenizer!r}, not char or gpt2"
+    # bool is an int to Python: true is no vocabulary size
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= 2**16:
+        return f"has vocab_size {size!r}: want an integer in 1..65536 (ids are uint16)"
+    if tokenizer == "gpt2" and size != 50257:
+        return f"has vocab_size {size} for gpt2, whose vocabulary has 50257 tokens"
+    for key in ("train_tokens", "val_tokens"):  # absent in a folder of an older prepare.py
+        n = meta.get(key)
+        if key in meta and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            return f"has {key} {n!r}: want a count of tokens"
+    if tokenizer == "gpt2":
+        return None
+    itos, stoi = meta.get("itos"), meta.get("stoi")
+    if not (isinstance(itos, list) and len(itos) == size
+            and all(isinstance(c, str) and len(c) == 1 for c in itos)):
+        return f"has no itos of {size} characters (the char vocabulary, in id order)"
+    if stoi != {c: i for i, c in enumerate(itos)}:
+        return "has a stoi that is not itos read backwards (character -> its id)"
+    return None
+
+
+def load_meta(data_dir, input_path=None):
+    """meta.json of a prepared folder, checked (check_meta): anything else is a DataError, one
+    line naming the file and the command that writes it again."""
     path = os.path.join(data_dir, "meta.json")
-    if not os.path.exists(path):
-        raise DataError(f"no {path}: run python data/prepare.py first")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    fix = f"rebuild it with {rebuild_command(data_dir, input_path)}"
+    try:
+        with open(path, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"no {path}: {fix}")
+    except OSError as e:
+        raise DataError(f"cannot read {path} ({e.strerror}): {fix}")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 (byte {e.start}): {fix}")
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} is not JSON ({e.msg}, line {e.lineno}): {fix}")
+    wrong = check_meta(meta)
+    if wrong:
+        raise DataError(f"{path} {wrong}: {fix}")
+    return meta
 
 
 # ----------------------------------------------------------------------------- prepare

@@ -231,8 +231,54 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     assert "too few" in capsys.readouterr().err
     with pytest.raises(P.DataError, match="plain folder name"):
         P.prepare(input_path=write(tmp_path, TEXT), name="../escape", out_root=str(tmp_path))
-    with pytest.raises(P.DataError, match="run python data/prepare.py"):
+    with pytest.raises(P.DataError, match="rebuild it with `python data/prepare.py --input FILE "
+                                          f"--name nothing --out-root {tmp_path}`"):
         P.load_meta(str(tmp_path / "nothing"))
+    # an empty file, a binary one, a folder, and the names . and ..: one line each, exit 2
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "binary.bin").write_bytes(bytes(range(256)) * 4)
+    for argv, says in ((["--input", str(tmp_path / "empty.txt")], "too few"),
+                       (["--input", str(tmp_path / "binary.bin")], "not UTF-8"),
+                       (["--input", str(tmp_path)], "cannot read"),
+                       (["--input", write(tmp_path, TEXT), "--name", "."], "plain folder name"),
+                       (["--input", write(tmp_path, TEXT), "--name", ".."], "plain folder name")):
+        assert P.main(argv + ["--out-root", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1
+    assert not os.path.exists(tmp_path / "out" / "empty") and not os.path.exists(tmp_path / "out")
+
+
+def test_rebuild_command_names_the_folder_as_prepare_py_takes_it(tmp_path):
+    assert P.rebuild_command(os.path.join(P.DATA_DIR, "shakespeare")) == \
+        "`python data/prepare.py --dataset shakespeare`"
+    assert P.rebuild_command(os.path.join(P.DATA_DIR, "notes"), "notes.txt") == \
+        "`python data/prepare.py --input notes.txt --name notes`"
+    assert P.rebuild_command(str(tmp_path / "notes")) == \
+        f"`python data/prepare.py --input FILE --name notes --out-root {tmp_path}`"
+
+
+@pytest.mark.parametrize("meta, says", [
+    ([], "holds a JSON list"),
+    ({"vocab_size": 3}, "names tokenizer None"),
+    ({"tokenizer": "bpe", "vocab_size": 3}, "names tokenizer 'bpe'"),
+    ({"tokenizer": "char", "vocab_size": True}, "vocab_size True"),
+    ({"tokenizer": "char", "vocab_size": 70000}, "vocab_size 70000"),
+    ({"tokenizer": "gpt2", "vocab_size": 100}, "50257"),
+    ({"tokenizer": "gpt2", "vocab_size": 50257, "train_tokens": "9"}, "train_tokens '9'"),
+    ({"tokenizer": "char", "vocab_size": 2, "itos": ["a"], "stoi": {"a": 0}}, "no itos of 2"),
+    ({"tokenizer": "char", "vocab_size": 2, "itos": ["a", "bc"], "stoi": {}}, "no itos of 2"),
+    ({"tokenizer": "char", "vocab_size": 2, "itos": ["a", "b"], "stoi": {"a": 1, "b": 0}},
+     "stoi"),
+])
+def test_meta_json_of_the_wrong_shape_is_one_line(tmp_path, meta, says):
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(P.DataError) as e:
+        P.load_meta(str(tmp_path))
+    assert says in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith(f"{tmp_path / 'meta.json'} ")
+    good = {"tokenizer": "char", "vocab_size": 2, "itos": ["a", "b"], "stoi": {"a": 0, "b": 1}}
+    (tmp_path / "meta.json").write_text(json.dumps(good))
+    assert P.load_meta(str(tmp_path)) == good
 
 
 def test_batches_pin_and_copy_one_contiguous_tensor(monkeypatch):
