@@ -188,3 +188,14 @@ def quantize_base(model, mode="nf4", double_quant=False, block=64):
     return names
 
 
+def quantized_bytes(model):
+    """{name: {"params", "bytes", "bits_per_param"}} per quantized weight, by summing the buffers
+    actually stored (codes, scales; not the shared 16-value code table): the bits a weight
+    costs, measured (docs/lora.md prints them)."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedWeight):
+            nbytes = sum(b.numel() * b.element_size() for n, b in m.named_buffers() if n != "code")
+            n = math.prod(m.shape)
+            out[name] = {"params": n, "bytes": nbytes, "bits_per_param": 8 * nbytes / n}
+    return out

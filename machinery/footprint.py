@@ -21,7 +21,6 @@ from dataclasses import replace
 import optim
 from configurator import grad_accum_for, parse_zeropp
 from lora import parse_targets
-from quant import QuantizedWeight
 from machinery.activations import BYTES, activation_bytes, head_working_bytes, shapes_model
 from zero import MAX_IN_FLIGHT, plan_buckets
 
@@ -252,15 +251,3 @@ def reduce_in_flight_bytes(buckets, stage, world_size, dtype):
         return 0  # stages 0-1 reduce their persistent gradient buffers in place
     padded = sorted((math.ceil(n / world_size) * world_size for n in buckets), reverse=True)
     return BYTES[dtype] * sum(padded[:MAX_IN_FLIGHT])
-
-
-def quantized_bytes(model):
-    """{name: {"params", "bytes", "bits_per_param"}} per quantized weight, by summing the buffers
-    actually stored (codes, scales; not the shared 16-value code table)."""
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, QuantizedWeight):
-            nbytes = sum(b.numel() * b.element_size() for n, b in m.named_buffers() if n != "code")
-            n = math.prod(m.shape)
-            out[name] = {"params": n, "bytes": nbytes, "bits_per_param": 8 * nbytes / n}
-    return out

@@ -5,7 +5,7 @@ import torch
 
 import lora
 import quant
-from machinery.footprint import quantized_bytes
+from quant import quantized_bytes
 from test_lora import C, batch, make_model
 
 
