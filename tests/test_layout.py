@@ -161,6 +161,28 @@ def test_a_default_run_loads_nothing_from_beyond(data_root, tmp_path):
     assert out.stdout.splitlines()[-1] == "beyond:", out.stdout.splitlines()[-1]
 
 
+# Each claim of the lecture, defined in the lecture file that teaches it and nowhere else: the
+# stage formulas the start-up table prints, the resharding a resume runs, the same-weights check,
+# the schedule, the bits of a quantized weight.
+CLAIMS = {"zero.py": ("zero_formula", "traffic_formula", "check_same_weights"),
+          "checkpoint.py": ("owned_pieces", "full_tensors", "state_piece", "rng_state"),
+          "train.py": ("get_lr", "fit_schedule", "keep_schedule", "train_step"),
+          "quant.py": ("quantized_bytes",)}
+
+
+def defined(path):
+    return {n.name for n in ast.parse(read(path)).body
+            if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+def test_each_lecture_claim_is_defined_in_its_lecture_file_only():
+    elsewhere = {f: defined(f) for f in tracked() if not f.startswith("tests/")}
+    for home, names in CLAIMS.items():
+        assert set(names) <= elsewhere[home], (home, set(names) - elsewhere[home])
+        for f, there in elsewhere.items():
+            assert f == home or not set(names) & there, f"{f} defines {set(names) & there}"
+
+
 def test_no_import_cycle():
     ours = project_modules()
     graph = {}
