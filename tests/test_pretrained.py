@@ -125,15 +125,17 @@ def test_lora_zero2_run_exports_a_peft_adapter(gpt2, tmp_path, capsys):
     model = GPT(GPTConfig(**hf.read_config(gpt2[0])))  # as sample.py --init-from builds it
     hf.load_into(model, gpt2[0])
     base_logits = ours(model)
-    adapters.load_adapter(model, str(tmp_path / "run" / "adapter.safetensors"))
+    adapters.load_adapter(model, str(tmp_path / "run" / "adapter"))
     expected = ours(model)
     assert (expected - base_logits).abs().max() > 1e-3  # the adapter moved the logits
-    base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
-    peft_model = peft.PeftModel.from_pretrained(base, tmp_path / "hf" / "adapter")
-    torch.testing.assert_close(theirs(peft_model), expected, atol=1e-5, rtol=0)
-    # sample.py: the exported folder as --ckpt; the HF base plus the adapter
+    for adapter in (tmp_path / "hf" / "adapter", tmp_path / "run" / "adapter"):  # one format
+        base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+        peft_model = peft.PeftModel.from_pretrained(base, adapter)
+        torch.testing.assert_close(theirs(peft_model), expected, atol=1e-5, rtol=0)
+    # sample.py: the exported folder as --ckpt (+ its adapter); the HF base plus the run's
     for argv in (["--ckpt", str(tmp_path / "hf")],
-                 ["--init-from", gpt2[0], "--adapter", tmp_path / "run" / "adapter.safetensors"]):
+                 ["--ckpt", str(tmp_path / "hf"), "--adapter", tmp_path / "hf" / "adapter"],
+                 ["--init-from", gpt2[0], "--adapter", tmp_path / "run" / "adapter"]):
         rc = sample.main([str(a) for a in argv] + ["--start", "To be", "--max-new-tokens", "4",
                                                     "--num-samples", "1"])
         out, err = capsys.readouterr()

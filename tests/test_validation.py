@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 import checkpoint
 from machinery import hf
@@ -34,7 +35,6 @@ from machinery.adapters import AdapterError
 from model import GPT, GPTConfig
 from precision import GradScaler
 from machinery.rundir import RunDirError
-from machinery.tensorfile import write_safetensors
 from train import main
 
 TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size",
@@ -236,16 +236,15 @@ def adapter_file(tmp_path, settings=None, vocab=None):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**HF_ARGS))
     lora.apply_lora(model, rank=4, targets=("q", "v"))
-    path = str(tmp_path / "adapter.safetensors")
+    path = str(tmp_path / "adapter")
     adapters.save_adapter(path, adapters.adapter_state(model.state_dict()), model.lora_settings,
-                      adapters.base_fingerprint(model), *([vocab] if vocab else []))
+                          adapters.base_fingerprint(model), *([vocab] if vocab else []))
     if settings is not None:  # the same tensors under edited settings
-        with safe_open(path, framework="pt") as f:
+        weights = os.path.join(path, "adapter_model.safetensors")
+        with safe_open(weights, framework="pt") as f:
             tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
-        meta["settings"] = json.dumps(settings)
-        del meta["format"]
-        write_safetensors(path, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()},
-                          iter(tensors.items()), meta)
+        ours = json.loads(meta["nanozero"])
+        save_file(tensors, weights, {"nanozero": json.dumps({**ours, "settings": settings})})
     return path
 
 
