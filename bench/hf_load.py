@@ -5,8 +5,8 @@ copy into our GPT, the way a port by the library would go. Each load runs in a f
 the figure is its peak resident memory (ru_maxrss) above what it held once torch, transformers
 and model.py were imported. Then LoRA and an nf4 base, as train.build does for QLoRA.
 
-    python -m bench.hf_load                     # tiny and gpt2 (124M) shapes, fp32 and bf16 (~1 min)
-    python -m bench.hf_load --sizes medium      # gpt2-medium's shape (355M, ~3 min)
+    python -m bench.hf_load                 # tiny and gpt2 (124M) shapes, fp32 and bf16 (~1 min)
+    python -m bench.hf_load --sizes medium  # gpt2-medium's shape (355M, ~3 min)
 
 The GPT-2 is random (built from a config here, saved with save_pretrained in fp32, as the hub's
 files are): no network. docs/lora.md quotes the table.
@@ -65,7 +65,7 @@ def child(way, folder, dtype_name):
     from quant import quantize_base
     dtype = getattr(torch, dtype_name)
     config = GPTConfig(**hf.read_config(folder))
-    meter = AnonPeak()  # the peak from here: what loading adds
+    anon = AnonPeak()  # the peak from here: what loading adds
     if way == "ours":
         model = pretrained.load_hf(folder, config, torch.device("cpu"), dtype)
     else:
@@ -83,10 +83,10 @@ def child(way, folder, dtype_name):
                 t = t.t() if name.endswith(hf.CONV1D) else t
                 params[name][:len(t)].copy_(t)
         del theirs
-    loaded = meter.mb()
+    loaded = anon.mb()
     apply_lora(model, 8, 16.0, 0.0, ("q", "v"))
     quantize_base(model, "nf4", False)
-    print(f"{loaded:.0f} {meter.mb():.0f}")
+    print(f"{loaded:.0f} {anon.mb():.0f}")
 
 
 def main(argv=None):

@@ -83,6 +83,8 @@ def export(ckpt, to, out, dtype=None, merge=False):
     if to == "safetensors" and dtype:
         raise ExportError("--dtype is for --to hf: --to safetensors keeps the checkpoint's dtypes")
     check_writable(out, to)
+    if to == "hf":  # before the checkpoint is read: config.json is transformers' GPT2Config
+        hf.library("transformers", "export.py --to hf")
     model_args = reader.model_args()
     arch, ours = model_args.get("arch"), model_py.GPT.ARCH  # ours: a fork's, if model.py is
     if to == "hf" and arch != "gpt2":  # hf.py writes GPT-2's layout (Conv1D, tied head, wpe)

@@ -13,8 +13,9 @@ The HF layout of GPT-2 (transformers' GPT2LMHeadModel) differs from model.py's i
     files were saved from GPT2Model and say `h.0.ln_1.weight`. We accept both, write the former.
 
 Why the way in is not transformers' from_pretrained: it builds a whole GPT2LMHeadModel first,
-a second copy of the model beside ours (docs/lora.md, "Loading a GPT-2", has the measurement).
-safe_open reads one tensor at a time into the GPT we built on the meta device. And config.json
+a second copy of a 16-bit model beside ours (docs/lora.md has the measurement, by
+`python -m bench.hf_load`). safe_open reads one tensor at a time into the GPT we built on the
+meta device. And config.json
 is read as JSON and checked here: GPT2Config takes what model.py cannot run (n_inner=100,
 activation_function="relu") without a word, so the checks would be ours either way.
 """
@@ -140,7 +141,8 @@ def locate(source, cache_dir=None):
     try:
         from huggingface_hub import snapshot_download  # optional: only hub names need it
     except ImportError:
-        raise HFError(f"{source}: huggingface_hub is not installed; {hint}") from None
+        raise HFError(f"{source}: huggingface_hub is not installed (pip install "
+                      f"huggingface_hub); {hint}") from None
     try:
         files = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*"]
         return snapshot_download(repo, cache_dir=cache_dir, allow_patterns=files)

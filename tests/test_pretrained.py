@@ -258,6 +258,10 @@ def test_bad_export(gpt2, data_root, tmp_path, capsys):
     for argv, words in cases:
         rc, out, err = export(capsys, *argv)
         assert rc == 2 and out == "" and err.count("\n") == 1 and words in err, err
+    with pytest.MonkeyPatch.context() as mp:  # --to hf without transformers: before any read
+        mp.setitem(sys.modules, "transformers", None)
+        rc, out, err = export(capsys, ckpt, "--to", "hf", tmp_path / "o")
+    assert rc == 2 and err.count("\n") == 1 and "pip install transformers" in err, err
     # the command line itself: python export.py
     r = subprocess.run([sys.executable, "export.py", ckpt, "--to", "hf", str(tmp_path / "o"),
                         "--merge"], cwd=ROOT, capture_output=True, text=True,
