@@ -12,8 +12,10 @@ give other bytes). Every claim is checked (machinery/validate.py) before a LoRA 
 
 PEFT adapts whole modules: lora_A (r, in), lora_B (out, r), delta = (lora_alpha / r) * B @ A.
 lora.py adapts k slices of the fused q|k|v projection; that is one rank k*r adapter of all of
-c_attn whose B is block-diagonal (peft_tensors). Converted here, not by peft: peft adapts
-transformers' modules, not lora.py's slices, and a LoRA run must not need peft installed.
+c_attn whose B is block-diagonal (peft_tensors). Any model's LoRA modules convert so (a fork's
+too): their slices come from the model (lora_layout) and go into the metadata. Converted here,
+not by peft: peft adapts transformers' modules, not lora.py's slices, and a LoRA run must not
+need peft installed.
 """
 import hashlib
 import json
@@ -25,15 +27,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import checkpoint
-from lora import apply_lora, lora_modules
+from lora import LoRALinear, apply_lora, lora_modules, targets_of
 from machinery import validate
 from collectives import all_gather_object
-from model import GPT
+from quant import declared_linears
 
 CONFIG, WEIGHTS, KEY = "adapter_config.json", "adapter_model.safetensors", "nanozero"
-# lora.py's target names -> (the module they adapt, which of its equal slices; None: all of it)
-SLICE_OF = {name: (path, j if len(names) > 1 else None)
-            for path, names in GPT.LINEARS for j, name in enumerate(names)}
 
 
 class AdapterError(Exception):
@@ -77,115 +76,116 @@ def fingerprint_tensors(named_tensors):
 # ----------------------------------------------------------------------------------------------
 # lora.py's tensors <-> PEFT's
 
-def _layout(settings):
-    """[(module, [adapted slice indices] or None)] of lora.py's settings, in model order."""
-    out = {}
-    for path, j in (SLICE_OF[t] for t in SLICE_OF if t in settings["targets"]):
-        out.setdefault(path, None if j is None else [])
-        if j is not None:
-            out[path].append(j)
-    return list(out.items())
+def lora_layout(model):
+    """{LoRA module name: which of its equal output slices it adapts}: lora.py's LoRALinears."""
+    return {n: list(m.slices) for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
-def peft_tensors(lora_state, settings):
+def peft_tensors(lora_state, layout, r):
     """{PEFT name: tensor} of lora.py's LoRA tensors (our names), shapes checked against the
-    settings. c_attn's k adapted slices become one rank k*r adapter: A is ours, B (3C, k*r) is
-    block-diagonal (slice j's rows see only its own r columns of A's output; an unadapted
-    slice's rows are zero)."""
-    r, layout, out = settings["rank"], dict(_layout(settings)), {}
-    for name in sorted(lora_state):
-        ours = name.removesuffix(".lora_A").removesuffix(".lora_B")
-        module = ours.split(".", 3)[-1]
-        if module not in layout or {ours + ".lora_A", ours + ".lora_B"} - lora_state.keys():
-            raise ValueError(f"LoRA tensor {name} does not fit targets {settings['targets']}")
-        if name.endswith(".lora_B"):
-            continue
-        A, B, slices = lora_state[name], lora_state[ours + ".lora_B"], layout[module]
-        k = len(slices) if slices else 1
+    layout and rank r (ValueError). A module with k adapted slices of n becomes one rank k*r
+    adapter: A is ours, B (n*rows, k*r) is block-diagonal (slice j's rows see only its own r
+    columns of A's output; an unadapted slice's rows are zero)."""
+    want = {f"{m}.lora_{x}" for m in layout for x in "AB"}
+    if set(lora_state) != want:
+        bad = sorted(set(lora_state) ^ want)[0]
+        raise ValueError(f"LoRA tensor {bad} does not fit the model's LoRA modules")
+    out = {}
+    for m, slices in layout.items():
+        A, B, k = lora_state[m + ".lora_A"], lora_state[m + ".lora_B"], sum(slices)
         s = B.shape[0] // k  # rows per adapted slice
         if A.dim() != 2 or A.shape[0] != k * r or tuple(B.shape) != (k * s, r) or s == 0:
-            raise ValueError(f"{ours} has A {list(A.shape)}, B {list(B.shape)}: not (k*r, in), "
+            raise ValueError(f"{m} has A {list(A.shape)}, B {list(B.shape)}: not (k*r, in), "
                              f"(k*rows, r) for rank {r} and {k} slice(s)")
-        if slices:  # our n-th block of B is q|k|v slice j
-            full = B.new_zeros(3 * s, k * r)
-            for n, j in enumerate(slices):
+        if len(slices) > 1:  # our n-th block of B is slice j's
+            full = B.new_zeros(len(slices) * s, k * r)
+            for n, j in enumerate(j for j, on in enumerate(slices) if on):
                 full[j * s:(j + 1) * s, n * r:(n + 1) * r] = B[n * s:(n + 1) * s]
             B = full
-        out[f"base_model.model.{ours}.lora_A.weight"] = A.contiguous()
-        out[f"base_model.model.{ours}.lora_B.weight"] = B.contiguous()
+        out[f"base_model.model.{m}.lora_A.weight"] = A.contiguous()
+        out[f"base_model.model.{m}.lora_B.weight"] = B.contiguous()
     return out
 
 
-def lora_tensors(peft, settings, n_layer):
-    """peft_tensors undone: {our name: tensor}, each c_attn B's blocks taken back out. Written
-    back to PEFT's form, it must give the file's tensors exactly (ValueError otherwise): no
-    tensor missing or extra, none misshapen, none off c_attn's blocks (then it is no lora.py
-    adapter)."""
-    r, out = settings["rank"], {}
+def lora_tensors(peft, layout, r):
+    """peft_tensors undone: {our name: tensor}, each B's blocks taken back out. Written back to
+    PEFT's form, it must give the file's tensors exactly (ValueError otherwise): no tensor
+    missing or extra, none misshapen, none off its blocks (then it is no lora.py adapter)."""
+    out = {}
     try:
-        for i in range(n_layer):
-            for module, slices in _layout(settings):
-                ours = f"transformer.h.{i}.{module}"
-                A = peft[f"base_model.model.{ours}.lora_A.weight"]
-                B = peft[f"base_model.model.{ours}.lora_B.weight"]
-                if slices:  # our n-th block of B is q|k|v slice j's rows, its n-th r columns
-                    s = B.shape[0] // 3
-                    B = torch.cat([B[j * s:(j + 1) * s, n * r:(n + 1) * r]
-                                   for n, j in enumerate(slices)])
-                out[ours + ".lora_A"], out[ours + ".lora_B"] = A, B
-        again = peft_tensors(out, settings)
+        for m, slices in layout.items():
+            A = peft[f"base_model.model.{m}.lora_A.weight"]
+            B = peft[f"base_model.model.{m}.lora_B.weight"]
+            if len(slices) > 1:  # slice j's rows, its n-th r columns: our n-th block of B
+                s = B.shape[0] // len(slices)
+                B = torch.cat([B[j * s:(j + 1) * s, n * r:(n + 1) * r]
+                               for n, j in enumerate(j for j, on in enumerate(slices) if on)])
+            out[m + ".lora_A"], out[m + ".lora_B"] = A, B
+        again = peft_tensors(out, layout, r)
     except (KeyError, IndexError, RuntimeError) as e:
-        raise ValueError(f"its tensors are not the {n_layer} blocks of targets "
-                         f"{settings['targets']} ({type(e).__name__}: {e})".splitlines()[0])
+        raise ValueError(f"its tensors do not fit its LoRA modules ({type(e).__name__}: "
+                         f"{e})".splitlines()[0])
     if again.keys() != peft.keys() or any(not torch.equal(again[k], peft[k]) for k in peft):
-        raise ValueError(f"its tensors are not what lora.py's settings {settings} make "
-                         "(c_attn's B not block-diagonal, or tensors extra)")
+        raise ValueError("its tensors are not what lora.py's layout makes (a B not "
+                         "block-diagonal, or tensors extra)")
     return out
 
 
-def peft_config(settings, base_name=None):
+def _suffix(name):
+    """transformer.h.0.attn.c_attn -> attn.c_attn: the module's name inside its block."""
+    parts = name.split(".")
+    return ".".join(parts[next((i for i, p in enumerate(parts) if p.isdigit()), -1) + 1:])
+
+
+def peft_config(settings, layout, conv1d, base_name=None):
     """adapter_config.json: PEFT's LoraConfig for peft_tensors' tensors. PEFT scales by
-    lora_alpha / r, so c_attn's rank k*r gets lora_alpha k*alpha: alpha/r, lora.py's scaling,
-    stays the same."""
-    r, alpha, rank_pattern, alpha_pattern = settings["rank"], settings["alpha"], {}, {}
-    layout = _layout(settings)
-    k = len(dict(layout).get("attn.c_attn") or [None])
-    if k > 1 and len(layout) > 1:  # c_attn's rank differs from the other modules'
-        rank_pattern["attn.c_attn"], alpha_pattern["attn.c_attn"] = k * r, k * alpha
-    elif k > 1:  # c_attn alone: its rank is the adapter's rank
+    lora_alpha / r, so a module of k adapted slices (rank k*r) gets lora_alpha k*alpha:
+    alpha/r, lora.py's scaling, stays the same. conv1d: the base stores (in, out), as GPT-2's
+    Conv1D does (PEFT then transposes the delta)."""
+    r, alpha = settings["rank"], settings["alpha"]
+    ks = {_suffix(m): sum(slices) for m, slices in layout.items()}
+    if len(set(ks.values())) == 1:  # one k for all (c_attn alone): the adapter's rank
+        k, ks = next(iter(ks.values())), {}
         r, alpha = k * r, k * alpha
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_name,
         "r": r, "lora_alpha": alpha, "lora_dropout": settings["dropout"],
         # "attn.c_proj", not "c_proj": PEFT matches suffixes, and mlp.c_proj ends in c_proj too
-        "target_modules": [m for m, _ in layout], "rank_pattern": rank_pattern,
-        "alpha_pattern": alpha_pattern,
-        "fan_in_fan_out": True,  # GPT-2's Conv1D stores (in, out): PEFT transposes the delta
-        "bias": "none", "use_rslora": False, "use_dora": False, "modules_to_save": None,
-        "init_lora_weights": True, "inference_mode": True,
+        "target_modules": sorted(set(_suffix(m) for m in layout)),
+        "rank_pattern": {m: k * r for m, k in ks.items() if k != 1},
+        "alpha_pattern": {m: k * alpha for m, k in ks.items() if k != 1},
+        "fan_in_fan_out": conv1d, "bias": "none", "use_rslora": False, "use_dora": False,
+        "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
     }
+
+
+def _conv1d(model):
+    return getattr(model, "ARCH", None) == "gpt2"  # GPT-2's Hugging Face layout: Conv1D
 
 
 # ----------------------------------------------------------------------------------------------
 # The folder
 
-def save_adapter(folder, lora_state, settings, fingerprint, vocab=None, base_name=None):
-    """Write the adapter folder: the tensors in PEFT's names, our settings, the base's
-    fingerprint and the vocabulary's identity (validate.vocab_id) in their metadata, then
-    adapter_config.json. Each file replaced whole (a crash leaves the old file or the new);
-    the shapes are checked first (ValueError), so nothing is written for a bad state."""
-    settings = {k: settings[k] for k in ("rank", "alpha", "dropout", "targets")}
-    settings["targets"] = list(settings["targets"])
-    tensors = peft_tensors(lora_state, settings)
-    ours = {"settings": settings, "base_fingerprint": fingerprint, "vocab": vocab,
-            "tensors": fingerprint_tensors(sorted(tensors.items()))}  # a flipped byte shows
+def save_adapter(folder, model, fingerprint, vocab=None, base_name=None, lora_state=None):
+    """Write model's adapter folder: the LoRA tensors (lora_state, or the model's own) in PEFT's
+    names; our settings, the modules' slices, the base's fingerprint and the vocabulary's
+    identity (validate.vocab_id) in their metadata; then adapter_config.json. Each file replaced
+    whole (a crash leaves the old file or the new); the shapes are checked first (ValueError),
+    so nothing is written for a bad state."""
+    settings = {k: model.lora_settings[k] for k in ("rank", "alpha", "dropout", "targets")}
+    settings["targets"], layout = list(settings["targets"]), lora_layout(model)
+    if lora_state is None:
+        lora_state = adapter_state(model.state_dict())
+    tensors = peft_tensors(lora_state, layout, settings["rank"])
+    ours = {"settings": settings, "slices": layout, "base_fingerprint": fingerprint,
+            "vocab": vocab, "tensors": fingerprint_tensors(sorted(tensors.items()))}
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{WEIGHTS}.tmp{os.getpid()}")
     save_file(tensors, tmp, metadata={KEY: json.dumps(ours, sort_keys=True)})
     os.replace(tmp, os.path.join(folder, WEIGHTS))
     tmp = os.path.join(folder, f".{CONFIG}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
-        json.dump(peft_config(settings, base_name), f, indent=2)
+        json.dump(peft_config(settings, layout, _conv1d(model), base_name), f, indent=2)
     os.replace(tmp, os.path.join(folder, CONFIG))
 
 
@@ -221,15 +221,21 @@ def load_adapter(model, path, vocab=None):
     name and shape must match, else AdapterError. Load before ZeRO wraps the model: under
     ZeRO-3 its LoRA parameters are shards."""
     config, ours, tensors = read_adapter(path)
-    settings = ours.get("settings")
+    settings, layout = ours.get("settings"), ours.get("slices")
     try:  # before apply_lora makes modules of them: a rank of 10^9 is 256 GB
         got = fingerprint_tensors(sorted(tensors.items()))
         if got != ours["tensors"]:
             raise ValueError(f"its tensors fail their checksum (sha256 {got}, saved "
                              f"{ours['tensors']}): their bytes changed")
-        validate.check_adapter(settings, model.config.n_embd)
-        lora = lora_tensors(tensors, settings, model.config.n_layer)
-        want = peft_config(settings, config.get("base_model_name_or_path"))
+        validate.check_adapter(settings, model.config.n_embd,
+                               targets_of(declared_linears(model)))
+        if not isinstance(layout, dict) or not all(
+                isinstance(v, list) and any(v) and all(isinstance(b, bool) for b in v)
+                for v in layout.values()):
+            raise ValueError(f"its slices {str(layout)[:60]} are not lists of booleans")
+        lora = lora_tensors(tensors, layout, settings["rank"])
+        want = peft_config(settings, layout, _conv1d(model),
+                           config.get("base_model_name_or_path"))
         edited = sorted(k for k in want if config.get(k) != want[k])
         if edited:  # peft would run another adapter than ours
             raise ValueError(f"{CONFIG}'s {edited[0]} {config.get(edited[0])!r} is not what its "
@@ -252,7 +258,8 @@ def load_adapter(model, path, vocab=None):
     if any(m.merged for m in lora_modules(model)):
         raise AdapterError("the model has LoRA merged in: unmerge_lora(model) first")
     params = {k: p for k, p in model.named_parameters() if "lora_" in k}
-    if params.keys() != lora.keys() or any(params[k].shape != lora[k].shape for k in params):
+    if lora_layout(model) != layout or params.keys() != lora.keys() \
+            or any(params[k].shape != lora[k].shape for k in params):
         raise AdapterError(f"{path}: LoRA tensor names or shapes differ from the model's")
     for k, p in params.items():
         p.copy_(lora[k])
@@ -267,8 +274,8 @@ def save_run_adapter(out_dir, zero, model, meta, print0):
     path = os.path.join(out_dir, "adapter")
     if zero.rank == 0:
         try:
-            save_adapter(path, adapter_state(full), model.lora_settings, model.base_id,
-                         validate.vocab_id(meta))
+            save_adapter(path, model, model.base_id, validate.vocab_id(meta),
+                         lora_state=adapter_state(full))
             size = os.path.getsize(os.path.join(path, WEIGHTS))
             print0(f"saved {path} (PEFT's adapter folder, {size / 1024:.1f} KiB)")
         except OSError as e:

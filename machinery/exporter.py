@@ -110,9 +110,8 @@ def export(ckpt, to, out, dtype=None, merge=False):
              f"{model_args['n_layer']} layers, {model_args['n_embd']} wide), for transformers' "
              f"GPT2LMHeadModel.from_pretrained" + (", LoRA merged in" if merge else "")]
     if lora and not merge:  # named by the base just written: sample.py --ckpt OUT loads that
-        adapters.save_adapter(os.path.join(out, "adapter"), adapter, model.lora_settings,
-                              hf.base_fingerprint(out), vocab_id(reader.header["meta"]),
-                              os.path.abspath(out))
+        adapters.save_adapter(os.path.join(out, "adapter"), model, hf.base_fingerprint(out),
+                              vocab_id(reader.header["meta"]), os.path.abspath(out), adapter)
         lines.append(f"wrote {os.path.join(out, 'adapter')}: the LoRA adapter in PEFT's format "
                      f"(peft.PeftModel.from_pretrained(model, that folder)); --merge folds it in")
     if quantized:

@@ -150,8 +150,7 @@ def test_peft_adapter(tmp_path, targets):
                 p.normal_(0, 0.1)
     sd = model.state_dict()
     hf.save_hf({k: v for k, v in sd.items() if "lora_" not in k}, ARGS, tmp_path / "base")
-    adapters.save_adapter(tmp_path / "adapter", adapters.adapter_state(sd), model.lora_settings,
-                          adapters.base_fingerprint(sd))
+    adapters.save_adapter(tmp_path / "adapter", model, adapters.base_fingerprint(sd))
     base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base")
     with torch.no_grad():
         no_adapter = theirs(base)
@@ -266,11 +265,12 @@ def test_save_bad_input_writes_nothing(tmp_path):
         with pytest.raises(HFError) as e:
             hf.save_hf(state, ARGS, tmp_path / "out")
         one_line(e, word)
+    lora.apply_lora(model, rank=2, targets="mlp_fc")
+    state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    state["transformer.h.0.mlp.c_fc.lora_A"] = torch.zeros(3, 32)
+    state["transformer.h.0.mlp.c_fc.lora_B"] = torch.zeros(128, 3)
     with pytest.raises(ValueError) as e:  # lora_A of rank 3 where the settings say 2
-        adapters.save_adapter(tmp_path / "out",
-                              {"transformer.h.0.mlp.c_fc.lora_A": torch.zeros(3, 32),
-                               "transformer.h.0.mlp.c_fc.lora_B": torch.zeros(128, 3)},
-                              dict(rank=2, alpha=1.0, dropout=0.0, targets=["mlp_fc"]), "0" * 16)
+        adapters.save_adapter(tmp_path / "out", model, "0" * 16, lora_state=state)
     one_line(e, "rank 2")
     assert not os.path.exists(tmp_path / "out")
 

@@ -159,8 +159,7 @@ def test_adapter_save_load_swap(tmp_path):
                 if "lora_B" in n:
                     p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
         paths[name], outs[name] = str(tmp_path / name), run(model)
-        adapters.save_adapter(paths[name], adapters.adapter_state(model.state_dict()),
-                              model.lora_settings, adapters.base_fingerprint(model))
+        adapters.save_adapter(paths[name], model, adapters.base_fingerprint(model))
     assert not (outs["A"] == base_out).all()
     assert sorted(os.listdir(tmp_path / "A")) == ["adapter_config.json",  # PEFT's folder
                                                   "adapter_model.safetensors"]
@@ -210,8 +209,7 @@ def test_edited_or_lying_adapters_are_one_line(tmp_path):
         model.transformer.h[0].attn.c_attn.lora_B.add_(1.0)
     fp = adapters.base_fingerprint(model)
     good = str(tmp_path / "good")
-    adapters.save_adapter(good, adapters.adapter_state(model.state_dict()), model.lora_settings,
-                          fp, "char:x")
+    adapters.save_adapter(good, model, fp, "char:x")
     cfg = json.load(open(os.path.join(good, "adapter_config.json")))
     assert cfg["rank_pattern"] == {"attn.c_attn": 8}  # q and v: one rank-8 adapter of c_attn
     assert cfg["alpha_pattern"] == {"attn.c_attn": 2.0}
@@ -240,7 +238,7 @@ def test_edited_or_lying_adapters_are_one_line(tmp_path):
         assert "\n" not in str(e.value)
     for change, message in ((off_block, "not block-diagonal"),
                             (lambda t: {k: v for k, v in t.items() if "h.1.attn.c_proj" not in k},
-                             "not the 2 blocks of targets")):
+                             "do not fit its LoRA modules")):
         folder = str(tmp_path / f"case{len(os.listdir(tmp_path))}")
         shutil.copytree(good, folder)
         t = {}
@@ -258,14 +256,13 @@ def test_adapter_shape_mismatch(tmp_path):
     state = adapters.adapter_state(model.state_dict())
     state["transformer.h.0.attn.c_attn.lora_A"] = torch.zeros(3, C)
     with pytest.raises(ValueError, match="rank 4"):  # nothing written for a bad state
-        adapters.save_adapter(str(tmp_path / "bad"), state, model.lora_settings,
-                              adapters.base_fingerprint(model))
+        adapters.save_adapter(str(tmp_path / "bad"), model, adapters.base_fingerprint(model),
+                              lora_state=state)
     assert not os.path.exists(tmp_path / "bad")
     path = str(tmp_path / "other")  # an adapter of another width
     wide = GPT(GPTConfig(**{**CFG, "n_embd": 64}))
     lora.apply_lora(wide, rank=4, targets="q")
-    adapters.save_adapter(path, adapters.adapter_state(wide.state_dict()), wide.lora_settings,
-                          adapters.base_fingerprint(make_model()))
+    adapters.save_adapter(path, wide, adapters.base_fingerprint(make_model()))
     with pytest.raises(AdapterError, match="shapes differ"):
         adapters.load_adapter(make_model(), path)
 

@@ -445,8 +445,7 @@ def test_31_7_safetensors_we_write_carry_a_crc32_per_tensor(tmp_path):
         for p in model.parameters():
             p.add_(0.01) if p.requires_grad else None
     path = str(tmp_path / "adapter")  # PEFT's folder
-    adapters.save_adapter(path, adapters.adapter_state(model.state_dict()), model.lora_settings,
-                          base)
+    adapters.save_adapter(path, model, base)
     fresh = lambda: (torch.manual_seed(0), GPT(GPTConfig(**args)))[1]
     adapters.load_adapter(fresh(), path)
     flip_tensor_byte(os.path.join(path, "adapter_model.safetensors"))

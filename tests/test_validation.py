@@ -236,8 +236,7 @@ def adapter_file(tmp_path, settings=None, vocab=None):
     model = GPT(GPTConfig(**HF_ARGS))
     lora.apply_lora(model, rank=4, targets=("q", "v"))
     path = str(tmp_path / "adapter")
-    adapters.save_adapter(path, adapters.adapter_state(model.state_dict()), model.lora_settings,
-                          adapters.base_fingerprint(model), *([vocab] if vocab else []))
+    adapters.save_adapter(path, model, adapters.base_fingerprint(model), vocab)
     if settings is not None:  # the same tensors under edited settings
         weights = os.path.join(path, "adapter_model.safetensors")
         with safe_open(weights, framework="pt") as f:
