@@ -201,6 +201,9 @@ def read_adapter(path):
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
         message = f"{path}: not a readable adapter folder ({type(e).__name__}: {e})"
+        if os.fspath(path).endswith("/adapter.safetensors"):  # before PEFT's was the one format
+            message = (f"{path} is an adapter file of an older nanoZeRO: `python export.py "
+                       "CKPT --to hf OUT` writes the run's adapter as PEFT's folder (OUT/adapter)")
         raise AdapterError(message.splitlines()[0])
     try:
         ours = json.loads(meta[KEY])

@@ -186,6 +186,12 @@ def test_adapter_save_load_swap(tmp_path):
         f.truncate(os.path.getsize(weights) // 2)
     with pytest.raises(AdapterError, match="not a readable adapter"):
         adapters.load_adapter(make_model(), paths["A"])
+    from safetensors.torch import save_file
+    old = str(tmp_path / "old" / "adapter.safetensors")  # the format before PEFT's
+    os.makedirs(os.path.dirname(old))
+    save_file(adapters.adapter_state(model.state_dict()), old, {"base_fingerprint": "0" * 16})
+    with pytest.raises(AdapterError, match="older nanoZeRO: `python export.py CKPT --to hf OUT`"):
+        adapters.load_adapter(make_model(), old)
 
 
 def edited(folder, config=None, tensors=None, meta=None):
