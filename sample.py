@@ -6,7 +6,7 @@ Generate text from a checkpoint that train.py wrote, or from a Hugging Face GPT-
     python sample.py --ckpt out/ckpt-0002000 --start FILE:prompt.txt --device cuda --dtype bf16
     python sample.py --init-from gpt2 --start "Hello,"  # or ./gpt2, or a folder export.py
                                                         # --to hf wrote (also as --ckpt FOLDER)
-    python sample.py --init-from ./gpt2 --adapter out/adapter.safetensors   # + a LoRA adapter
+    python sample.py --init-from ./gpt2 --adapter out/adapter   # + a LoRA adapter (PEFT's)
 
 The checkpoint (a folder in either of checkpoint.py's formats, or one file holding model,
 model_args and meta) carries everything needed: the weights (fp32, model.py's names), the
@@ -48,8 +48,8 @@ def parse_args(argv=None):
                      "Face folder (overrides --out-dir)")
     src.add_argument("--init-from", metavar="MODEL", help="a Hugging Face GPT-2: gpt2 | "
                      "gpt2-medium | gpt2-large | gpt2-xl, or a folder")
-    arg("--adapter", metavar="PATH", help="a LoRA adapter (train.py --lora writes "
-        "OUT_DIR/adapter.safetensors) to load onto the base and merge")
+    arg("--adapter", metavar="PATH", help="a LoRA adapter folder in PEFT's format (train.py "
+        "--lora writes OUT_DIR/adapter) to load onto the base and merge")
     # what to generate
     arg("--start", default="\n", help='the prompt; "FILE:prompt.txt" reads it from a file '
         "(default: %(default)r)")

@@ -115,6 +115,7 @@ def _write(text):
     def write(path):
         if os.path.isdir(path):
             shutil.rmtree(path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # adapter/'s file in a plain run
         with open(path, "w") as f:
             f.write(text)
     return write
@@ -139,8 +140,8 @@ ODD = {  # what may be found in a run folder: (the file, what is done to it)
     "header a folder": ("HEADER", _replace_with_folder),
     "header truncated": ("HEADER", lambda p: os.truncate(p, 100)),
     "shard flipped": ("SHARD", _flip), "shard gone": ("SHARD", os.remove),
-    "adapter garbage": ("adapter.safetensors", _write("garbage")),
-    "adapter a folder": ("adapter.safetensors", _replace_with_folder),
+    "adapter garbage": ("adapter/adapter_model.safetensors", _write("garbage")),
+    "adapter a file": ("adapter", _write("x")),
     "archive-1 a file": ("archive-1", _write("x")),
 }
 
@@ -337,7 +338,7 @@ def make_case(i, tmp, data_root):
         argv = (["--out-dir", folder] if random.random() < 0.7 else
                 ["--ckpt", os.path.join(folder, newest())])
         if base == "lora" and random.random() < 0.5:
-            argv += ["--adapter", os.path.join(folder, "adapter.safetensors")]
+            argv += ["--adapter", os.path.join(folder, "adapter")]
         argv += draw(SAMPLE, random.randint(0, 3), clean)
         if "--max-new-tokens" not in argv:
             argv += ["--max-new-tokens", "3"]

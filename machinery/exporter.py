@@ -3,7 +3,7 @@ Guards the way out: a checkpoint exported only when every check passed, before t
 
 The checkpoint is rebuilt as it trained (LoRA, a quantized base), its quantized weights
 dequantized; the adapter either merged in (W0 + B·A·alpha/r) or written beside the base in
-PEFT's format (hf.py writes the files). export.py is the command.
+PEFT's format (hf.py writes the base, adapters.py the adapter). export.py is the command.
 """
 import json
 import os
@@ -13,10 +13,10 @@ import torch.nn as nn
 
 from checkpoint import Reader, check_compatible
 from lora import apply_lora, merge_lora, parse_targets
-from machinery import hf
-from machinery.adapters import adapter_state
-from machinery.tensorfile import write_safetensors
-from machinery.validate import check_adapter
+from safetensors.torch import save_file
+
+from machinery import adapters, hf
+from machinery.validate import check_adapter, vocab_id
 import model as model_py
 from model import GPTConfig
 from precision import DTYPES
@@ -43,7 +43,7 @@ def rebuild(reader, weights=None):
             settings = dict(rank=cfg["lora_rank"], alpha=cfg["lora_alpha"],
                             dropout=cfg["lora_dropout"],
                             targets=list(parse_targets(cfg["lora_targets"])))
-            check_adapter(settings, {}, model_args["n_embd"])
+            check_adapter(settings, model_args["n_embd"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ExportError(f"{reader.path}: its LoRA flags are not valid ({e})")
         apply_lora(model, **settings)
@@ -83,6 +83,8 @@ def export(ckpt, to, out, dtype=None, merge=False):
     if to == "safetensors" and dtype:
         raise ExportError("--dtype is for --to hf: --to safetensors keeps the checkpoint's dtypes")
     check_writable(out, to)
+    if to == "hf":  # before the checkpoint is read: config.json is transformers' GPT2Config
+        hf.library("transformers", "export.py --to hf")
     model_args = reader.model_args()
     arch, ours = model_args.get("arch"), model_py.GPT.ARCH  # ours: a fork's, if model.py is
     if to == "hf" and arch != "gpt2":  # hf.py writes GPT-2's layout (Conv1D, tied head, wpe)
@@ -96,7 +98,7 @@ def export(ckpt, to, out, dtype=None, merge=False):
     if to == "safetensors" and not merge:  # as the checkpoint holds them; load_weights reads it
         return write_weights(weights, model_args, out)
     quantized = dequantize_base(model)  # QLoRA: the base the adapter trained on, as plain fp32
-    adapter = adapter_state(model.state_dict()) if lora else None
+    adapter = adapters.adapter_state(model.state_dict()) if lora else None
     if merge:
         merge_lora(model)  # W0 + B·A·alpha/r, in fp32
     sd = {k: v for k, v in model.state_dict().items() if "lora_" not in k}
@@ -107,9 +109,9 @@ def export(ckpt, to, out, dtype=None, merge=False):
     lines = [f"wrote {out}: config.json + model.safetensors ({dtype or 'fp32'}, "
              f"{model_args['n_layer']} layers, {model_args['n_embd']} wide), for transformers' "
              f"GPT2LMHeadModel.from_pretrained" + (", LoRA merged in" if merge else "")]
-    if lora and not merge:
-        hf.save_peft_adapter(adapter, model.lora_settings, os.path.join(out, "adapter"),
-                             os.path.abspath(out))
+    if lora and not merge:  # named by the base just written: sample.py --ckpt OUT loads that
+        adapters.save_adapter(os.path.join(out, "adapter"), model, hf.base_fingerprint(out),
+                              vocab_id(reader.header["meta"]), os.path.abspath(out), adapter)
         lines.append(f"wrote {os.path.join(out, 'adapter')}: the LoRA adapter in PEFT's format "
                      f"(peft.PeftModel.from_pretrained(model, that folder)); --merge folds it in")
     if quantized:
@@ -131,9 +133,10 @@ def merged_weights(reader):
 def write_weights(weights, model_args, out):
     """Plain weights (model.py's names, as GPT.load_weights reads them) in one
     safetensors file, the model config in its metadata."""
-    header = {name: (t.dtype, tuple(t.shape)) for name, t in weights.items()}
-    write_safetensors(out, header, iter(weights.items()),
-                      metadata={"model_args": json.dumps(model_args)})
+    tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.tmp")
+    save_file({k: t.contiguous() for k, t in weights.items()}, tmp,
+              metadata={"format": "pt", "model_args": json.dumps(model_args)})
+    os.replace(tmp, out)  # the old file or the new one
     return [f"wrote {out}: {len(weights)} tensors, model {model_args}"]
 
 

@@ -1,5 +1,6 @@
 """
-Hugging Face's GPT-2 files in and out, and PEFT's LoRA adapter files out, from scratch.
+Hugging Face's GPT-2 files in and out: safetensors' own reader and writer for the weights,
+transformers' GPT2Config for the config.json written, huggingface_hub for a hub name.
 
 The HF layout of GPT-2 (transformers' GPT2LMHeadModel) differs from model.py's in three ways:
   - Conv1D, not nn.Linear: the four matmul weights of a block (attn.c_attn, attn.c_proj, mlp.c_fc,
@@ -11,26 +12,25 @@ The HF layout of GPT-2 (transformers' GPT2LMHeadModel) differs from model.py's i
   - Key prefixes: GPT2LMHeadModel writes `transformer.h.0.ln_1.weight`, but the hub's own `gpt2`
     files were saved from GPT2Model and say `h.0.ln_1.weight`. We accept both, write the former.
 
-The files: config.json (a GPT2Config) beside model.safetensors, or shards model-0000i-of-0000n
-.safetensors listed in model.safetensors.index.json, or an older pytorch_model.bin. A safetensors
-file is an 8-byte header length, a JSON header (name -> dtype, shape, byte range), then raw bytes,
-so one tensor can be read or written at a time: we never hold two copies of a model.
-
-PEFT's adapter (adapter_config.json + adapter_model.safetensors) adapts whole modules: lora_A
-(r, in) and lora_B (out, r) per module, delta = (lora_alpha / r) * B @ A. lora.py adapts slices
-of the fused q|k|v projection instead; see save_peft_adapter for why that is still one adapter.
+Why the way in is not transformers' from_pretrained: it builds a whole GPT2LMHeadModel first,
+a second copy of a 16-bit model beside ours (docs/lora.md has the measurement, by
+`python -m bench.hf_load`). safe_open reads one tensor at a time into the GPT we built on the
+meta device. And config.json
+is read as JSON and checked here: GPT2Config takes what model.py cannot run (n_inner=100,
+activation_function="relu") without a word, so the checks would be ours either way.
 """
+import importlib
 import json
 import os
-import re
+import zlib
 from contextlib import ExitStack
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
-from machinery.adapters import fingerprint_tensors  # the definition of a base's name
+from machinery.adapters import KEY, fingerprint_tensors
 from model import GPTConfig
-from machinery.tensorfile import check_crcs, replace_atomically, write_safetensors
 from machinery.validate import check_hf_types, check_model_args
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -84,22 +84,27 @@ def gpt2_config_to_model_args(cfg):
     return args
 
 
+def library(name, needed_for):
+    """import name, or HFError with the line that installs it (an optional dependency)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise HFError(f"{needed_for} needs {name}, which is not installed: "
+                      f"pip install {name}") from None
+
+
 def model_args_to_gpt2_config(model_args, dtype=torch.float32):
-    """GPTConfig kwargs -> a config.json dict that transformers reads as a GPT2Config."""
-    a = model_args
+    """GPTConfig kwargs -> transformers' GPT2Config (written by its own save_pretrained)."""
+    transformers = library("transformers", "writing a Hugging Face GPT-2")
+    a, d = model_args, model_args.get("dropout", 0.0)
     eot = 50256 if a["vocab_size"] > 50256 else None  # <|endoftext|>, where the vocabulary has it
-    d, name = a.get("dropout", 0.0), str(dtype).removeprefix("torch.")
-    return {
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-        "activation_function": "gelu_new",
-        "n_positions": a["block_size"], "n_ctx": a["block_size"], "vocab_size": a["vocab_size"],
-        "n_layer": a["n_layer"], "n_head": a["n_head"], "n_embd": a["n_embd"], "n_inner": None,
-        "resid_pdrop": d, "embd_pdrop": d, "attn_pdrop": d,
-        "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
-        "tie_word_embeddings": True, "bos_token_id": eot, "eos_token_id": eot,
-        # transformers >= 5 writes "dtype" (and still reads "torch_dtype"), older ones "torch_dtype"
-        "torch_dtype": name, "dtype": name,
-    }
+    config = transformers.GPT2Config(
+        n_positions=a["block_size"], vocab_size=a["vocab_size"], n_layer=a["n_layer"],
+        n_head=a["n_head"], n_embd=a["n_embd"], resid_pdrop=d, embd_pdrop=d, attn_pdrop=d,
+        activation_function="gelu_new", layer_norm_epsilon=1e-5, bos_token_id=eot,
+        eos_token_id=eot, architectures=["GPT2LMHeadModel"])
+    config.dtype = dtype
+    return config
 
 
 def expected_shapes(model_args):
@@ -136,7 +141,8 @@ def locate(source, cache_dir=None):
     try:
         from huggingface_hub import snapshot_download  # optional: only hub names need it
     except ImportError:
-        raise HFError(f"{source}: huggingface_hub is not installed; {hint}") from None
+        raise HFError(f"{source}: huggingface_hub is not installed (pip install "
+                      f"huggingface_hub); {hint}") from None
     try:
         files = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*"]
         return snapshot_download(repo, cache_dir=cache_dir, allow_patterns=files)
@@ -165,11 +171,8 @@ def _folder_and_files(path):
 def check_weights(source, cache_dir=None):
     """read_config, and every weights file's tensor names and shapes against it, from the
     files' headers alone: before a model is built at the size config.json claims."""
-    model_args = read_config(source, cache_dir)
-    _, files = _folder_and_files(locate(source, cache_dir))
-    with ExitStack() as stack:
-        _read_plan(files, model_args, stack)
-    return model_args
+    with Weights(source, cache_dir) as w:
+        return w.model_args
 
 
 def read_config(source, cache_dir=None):
@@ -193,10 +196,9 @@ def _open(path, stack):
     try:
         if path.endswith(".safetensors"):  # ours keep a crc32 per tensor: checked when read
             f = stack.enter_context(safe_open(path, framework="pt"))
-            meta = f.metadata()
-            return {k: (tuple(f.get_slice(k).get_shape()), lambda k=k: _checked(path, meta, k,
-                                                                                f.get_tensor(k)))
-                    for k in f.keys()}
+            crcs = json.loads((f.metadata() or {}).get(KEY, "{}")).get("crc32")
+            return {k: (tuple(f.get_slice(k).get_shape()),
+                        lambda k=k: _checked(path, crcs, k, f.get_tensor(k))) for k in f.keys()}
         try:
             sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError:
@@ -206,11 +208,15 @@ def _open(path, stack):
         raise HFError(f"{path}: unreadable ({_one_line(e)})") from None
 
 
-def _checked(path, meta, name, t):
-    try:
-        check_crcs(meta, {name: t})
-    except ValueError as e:
-        raise HFError(f"{path}: {e}") from None
+def crc32(t):
+    """A tensor's bytes' crc32, 8 hex digits: what our files keep to see a flipped byte."""
+    return f"{zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()):08x}"
+
+
+def _checked(path, crcs, name, t):
+    if crcs is not None and crcs.get(name) != crc32(t):  # a file from elsewhere has none
+        raise HFError(f"{path}: {name} fails its checksum (crc32 {crc32(t)}, saved "
+                      f"{crcs.get(name)}): its bytes changed")
     return t
 
 
@@ -242,36 +248,39 @@ def _read_plan(files, model_args, stack):
     return plan
 
 
-def _tensors(source, model_args, cache_dir):
-    """Yield (our name, tensor in our layout), one tensor read at a time."""
-    _, files = _folder_and_files(locate(source, cache_dir))
-    with ExitStack() as stack:
-        for ours, read, transpose in _read_plan(files, model_args, stack):
-            try:
-                t = read()
-            except Exception as e:
-                raise HFError(f"{source}: cannot read {ours} ({_one_line(e)})") from None
-            yield ours, (t.t() if transpose else t)
-
-
-class LazyWeights:
-    """{our name: tensor in our layout, fp32} of a model's files, each read when asked for:
-    never a whole fp32 copy of the model in host memory. The files stay open while it lives."""
+class Weights:
+    """A Hugging Face GPT-2's weights (a folder, a weights file or a hub name), every name and
+    shape checked against its config.json from the files' headers alone. w[name] reads one
+    tensor from its file, in model.py's layout and fp32: never a whole copy of the model in
+    host memory. Iterates in model order, lm_head.weight last where a file holds the tied head
+    twice. The files stay open until close (or the with block's end)."""
 
     def __init__(self, source, cache_dir=None):
-        model_args = read_config(source, cache_dir)
-        _, files = _folder_and_files(locate(source, cache_dir))
-        self.source, self.stack = source, ExitStack()
+        self.source = locate(source, cache_dir)
+        self.model_args = read_config(self.source)
+        self.stack = ExitStack()
+        _, files = _folder_and_files(self.source)
         self.plan = {ours: (read, tr) for ours, read, tr
-                     in _read_plan(files, model_args, self.stack)}
+                     in _read_plan(files, self.model_args, self.stack)}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stack.close()
 
     def __contains__(self, name):
         return name in self.plan
+
+    def __iter__(self):
+        return iter(self.plan)
 
     def __getitem__(self, name):
         read, transpose = self.plan[name]
         try:
             t = read().float()
+        except HFError:
+            raise
         except Exception as e:
             raise HFError(f"{self.source}: cannot read {name} ({_one_line(e)})") from None
         return t.t() if transpose else t
@@ -285,15 +294,16 @@ def _check_tied(head, wte):
 def load_pretrained(source, cache_dir=None):
     """(GPTConfig kwargs, state dict in model.py's names, fp32) from a folder, a weights file or a
     hub name. lm_head.weight and transformer.wte.weight are the same tensor, as in GPT's own."""
-    model_args = read_config(source, cache_dir)
     sd = {}
-    for ours, t in _tensors(source, model_args, cache_dir):
-        if ours == "lm_head.weight":
-            _check_tied(t.float(), sd["transformer.wte.weight"])
-            continue
-        sd[ours] = torch.empty(t.shape).copy_(t)  # fp32, contiguous, not a view of a mapped file
+    with Weights(source, cache_dir) as w:
+        for ours in w:
+            if ours == "lm_head.weight":
+                _check_tied(w[ours], sd["transformer.wte.weight"])
+            else:  # contiguous, and not a view of a mapped file
+                t = w[ours]
+                sd[ours] = torch.empty(t.shape).copy_(t)
     sd["lm_head.weight"] = sd["transformer.wte.weight"]
-    return model_args, sd
+    return w.model_args, sd
 
 
 @torch.no_grad()
@@ -304,71 +314,62 @@ def load_into(model, source, cache_dir=None):
     smaller block_size: its position embedding then gets the file's first rows (nanoGPT's
     crop_block_size). On an HFError from a tensor read, the model is partly overwritten.
     Returns the GPTConfig kwargs."""
-    model_args = read_config(source, cache_dir)
-    have = {k: getattr(model.config, k) for k in model_args if k != "dropout"}
-    if any(have[k] != model_args[k] for k in have if k != "block_size") \
-            or have["block_size"] > model_args["block_size"]:
-        raise HFError(f"{source} is {model_args}, the model is {have}: build it from read_config")
-    params = dict(model.named_parameters())
-    missing = [k for k in expected_shapes(model_args) if k not in params]
-    if missing:  # a quantized weight is a module of buffers, not a parameter
-        raise HFError(f"the model has no parameter {missing[0]}: load before quantize_base")
-    for ours, t in _tensors(source, model_args, cache_dir):
-        target = params["transformer.wte.weight" if ours == "lm_head.weight" else ours]
-        # the first rows of each: model.py pads the embedding with rows of zeros, and a cropped
-        # position embedding has fewer rows than the file's
-        n = min(len(t), len(target))
-        if ours == "lm_head.weight":
-            _check_tied(t, target[:n])
-        else:
-            target[:n].copy_(t[:n])
-    return model_args
+    with Weights(source, cache_dir) as w:
+        have = {k: getattr(model.config, k) for k in w.model_args if k != "dropout"}
+        if any(have[k] != w.model_args[k] for k in have if k != "block_size") \
+                or have["block_size"] > w.model_args["block_size"]:
+            raise HFError(f"{source} is {w.model_args}, the model is {have}: build it from "
+                          "read_config")
+        params = dict(model.named_parameters())
+        missing = [k for k in expected_shapes(w.model_args) if k not in params]
+        if missing:  # a quantized weight is a module of buffers, not a parameter
+            raise HFError(f"the model has no parameter {missing[0]}: load before quantize_base")
+        for ours in w:
+            t, target = w[ours], params["transformer.wte.weight" if ours == "lm_head.weight"
+                                        else ours]
+            # the first rows of each: model.py pads the embedding with rows of zeros, and a
+            # cropped position embedding has fewer rows than the file's
+            n = min(len(t), len(target))
+            if ours == "lm_head.weight":
+                _check_tied(t, target[:n])
+            else:
+                target[:n].copy_(t[:n])
+    return w.model_args
 
 
 def base_fingerprint(source, cache_dir=None):
     """adapters.base_fingerprint of GPT(read_config(source)) loaded from source in fp32 (what
     sample.py loads as this base), read a tensor at a time: a 16-bit or cropped run names its
     base without ever holding an fp32 copy of the model."""
-    model_args = read_config(source, cache_dir)
-    rows = GPTConfig(**model_args).padded_vocab
-    _, files = _folder_and_files(locate(source, cache_dir))
-    with ExitStack() as stack:
-        plan = {ours: (read, tr) for ours, read, tr in _read_plan(files, model_args, stack)}
-        plan["lm_head.weight"] = plan["transformer.wte.weight"]  # GPT's state dict has both
+    with Weights(source, cache_dir) as w:
+        rows = GPTConfig(**w.model_args).padded_vocab
 
-        def read(name):  # as GPT holds it: Linear layout, model.py's padded rows as zeros
-            t = plan[name][0]().float()
-            t = t.t() if plan[name][1] else t
+        def read(name):  # as GPT holds it: model.py's padded rows as zeros, the head tied
+            t = w["transformer.wte.weight" if name == "lm_head.weight" else name]
             if name in ("lm_head.weight", "transformer.wte.weight"):
                 t = torch.cat([t, t.new_zeros(rows - len(t), t.shape[1])])
             return t
 
-        return fingerprint_tensors((name, read(name)) for name in sorted(plan))
+        names = sorted(set(w) | {"lm_head.weight"})  # GPT's state dict has both
+        return fingerprint_tensors((name, read(name)) for name in names)
 
 
 # ----------------------------------------------------------------------------------------------
 # Weights out
 
-def _write_folder(out_dir, safetensors_name, header, tensors, json_name, json_obj):
-    """The weights, then the config beside them, each replaced whole: other files in out_dir
-    (a tokenizer) stay, and a folder with a new config has its new weights."""
-    os.makedirs(out_dir, exist_ok=True)
-    write_safetensors(os.path.join(out_dir, safetensors_name), header, tensors)
-    text = json.dumps(json_obj, indent=2) + "\n"
-    replace_atomically(os.path.join(out_dir, json_name), lambda f: f.write(text.encode()))
-
-
 def save_hf(state_dict, model_args, out_dir, dtype=torch.float32):
     """Write config.json + model.safetensors that transformers' GPT2LMHeadModel.from_pretrained
     loads, in dtype (fp32, bf16 or fp16). Every name and shape is checked before anything is
     written. A bias=False model gets zero biases: a zero bias adds nothing, so the logits are
-    the same, and refusing would leave such models no way out."""
+    the same, and refusing would leave such models no way out. safetensors' save_file takes
+    every tensor at once: the transposed matmul weights are a second copy of most of the model
+    while it writes (the export holds the model already; host memory, never a GPU's)."""
     if dtype not in DTYPES:
         raise HFError(f"dtype {dtype}: use one of {', '.join(map(str, DTYPES))}")
     lora = [k for k in state_dict if "lora_" in k]
     if lora:
         raise HFError(f"{lora[0]} is a LoRA tensor: export the base (merged with lora.merge_lora, "
-                      f"lora_ keys dropped), or the adapter with save_peft_adapter")
+                      f"lora_ keys dropped), or the adapter with adapters.save_adapter")
     try:
         GPTConfig(**model_args)
     except (TypeError, ValueError) as e:
@@ -388,93 +389,15 @@ def save_hf(state_dict, model_args, out_dir, dtype=torch.float32):
         raise HFError(f"state dict: unexpected tensor {extra[0]} (not one of GPT's)")
     if "lm_head.weight" in state_dict:
         _check_tied(state_dict["lm_head.weight"], state_dict["transformer.wte.weight"])
-    header = {n: (dtype, s[::-1] if n.endswith(CONV1D) else s) for n, s in want.items()}
-
-    def tensors():  # converted one at a time: never a second copy of the model
-        for name, shape in want.items():
-            t = state_dict.get(name)
-            t = torch.zeros(shape) if t is None else t.detach().cpu()
-            yield name, (t.t() if name.endswith(CONV1D) else t).to(dtype)
-
-    config = model_args_to_gpt2_config(model_args, dtype)
-    _write_folder(out_dir, "model.safetensors", header, tensors(), "config.json", config)
-
-
-# ----------------------------------------------------------------------------------------------
-# PEFT adapters out
-
-# lora.py's targets -> the module they adapt, and which slice of c_attn's q|k|v (None: whole)
-TARGET_MODULES = {"q": ("attn.c_attn", 0), "k": ("attn.c_attn", 1), "v": ("attn.c_attn", 2),
-                  "attn_out": ("attn.c_proj", None), "mlp_fc": ("mlp.c_fc", None),
-                  "mlp_proj": ("mlp.c_proj", None)}
-
-
-def _peft_tensors(lora_state, modules, slices, r):
-    """{PEFT key: fp32 tensor} for every block, checking our shapes on the way."""
-    found = [re.fullmatch(r"transformer\.h\.(\d+)\.(.+)\.lora_[AB]", k) for k in lora_state]
-    found = [m for m in found if m]
-    if not found:
-        raise HFError("lora state: no transformer.h.<i>.<module>.lora_A / lora_B tensors in it")
-    blocks = sorted({int(m.group(1)) for m in found})
-    if blocks != list(range(len(blocks))) or any(m.group(2) not in modules for m in found):
-        bad = [m.group(0) for m in found if m.group(2) not in modules]
-        raise HFError(f"lora state: {bad[0] if bad else f'blocks {blocks}'} does not fit "
-                      f"targets {modules}")
-    out = {}
-    for i in blocks:
-        for module in modules:
-            ours = f"transformer.h.{i}.{module}"
-            A, B = lora_state.get(ours + ".lora_A"), lora_state.get(ours + ".lora_B")
-            if A is None or B is None:
-                raise HFError(f"lora state: {ours}.lora_A / lora_B missing for these targets")
-            k = len(slices) if module == "attn.c_attn" else 1
-            s = A.shape[1] if module == "attn.c_attn" else B.shape[0]  # rows per adapted slice
-            if A.shape[0] != k * r or tuple(B.shape) != (k * s, r):
-                raise HFError(f"lora state: {ours} has A {tuple(A.shape)}, B {tuple(B.shape)}, "
-                              f"not ({k * r}, in), ({k * s}, {r}) for rank {r}")
-            A, B = A.detach().cpu().float(), B.detach().cpu().float()
-            if module == "attn.c_attn":  # block-diagonal: slice j's rows see A's block n only
-                full = torch.zeros(3 * s, k * r)
-                for n, j in enumerate(slices):  # our n-th block of B is q|k|v slice j
-                    full[j * s:(j + 1) * s, n * r:(n + 1) * r] = B[n * s:(n + 1) * s]
-                B = full
-            prefix = f"base_model.model.{ours}"
-            out[prefix + ".lora_A.weight"], out[prefix + ".lora_B.weight"] = A, B
-    return out
-
-
-def save_peft_adapter(lora_state, settings, out_dir, base_model_name_or_path="gpt2"):
-    """Write adapter_config.json + adapter_model.safetensors that peft.PeftModel.from_pretrained
-    loads onto the GPT-2 base (the un-merged base, exported with save_hf). lora_state: our LoRA
-    tensors by our names (other entries are ignored); settings: model.lora_settings.
-
-    The fused c_attn: lora.py adapts k of its q|k|v slices, each with its own (r, in) block of
-    lora_A and (C, r) block of lora_B. That is one rank k*r adapter on all of c_attn: A is our
-    lora_A, B (3C, k*r) is block-diagonal (slice j's rows see only its own r columns of A's
-    output, an unadapted slice's rows are zero). PEFT scales by lora_alpha / r, so c_attn gets
-    r = k*r and lora_alpha = k*alpha: alpha/r, the scaling lora.py uses, stays the same.
-    An adapter trained on a quantized base (QLoRA) was fit to that base's rounding: on the
-    full-precision base it is close, not exact."""
-    r, alpha = settings["rank"], settings["alpha"]
-    targets = [t for t in TARGET_MODULES if t in settings["targets"]]
-    modules = list(dict.fromkeys(TARGET_MODULES[t][0] for t in targets))  # ordered, unique
-    slices = [TARGET_MODULES[t][1] for t in targets if TARGET_MODULES[t][0] == "attn.c_attn"]
-    tensors = _peft_tensors(lora_state, modules, slices, r)
-    k, rank_pattern, alpha_pattern = len(slices), {}, {}
-    if k > 1 and len(modules) > 1:  # c_attn's rank differs from the other modules'
-        rank_pattern["attn.c_attn"], alpha_pattern["attn.c_attn"] = k * r, k * alpha
-    elif k > 1:  # c_attn alone: its rank is the adapter's rank
-        r, alpha = k * r, k * alpha
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_name_or_path,
-        "r": r, "lora_alpha": alpha, "lora_dropout": settings.get("dropout", 0.0),
-        # "attn.c_proj", not "c_proj": PEFT matches suffixes, and mlp.c_proj ends in c_proj too
-        "target_modules": modules, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
-        "fan_in_fan_out": True,  # GPT-2's Conv1D stores (in, out): PEFT transposes the delta
-        "bias": "none", "use_rslora": False, "use_dora": False, "modules_to_save": None,
-        "init_lora_weights": True, "inference_mode": True,
-    }
-    header = {name: (torch.float32, tuple(t.shape)) for name, t in tensors.items()}
-    _write_folder(out_dir, "adapter_model.safetensors", header, iter(tensors.items()),
-                  "adapter_config.json", config)
+    config = model_args_to_gpt2_config(model_args, dtype)  # before a byte: transformers is there
+    tensors = {}
+    for name, shape in want.items():
+        t = state_dict.get(name)
+        t = torch.zeros(shape) if t is None else t.detach().cpu()
+        tensors[name] = (t.t() if name.endswith(CONV1D) else t).to(dtype).contiguous()
+    crcs = json.dumps({"crc32": {k: crc32(t) for k, t in tensors.items()}}, sort_keys=True)
+    os.makedirs(out_dir, exist_ok=True)  # other files in out_dir (a tokenizer) stay
+    tmp = os.path.join(out_dir, f".model.safetensors.tmp{os.getpid()}")
+    save_file(tensors, tmp, metadata={"format": "pt", KEY: crcs})
+    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))  # the old file or the new one
+    config.save_pretrained(out_dir)  # config.json, as the installed transformers writes it

@@ -131,7 +131,7 @@ def hf_weights(source):
     """{our name: fp32 tensor} of a Hugging Face GPT-2, read from its file a tensor at a time
     when asked: the full-precision source of a 16-bit run's fp32 master."""
     try:
-        return hf.LazyWeights(source)
+        return hf.Weights(source)
     except HFError as e:
         raise ConfigError(f"--init-from {e}")
 

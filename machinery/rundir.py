@@ -36,7 +36,7 @@ from machinery.tensorfile import torch_save
 from machinery.validate import is_int
 
 LOCK = "lock"
-RUN_FILES = re.compile(r"ckpt-\d+(\.tmp)?|metrics\.jsonl|adapter\.safetensors")  # a run's own
+RUN_FILES = re.compile(r"ckpt-\d+(\.tmp)?|metrics\.jsonl|adapter")  # a run's own
 _held = set()  # the out-dirs' locks this process holds
 _created = set()  # the out-dirs this process created: removed again if it leaves them empty
 _archived = []  # (from, to) moves of --archive: undone if the run fails before a step
@@ -204,10 +204,11 @@ def _one_history(cfg):
     """A fresh run where an earlier one left checkpoints or a log: refused, or (--archive) that
     run moved into OUT_DIR/archive-N/. A folder where a run's file belongs: refused."""
     out = cfg.out_dir
-    for name in ("metrics.jsonl", "adapter.safetensors"):
-        if os.path.isdir(os.path.join(out, name)):
-            raise RunDirError(f"{os.path.join(out, name)} is a folder where the run's file belongs:"
-                              " move it away, or use another --out-dir")
+    for name, wrong, kind in (("metrics.jsonl", os.path.isdir, "a folder"),
+                              ("adapter", os.path.isfile, "a file")):  # PEFT's adapter folder
+        if wrong(os.path.join(out, name)):
+            raise RunDirError(f"{os.path.join(out, name)} is {kind} where the run's "
+                              f"{name} belongs: move it away, or use another --out-dir")
     log = os.path.join(out, "metrics.jsonl")
     earlier = list_checkpoints(out)
     logged = os.path.isfile(log) and os.path.getsize(log) > 0

@@ -237,7 +237,8 @@ def test_lora_run_resumes_exactly(data_root, tmp_path):
     full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
     assert [full[i] for i in range(8)] == [split[i] for i in range(8)]
     assert_same_weights(final_weights(tmp_path / "full"), final_weights(tmp_path / "split"))
-    full, split = (tmp_path / run / "adapter.safetensors" for run in ("full", "split"))
+    full, split = (tmp_path / run / "adapter" / "adapter_model.safetensors"
+                   for run in ("full", "split"))
     assert open(full, "rb").read() == open(split, "rb").read()
 
 

@@ -191,3 +191,28 @@ def test_the_fork_trains_in_fp16(data_root, tmp_path):
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     steps = [r for r in rows if "loss" in r]
     assert sum(r["skipped"] for r in steps) <= 2 and steps[-1]["loss"] < steps[0]["loss"]
+
+
+def test_the_forks_adapter_is_a_peft_folder_that_loads_back(tmp_path):
+    """The fork's LoRA modules (its own names, a fused q|k|v and a split MLP) convert to PEFT's
+    folder and back by the layout the model declares: the same outputs, nn.Linear's layout."""
+    import json
+    import lora as L
+    from machinery import adapters
+    cfg = GPTConfig(**CFG)
+    x = torch.randint(0, 40, (2, 16))
+    torch.manual_seed(0)
+    model = llama.Llama(cfg)
+    L.apply_lora(model, 4, targets="q,v,mlp_down")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("lora_B"):
+                p.normal_(0, 0.1)
+    adapters.save_adapter(tmp_path / "a", model, adapters.base_fingerprint(model))
+    config = json.load(open(tmp_path / "a" / "adapter_config.json"))
+    assert config["fan_in_fan_out"] is False and config["rank_pattern"] == {
+        "self_attn.qkv_proj": 8}, config
+    torch.manual_seed(0)
+    fresh = llama.Llama(cfg)
+    adapters.load_adapter(fresh, str(tmp_path / "a"))
+    assert torch.equal(fresh.eval()(x, x)[0], model.eval()(x, x)[0])

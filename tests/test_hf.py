@@ -150,7 +150,7 @@ def test_peft_adapter(tmp_path, targets):
                 p.normal_(0, 0.1)
     sd = model.state_dict()
     hf.save_hf({k: v for k, v in sd.items() if "lora_" not in k}, ARGS, tmp_path / "base")
-    hf.save_peft_adapter(adapters.adapter_state(sd), model.lora_settings, tmp_path / "adapter")
+    adapters.save_adapter(tmp_path / "adapter", model, adapters.base_fingerprint(sd))
     base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base")
     with torch.no_grad():
         no_adapter = theirs(base)
@@ -160,6 +160,9 @@ def test_peft_adapter(tmp_path, targets):
     torch.testing.assert_close(theirs(peft_model), expected, atol=1e-5, rtol=0)
     lora.merge_lora(model)  # and merged, as sample.py would run it
     torch.testing.assert_close(ours(model), expected, atol=1e-5, rtol=0)
+    again = random_gpt()  # and the same folder read back by us: the same adapter
+    adapters.load_adapter(again, str(tmp_path / "adapter"))
+    torch.testing.assert_close(ours(again), expected, atol=0, rtol=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,14 +189,14 @@ def test_folder_without_config(tmp_path):
     (dict(n_inner=100), "n_inner"), (dict(scale_attn_by_inverse_layer_idx=True), "inverse"),
     (dict(reorder_and_upcast_attn=True), "reorder"), (dict(n_head=5), "n_head")])
 def test_not_gpt2_config(tmp_path, change, word):
-    cfg = {**hf.model_args_to_gpt2_config(ARGS), **change}
+    cfg = {**hf.model_args_to_gpt2_config(ARGS).to_dict(), **change}
     with pytest.raises(HFError) as e:
         hf.gpt2_config_to_model_args(cfg)
     one_line(e, word)
 
 
 def test_config_round_trip():
-    assert hf.gpt2_config_to_model_args(hf.model_args_to_gpt2_config(ARGS)) == ARGS
+    assert hf.gpt2_config_to_model_args(hf.model_args_to_gpt2_config(ARGS).to_dict()) == ARGS
 
 
 def rewrite_weights(folder, name, tensor):
@@ -262,12 +265,21 @@ def test_save_bad_input_writes_nothing(tmp_path):
         with pytest.raises(HFError) as e:
             hf.save_hf(state, ARGS, tmp_path / "out")
         one_line(e, word)
-    with pytest.raises(HFError) as e:  # lora_A of rank 3 where the settings say 2
-        hf.save_peft_adapter({"transformer.h.0.mlp.c_fc.lora_A": torch.zeros(3, 32),
-                              "transformer.h.0.mlp.c_fc.lora_B": torch.zeros(128, 3)},
-                             dict(rank=2, alpha=1.0, dropout=0.0, targets=["mlp_fc"]),
-                             tmp_path / "out")
+    lora.apply_lora(model, rank=2, targets="mlp_fc")
+    state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    state["transformer.h.0.mlp.c_fc.lora_A"] = torch.zeros(3, 32)
+    state["transformer.h.0.mlp.c_fc.lora_B"] = torch.zeros(128, 3)
+    with pytest.raises(ValueError) as e:  # lora_A of rank 3 where the settings say 2
+        adapters.save_adapter(tmp_path / "out", model, "0" * 16, lora_state=state)
     one_line(e, "rank 2")
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_without_transformers_one_line_nothing_written(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes the import fail
+    with pytest.raises(HFError) as e:
+        hf.save_hf(random_gpt().state_dict(), ARGS, tmp_path / "out")
+    one_line(e, "pip install transformers")
     assert not os.path.exists(tmp_path / "out")
 
 

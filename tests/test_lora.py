@@ -4,7 +4,9 @@ Tiny fp32 models on the CPU. The multi-rank test compares LoRA training under Ze
 (stage 3 with activation checkpointing: the frozen-weights-under-recompute case) with one
 process running torch.optim.AdamW on the global batch, as tests/test_zero.py does.
 """
+import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -156,17 +158,17 @@ def test_adapter_save_load_swap(tmp_path):
             for n, p in model.named_parameters():
                 if "lora_B" in n:
                     p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
-        paths[name], outs[name] = str(tmp_path / f"{name}.safetensors"), run(model)
-        adapters.save_adapter(paths[name], adapters.adapter_state(model.state_dict()), model.lora_settings,
-                          adapters.base_fingerprint(model))
+        paths[name], outs[name] = str(tmp_path / name), run(model)
+        adapters.save_adapter(paths[name], model, adapters.base_fingerprint(model))
     assert not (outs["A"] == base_out).all()
-    assert sorted(os.listdir(tmp_path)) == ["A.safetensors", "B.safetensors"]
+    assert sorted(os.listdir(tmp_path / "A")) == ["adapter_config.json",  # PEFT's folder
+                                                  "adapter_model.safetensors"]
 
     model = make_model()  # no LoRA yet: load_adapter applies it from the file's settings
     assert torch.equal(run(model), base_out)
     assert adapters.load_adapter(model, paths["A"])["targets"] == ["q", "v", "mlp_fc"]
     assert torch.equal(run(model), outs["A"])
-    adapters.load_adapter(model, paths["B"])
+    adapters.load_adapter(model, os.path.join(paths["B"], "adapter_model.safetensors"))  # its file
     assert torch.equal(run(model), outs["B"])
     lora.remove_adapter(model)
     assert torch.equal(run(model), base_out)  # back to the base, bitwise
@@ -179,18 +181,94 @@ def test_adapter_save_load_swap(tmp_path):
     other.lora_settings["rank"] = 8  # settings that claim a match, shapes that do not
     with pytest.raises(AdapterError, match="settings"):
         adapters.load_adapter(other, paths["A"])
-    with open(paths["A"], "r+b") as f:  # a corrupt file: half of it
-        f.truncate(os.path.getsize(paths["A"]) // 2)
+    weights = os.path.join(paths["A"], "adapter_model.safetensors")
+    with open(weights, "r+b") as f:  # a corrupt file: half of it
+        f.truncate(os.path.getsize(weights) // 2)
     with pytest.raises(AdapterError, match="not a readable adapter"):
         adapters.load_adapter(make_model(), paths["A"])
+    from safetensors.torch import save_file
+    old = str(tmp_path / "old" / "adapter.safetensors")  # the format before PEFT's
+    os.makedirs(os.path.dirname(old))
+    save_file(adapters.adapter_state(model.state_dict()), old, {"base_fingerprint": "0" * 16})
+    with pytest.raises(AdapterError, match="older nanoZeRO: `python export.py CKPT --to hf OUT`"):
+        adapters.load_adapter(make_model(), old)
+
+
+def edited(folder, config=None, tensors=None, meta=None):
+    """The adapter folder rewritten: its adapter_config.json, tensors or metadata replaced."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    path = os.path.join(folder, "adapter_model.safetensors")
+    with safe_open(path, framework="pt") as f:
+        have, have_meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    save_file(tensors(have) if tensors else have, path, meta if meta is not None else have_meta)
+    if config:
+        cfg = json.load(open(os.path.join(folder, "adapter_config.json")))
+        json.dump({**cfg, **config}, open(os.path.join(folder, "adapter_config.json"), "w"))
+
+
+def test_edited_or_lying_adapters_are_one_line(tmp_path):
+    """PEFT's files carry what peft runs (adapter_config.json, the tensors) and what we check
+    (the settings, base, vocabulary and crc32s in the metadata): each edit is one line."""
+    model = make_model(rank=4, targets="q,v,attn_out")
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.lora_B.add_(1.0)
+    fp = adapters.base_fingerprint(model)
+    good = str(tmp_path / "good")
+    adapters.save_adapter(good, model, fp, "char:x")
+    cfg = json.load(open(os.path.join(good, "adapter_config.json")))
+    assert cfg["rank_pattern"] == {"attn.c_attn": 8}  # q and v: one rank-8 adapter of c_attn
+    assert cfg["alpha_pattern"] == {"attn.c_attn": 2.0}
+    qkv = "base_model.model.transformer.h.0.attn.c_attn.lora_B.weight"
+
+    def off_block(t):  # a value where lora.py's k slice has no adapter
+        t[qkv][C:2 * C] = 1.0
+        return t
+    from safetensors import safe_open
+    with safe_open(os.path.join(good, "adapter_model.safetensors"), framework="pt") as f:
+        ours = json.loads(f.metadata()["nanozero"])
+    crcs = lambda t: {"nanozero": json.dumps(  # the checksum made to agree
+        {**ours, "tensors": adapters.fingerprint_tensors(sorted(t.items()))})}
+    cases = [(dict(config={"r": 16}), "adapter_config.json's r 16"),
+             (dict(config={"target_modules": ["attn.c_attn"]}), "target_modules"),
+             (dict(meta={"format": "pt"}), "no base fingerprint"),  # PEFT's own, from elsewhere
+             (dict(tensors=off_block), "fail their checksum"),
+             (dict(tensors=lambda t: {k: v for k, v in t.items() if "h.1.attn.c_proj" not in k}),
+              "fail their checksum")]
+    for kw, message in cases:
+        folder = str(tmp_path / f"case{len(os.listdir(tmp_path))}")
+        shutil.copytree(good, folder)
+        edited(folder, **kw)
+        with pytest.raises(AdapterError, match=message) as e:
+            adapters.load_adapter(make_model(), folder)
+        assert "\n" not in str(e.value)
+    for change, message in ((off_block, "not block-diagonal"),
+                            (lambda t: {k: v for k, v in t.items() if "h.1.attn.c_proj" not in k},
+                             "do not fit its LoRA modules")):
+        folder = str(tmp_path / f"case{len(os.listdir(tmp_path))}")
+        shutil.copytree(good, folder)
+        t = {}
+        edited(folder, tensors=lambda have: t.update(change(have)) or t)
+        edited(folder, meta=crcs(t))
+        with pytest.raises(AdapterError, match=message):
+            adapters.load_adapter(make_model(), folder)
+    with pytest.raises(AdapterError, match="vocabulary char:x"):
+        adapters.load_adapter(make_model(), good, vocab="char:y")
+    adapters.load_adapter(make_model(), good, vocab="char:x")  # the untouched one fits
 
 
 def test_adapter_shape_mismatch(tmp_path):
     model = make_model(rank=4, targets="q")
     state = adapters.adapter_state(model.state_dict())
     state["transformer.h.0.attn.c_attn.lora_A"] = torch.zeros(3, C)
-    path = str(tmp_path / "bad.safetensors")
-    adapters.save_adapter(path, state, model.lora_settings, adapters.base_fingerprint(model))
+    with pytest.raises(ValueError, match="rank 4"):  # nothing written for a bad state
+        adapters.save_adapter(str(tmp_path / "bad"), model, adapters.base_fingerprint(model),
+                              lora_state=state)
+    assert not os.path.exists(tmp_path / "bad")
+    path = str(tmp_path / "other")  # an adapter of another width
+    wide = GPT(GPTConfig(**{**CFG, "n_embd": 64}))
+    lora.apply_lora(wide, rank=4, targets="q")
+    adapters.save_adapter(path, wide, adapters.base_fingerprint(make_model()))
     with pytest.raises(AdapterError, match="shapes differ"):
         adapters.load_adapter(make_model(), path)
 

@@ -125,15 +125,17 @@ def test_lora_zero2_run_exports_a_peft_adapter(gpt2, tmp_path, capsys):
     model = GPT(GPTConfig(**hf.read_config(gpt2[0])))  # as sample.py --init-from builds it
     hf.load_into(model, gpt2[0])
     base_logits = ours(model)
-    adapters.load_adapter(model, str(tmp_path / "run" / "adapter.safetensors"))
+    adapters.load_adapter(model, str(tmp_path / "run" / "adapter"))
     expected = ours(model)
     assert (expected - base_logits).abs().max() > 1e-3  # the adapter moved the logits
-    base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
-    peft_model = peft.PeftModel.from_pretrained(base, tmp_path / "hf" / "adapter")
-    torch.testing.assert_close(theirs(peft_model), expected, atol=1e-5, rtol=0)
-    # sample.py: the exported folder as --ckpt; the HF base plus the adapter
+    for adapter in (tmp_path / "hf" / "adapter", tmp_path / "run" / "adapter"):  # one format
+        base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+        peft_model = peft.PeftModel.from_pretrained(base, adapter)
+        torch.testing.assert_close(theirs(peft_model), expected, atol=1e-5, rtol=0)
+    # sample.py: the exported folder as --ckpt (+ its adapter); the HF base plus the run's
     for argv in (["--ckpt", str(tmp_path / "hf")],
-                 ["--init-from", gpt2[0], "--adapter", tmp_path / "run" / "adapter.safetensors"]):
+                 ["--ckpt", str(tmp_path / "hf"), "--adapter", tmp_path / "hf" / "adapter"],
+                 ["--init-from", gpt2[0], "--adapter", tmp_path / "run" / "adapter"]):
         rc = sample.main([str(a) for a in argv] + ["--start", "To be", "--max-new-tokens", "4",
                                                     "--num-samples", "1"])
         out, err = capsys.readouterr()
@@ -256,6 +258,10 @@ def test_bad_export(gpt2, data_root, tmp_path, capsys):
     for argv, words in cases:
         rc, out, err = export(capsys, *argv)
         assert rc == 2 and out == "" and err.count("\n") == 1 and words in err, err
+    with pytest.MonkeyPatch.context() as mp:  # --to hf without transformers: before any read
+        mp.setitem(sys.modules, "transformers", None)
+        rc, out, err = export(capsys, ckpt, "--to", "hf", tmp_path / "o")
+    assert rc == 2 and err.count("\n") == 1 and "pip install transformers" in err, err
     # the command line itself: python export.py
     r = subprocess.run([sys.executable, "export.py", ckpt, "--to", "hf", str(tmp_path / "o"),
                         "--merge"], cwd=ROOT, capture_output=True, text=True,

@@ -111,7 +111,7 @@ def test_30_2_odd_files_in_a_run_folder_are_one_line(data_root, tmp_path):
 
     write = lambda text: lambda path: path.write_text(text)
     refused("metrics.jsonl", lambda p: (os.remove(p), os.mkdir(p)), "is a folder where the run's")
-    refused("adapter.safetensors", os.mkdir, "is a folder where the run's file belongs")
+    refused("adapter", write("x"), "is a file where the run's adapter belongs")
     refused("lock", os.mkdir, "is a folder where the run's lock file belongs")
     for text in ("[1, 2]", "7", "{\"pid\": \"12\", \"host\": 3}", "not json"):
         refused("lock", write(text), r"lock holds no run's identity.*--take-over-lock")
@@ -146,8 +146,8 @@ def test_30_4_init_from_a_qlora_checkpoint(data_root, tmp_path, capsys):
     assert val_losses(tmp_path / "same")[0] == trained
     fingerprints = []
     for name in ("q", "same"):  # the adapter names the base the first run trained on
-        with safe_open(str(tmp_path / name / "adapter.safetensors"), framework="pt") as f:
-            fingerprints.append(f.metadata()["base_fingerprint"])
+        fingerprints.append(adapters.read_adapter(str(tmp_path / name / "adapter"))[1]
+                            ["base_fingerprint"])
     assert fingerprints[0] == fingerprints[1]
     # any other flags: the model merged (base dequantized, adapters folded in)
     for name, flags in (("plain", []), ("r4", ["--lora", "--lora-rank", "4"])):
@@ -350,7 +350,7 @@ def test_31_5_a_failed_adapter_write_is_one_line_and_the_checkpoint_stays(data_r
 
     monkeypatch.setattr(adapters, "save_adapter", full)
     out = tmp_path / "lora"
-    with pytest.raises(CheckpointError, match=r"could not write \S+adapter.safetensors \(No space "
+    with pytest.raises(CheckpointError, match=r"could not write \S+adapter \(No space "
                        r"left on device\); the run is saved: \S+ckpt-0000002 holds the adapter"):
         run(data_root, out, *SCHEDULE, "--lora", "--max-iters", "2")
     Reader(list_checkpoints(out)[-1]).weights()  # intact
@@ -444,13 +444,12 @@ def test_31_7_safetensors_we_write_carry_a_crc32_per_tensor(tmp_path):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01) if p.requires_grad else None
-    path = str(tmp_path / "adapter.safetensors")
-    adapters.save_adapter(path, adapters.adapter_state(model.state_dict()), model.lora_settings,
-                          base)
+    path = str(tmp_path / "adapter")  # PEFT's folder
+    adapters.save_adapter(path, model, base)
     fresh = lambda: (torch.manual_seed(0), GPT(GPTConfig(**args)))[1]
     adapters.load_adapter(fresh(), path)
-    flip_tensor_byte(path)
-    with pytest.raises(adapters.AdapterError, match="fails its checksum"):
+    flip_tensor_byte(os.path.join(path, "adapter_model.safetensors"))
+    with pytest.raises(adapters.AdapterError, match="fail their checksum"):
         adapters.load_adapter(fresh(), path)
     folder = str(tmp_path / "hf")  # an export's model.safetensors
     hf.save_hf(fresh().state_dict(), {**args, "dropout": 0.0}, folder)

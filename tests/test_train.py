@@ -191,11 +191,11 @@ def test_lora_fine_tuning_flow_end_to_end(data_root, tmp_path):
     assert l[-1] < l[0]
     state = [r for r in ft if r.get("event") == "model_state"][0]
     assert state["psi"] == 2 * 2 * 8 * (32 + 32)  # only LoRA trains: 2 layers x (q, v) x r=8 x (in + out)
-    adapter = load_file(tmp_path / "ft" / "adapter.safetensors")
+    adapter = load_file(tmp_path / "ft" / "adapter" / "adapter_model.safetensors")  # PEFT's
     assert all(t.numel() > 0 for t in adapter.values())  # full tensors, not ZeRO-3 shards
-    assert os.path.getsize(tmp_path / "ft" / "adapter.safetensors") < 64 * 1024
+    assert os.path.getsize(tmp_path / "ft" / "adapter" / "adapter_model.safetensors") < 64 * 1024
     r = subprocess.run([sys.executable, "sample.py", "--out-dir", str(pre), "--adapter",
-                        str(tmp_path / "ft" / "adapter.safetensors"),
+                        str(tmp_path / "ft" / "adapter"),
                         "--max-new-tokens", "20", "--num-samples", "1", "--start", "T"], cwd=ROOT,
                        capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0 and r.stdout.startswith("T"), r.stderr

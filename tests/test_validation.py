@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 import checkpoint
 from machinery import hf
@@ -34,7 +35,6 @@ from machinery.adapters import AdapterError
 from model import GPT, GPTConfig
 from precision import GradScaler
 from machinery.rundir import RunDirError
-from machinery.tensorfile import write_safetensors
 from train import main
 
 TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size",
@@ -88,10 +88,9 @@ def test_1_another_vocabulary_of_the_same_size_is_refused(data_root, runs, tmp_p
                  "--max-iters", "1"])
     assert list_checkpoints(tmp_path / "tuned")
     # the adapter names its vocabulary; loading it onto a model of another one is refused
-    adapter = str(runs / "shard" / "adapter.safetensors")
+    adapter = str(runs / "shard" / "adapter")
     meta = Reader(list_checkpoints(runs / "shard")[-1]).header["meta"]
-    with safe_open(adapter, framework="pt") as f:
-        assert f.metadata()["vocab"] == validate.vocab_id(meta)
+    assert adapters.read_adapter(adapter)[1]["vocab"] == validate.vocab_id(meta)
     model = GPT(GPTConfig(**Reader(list_checkpoints(runs / "cons")[-1]).header["model_args"]))
     with pytest.raises(AdapterError, match="vocabulary"):
         adapters.load_adapter(model, adapter, vocab="char:0123456789abcdef")
@@ -236,16 +235,14 @@ def adapter_file(tmp_path, settings=None, vocab=None):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**HF_ARGS))
     lora.apply_lora(model, rank=4, targets=("q", "v"))
-    path = str(tmp_path / "adapter.safetensors")
-    adapters.save_adapter(path, adapters.adapter_state(model.state_dict()), model.lora_settings,
-                      adapters.base_fingerprint(model), *([vocab] if vocab else []))
+    path = str(tmp_path / "adapter")
+    adapters.save_adapter(path, model, adapters.base_fingerprint(model), vocab)
     if settings is not None:  # the same tensors under edited settings
-        with safe_open(path, framework="pt") as f:
+        weights = os.path.join(path, "adapter_model.safetensors")
+        with safe_open(weights, framework="pt") as f:
             tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
-        meta["settings"] = json.dumps(settings)
-        del meta["format"]
-        write_safetensors(path, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()},
-                          iter(tensors.items()), meta)
+        ours = json.loads(meta["nanozero"])
+        save_file(tensors, weights, {"nanozero": json.dumps({**ours, "settings": settings})})
     return path
 
 
