@@ -23,7 +23,6 @@ if __package__ in (None, ""):  # run as a script: import from the repository roo
 import torch
 
 import checkpoint
-from machinery import pieces
 from machinery import validate
 from bench.common import Stopwatch, command, parser, report, table
 from model import GPT, GPTConfig
@@ -77,9 +76,9 @@ def main(argv=None):
                                                      None))
             best[label, "save"] = min(t, best.get((label, "save"), t))
             best[label, "restore"] = min(r, best.get((label, "restore"), r))
-    keys_of = pieces.state_keys(zero)
+    keys_of = checkpoint.state_keys(zero)
     keys = ("master", *sorted({k for ks in keys_of.values() for k in ks}))
-    state = pieces.full_tensors(zero, model.stored_shapes(), keys, keys_of)
+    state = checkpoint.full_tensors(zero, model.stored_shapes(), keys, keys_of)
     alone = timed(lambda: [validate.crc(t) for e in state.values() for t in e.values()])
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
     if not args.out:

@@ -19,11 +19,11 @@ from dataclasses import asdict
 
 import torch
 
-from checkpoint import CheckpointError, Reader, check_compatible, list_checkpoints
+from checkpoint import (CheckpointError, Reader, check_compatible, list_checkpoints, stored,
+                        stored_shapes)
 from configurator import ConfigError
 from machinery import adapters, hf, validate
 from machinery.hf import HFError
-from machinery.pieces import stored, stored_shapes
 import model as model_py
 from model import GPT, GPTConfig
 

@@ -13,7 +13,6 @@ from conftest import make_zero, run_distributed, zero_step
 from data.loader import get_batch
 from precision import GradScaler
 from test_zero import B, DATA, SEED, T, make_model
-from machinery import pieces
 from machinery.report import zero_formula
 
 
@@ -59,7 +58,7 @@ def test_state_is_made_by_the_optimizer_and_a_first_skip_changes_nothing(name):
                           betas=(0.9, 0.95), eps=1e-8)
         if init:
             optim.init_state(opt, [p])
-            assert pieces.opt_state_keys(opt, p) == {"adamw": ["exp_avg", "exp_avg_sq"],
+            assert checkpoint.opt_state_keys(opt, p) == {"adamw": ["exp_avg", "exp_avg_sq"],
                                                 "sgd": ["momentum_buffer"],
                                                 "lion": ["exp_avg"],  # muon: AdamW for
                                                 "muon": ["exp_avg", "exp_avg_sq"]}[name]  # 1-D
