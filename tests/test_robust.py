@@ -77,7 +77,9 @@ def test_30_1_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
     for it in (2, 4, 10, 20):  # 10 and 20: another history's, numbered past the new save
         os.makedirs(tmp_path / f"ckpt-{it:07d}")
     final = str(tmp_path / "ckpt-0000006")
-    assert rundir.write_save(str(tmp_path), final, {"x.pt": {"a": 1}}, 0, 1, bool, 2) is None
+    write = lambda tmp: open(os.path.join(tmp, "x"), "w").write("x")  # the save's one file
+    assert rundir.write_save(str(tmp_path), final, write, 0, 1, bool, 2) is None
+    assert os.listdir(final) == ["x"]
     assert sorted(os.listdir(tmp_path)) == ["ckpt-0000004", "ckpt-0000006", "ckpt-0000010",
                                             "ckpt-0000020"]
 
