@@ -1,4 +1,4 @@
-"""The layout a learner reads: the lecture at the top level within its budget, the import
+"""The layout a learner reads: the lecture at the top level (its lines printed), the import
 directions that keep it there (the core reaches beyond/ only when a flag asks, configurator
 imports nothing of ours, no cycles), and no drift between what the README, docs/ and the
 docstrings name and what exists."""
@@ -17,7 +17,6 @@ import pytest
 
 from conftest import ROOT
 
-BUDGET = 3000  # lines of the top level's .py files: the lecture and the commands a user types
 FOLDERS = ("machinery", "beyond")
 
 
@@ -43,10 +42,10 @@ def read(path):
 
 
 # ----------------------------------------------------------------------------------------------
-# the budget
+# the top level's size, printed so that growth is seen (issue 36: structure, no line budget)
 
-def test_the_top_level_is_the_lecture_within_its_budget(capsys):
-    """Print each core file's lines and tokens per line (tinygrad's sz.py); hold the total."""
+def test_the_top_level_is_at_most_15_files_and_its_size_is_printed(capsys):
+    """Print each core file's lines and tokens per line (tinygrad's sz.py); at most 15 files."""
     rows, total = [], 0
     for f in top_level():
         source = read(f)
@@ -61,9 +60,8 @@ def test_the_top_level_is_the_lecture_within_its_budget(capsys):
         print(f"\n{'file':18}{'lines':>7}{'tokens/line':>13}")
         for f, n, tpl in rows:
             print(f"{f:18}{n:>7}{tpl:>13.1f}")
-        print(f"{'total':18}{total:>7}   (budget {BUDGET})")
+        print(f"{'total':18}{total:>7}")
     assert len(rows) <= 15, [f for f, _, _ in rows]
-    assert total <= BUDGET, f"the top level holds {total} lines, its budget is {BUDGET}"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,9 +22,8 @@ import checkpoint
 import memory
 import train
 from checkpoint import CheckpointError, Reader, list_checkpoints
-from conftest import ROOT
 from configurator import ConfigError
-from machinery import adapters, ckpt_reader, hf, lifecycle, rundir, validate
+from machinery import adapters, ckpt_reader, hf, lifecycle, rundir
 from machinery.flags import parse_args
 from machinery.rundir import RunDirError
 from model import GPT, GPTConfig
