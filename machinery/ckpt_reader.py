@@ -150,13 +150,12 @@ def refuse_old(path):
 
 class CheckpointFiles:
     """A checkpoint's header (checked whole when opened) and its pieces, each checked as it is
-    read (piece). Which pieces make up a range is checkpoint.py's Reader (the resharding);
-    only the files that hold them are opened (`opened`)."""
+    read (piece). Which pieces make up a range is checkpoint.py's Reader (the resharding)."""
 
     def __init__(self, path):
         if not os.path.isdir(path):
             raise CheckpointError(f"no checkpoint at {path}")
-        self.path, self.opened = path, []
+        self.path, self.checked = path, set()  # the files opened and checked
         self.hint = rundir.resume_hint(path)  # a bad file names what to resume from instead
         self.file = os.path.join(path, HEADER)
         if not os.path.isfile(self.file):
@@ -183,18 +182,18 @@ class CheckpointFiles:
         save_id and names against the header's, the tensor's crc32 before it is used."""
         h, name = self.header, self.header["files"][i]
         file = os.path.join(self.path, name)
-        if name not in self.opened:
-            self.opened.append(name)
         if key not in h["crc"][i]:
             raise CheckpointError(f"{self.path} holds no {key} in {name}")
         try:
-            with safe_open(file, framework="pt") as f:
-                if f.metadata() != {"save_id": h["save_id"], "file": str(i)}:
-                    raise CheckpointError(f"{file} belongs to another save than its {HEADER}: "
-                                          "the folder was edited; use another")
-                if set(f.keys()) != set(h["crc"][i]):
-                    raise CheckpointError(f"{file} holds other tensors than its {HEADER} says "
-                                          f"(a corrupt or edited file); {self.hint}")
+            with safe_open(file, framework="pt") as f:  # memory-mapped: only key is read
+                if name not in self.checked:  # once a file: its save, its names
+                    if f.metadata() != {"save_id": h["save_id"], "file": str(i)}:
+                        raise CheckpointError(f"{file} belongs to another save than its "
+                                              f"{HEADER}: the folder was edited; use another")
+                    if set(f.keys()) != set(h["crc"][i]):
+                        raise CheckpointError(f"{file} holds other tensors than its {HEADER} "
+                                              f"says (a corrupt or edited file); {self.hint}")
+                    self.checked.add(name)
                 t = f.get_tensor(key)
         except FileNotFoundError:
             raise CheckpointError(f"{file} is missing: the checkpoint is incomplete")
