@@ -99,8 +99,8 @@ def read_header(path):
     try:
         with open(path, "rb") as f:
             header = json.loads(f.read().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read it: not JSON ({_first_line(e)})")
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError:
+        raise ValueError(f"cannot read it: not JSON ({_first_line(e)})")  # [[[[... nested deep
     if not isinstance(header, dict) or not validate.is_int(header.get(SEAL)):
         raise ValueError("its header has no checksum: not a header a save writes")
     want = header.pop(SEAL)

@@ -138,6 +138,9 @@ def test_bad_checkpoints_give_one_line_and_touch_nothing(data_root, tmp_path):
     torch.save({"format": "consolidated", "payload": Evil(str(marker))}, meta)
     expect_error(["--resume"], "cannot read it: not JSON")
     assert not marker.exists()
+    open(meta, "w").write("[" * 100000)  # JSON nested deeper than Python's parser recurses
+    expect_error(["--resume"], "cannot read it: not JSON")
+    torch.save({"format": "consolidated", "payload": Evil(str(marker))}, meta)
     with pytest.raises(CheckpointError, match="not JSON"):
         main(TINY + ["--data-root", data_root, "--max-iters", "1", "--init-from", newest, "--out-dir", str(tmp_path / "new")])
     assert not marker.exists()
