@@ -1,49 +1,186 @@
 """
 Training checkpoints: save, resume, reshard; streamed, never the whole model on one rank.
 
-A checkpoint is a folder OUT_DIR/ckpt-ITER in one of two formats:
-  consolidated  ckpt.pt, written by rank 0: every tensor whole (trainable ones as fp32 master
-                weights and Adam's moments, frozen ones in their dtype), gathered one bucket at
-                a time, each moved to the host before the next is gathered
-  sharded       shard-RANK.pt from every rank, the pieces it owns, and meta.pt, which says
-                which rank holds which element range [lo, hi) of which tensor
-Both describe the state by (tensor name, element range), never by bucket or rank, so any world
-size and ZeRO stage resumes from either: each rank reads the ranges it owns now, from the files
-that hold them (ckpt.pt memory-mapped). Under ZeRO-3 no rank holds more than one bucket beyond
+A piece is an element range [lo, hi) of a flattened tensor with its values: the fp32 master
+weight and every optimizer state tensor by its key (trainable), or the value (frozen). A
+checkpoint is a folder OUT_DIR/ckpt-ITER of pieces in one format:
+  shard-NNNNN.safetensors  the pieces, each a 1-D tensor named "TENSOR/KEY", written by the
+                           safetensors package; --ckpt-format says how many files:
+                             consolidated  1 file, rank 0's: every tensor whole, gathered one
+                                           bucket at a time, each moved to the host before the
+                                           next is gathered (nodes need not share a disk)
+                             sharded       1 file per rank, the pieces it owns (no gather)
+  checkpoint.json          the header: which file holds which element range of which tensor
+                           (layout), each piece's crc32, the optimizer's keys and step, the
+                           scaler, every rank's RNG states, fp8's settings, the flags and the
+                           model config, the iteration
+The state is described by (tensor name, element range), never by bucket or rank, so any world
+size and ZeRO stage resumes from either: each rank reads the ranges it owns now, from the
+pieces that overlap them (Reader.read). Under ZeRO-3 no rank holds more than one bucket beyond
 its shards, saving or restoring.
 
-Checked on resume, each a one-line CheckpointError that changes no file (the Reader of
-machinery/ckpt_reader.py): the header's types, ranges and layout; the model shape and the
-vocabulary itself; every tensor's name, shape, length and crc32 (each saved beside its
-tensor: a rank checks what it reads); LoRA's rank, alpha and targets, the quantization. A
-corrupt file is never skipped over: its line names the older checkpoint to resume from.
-May change between runs: world size, ZeRO stage, format, LoRA dropout, and the dtype (the
-loss scaler then starts fresh).
+Checked on resume, each a one-line CheckpointError that changes no file (machinery/ckpt_reader.py
+opens the files, validate.py checks the header): the header's checksum, types, ranges and
+layout; the model shape and the vocabulary itself; each file's save_id and tensor names; every
+piece's length and crc32 (a rank checks what it reads); LoRA's rank, alpha and targets, the
+quantization. A corrupt file is never skipped over: its line names the older checkpoint to
+resume from. May change between runs: world size, ZeRO stage, --ckpt-format, LoRA dropout, and
+the dtype (the loss scaler then starts fresh). A checkpoint of the pickled format before this
+one (ckpt.pt, meta.pt) is refused in one line naming `python -m machinery.convert CKPT`.
 
 Safety: a save goes into ckpt-ITER.tmp, renamed to ckpt-ITER once every rank's files are
 written, fsynced and agreed on: a full disk or a crash leaves the previous checkpoint the
 newest, and inf/NaN master weights are never saved. The files of one save share a save_id, so
-a shard copied in from another is refused. Reading is torch.load(weights_only=True): never
-code. Saved for an exact resume: master weights, the optimizer's state and step, the scaler,
-the iteration (hence the LR and the batches), every rank's RNG states, the flags and the
-model config. export.py writes a checkpoint out as Hugging Face or plain safetensors files.
+a shard copied in from another is refused. No file holds a pickle: reading runs no code. Saved
+for an exact resume: master weights, the optimizer's state and step, the scaler, the iteration
+(hence the LR and the batches), every rank's RNG states, the flags and the model config.
+export.py writes a checkpoint out as Hugging Face or plain safetensors files.
 """
+import base64
+from contextlib import contextmanager
 import os
+import random
 import uuid
 
+import numpy as np
 import torch
 
-from collectives import all_gather_object
-from machinery import lifecycle, rundir, validate
-from machinery.ckpt_reader import CheckpointError, Reader, newest_checkpoint  # read, checked
-from machinery.pieces import (full_tensors, opt_state_keys, optimizer_header, owned_pieces,
-                              rng_state, set_rng_state, set_step_count, stored, stored_shapes)
+from collectives import Traffic, all_gather_object, all_gather_params
+from machinery import ckpt_reader, lifecycle, rundir, validate
+from machinery.ckpt_reader import CheckpointError, CheckpointFiles, newest_checkpoint  # checked
 from machinery.rundir import list_checkpoints
-from machinery.validate import crc
 
 
 # ----------------------------------------------------------------------------------------------
-# the whole state, and saving it
+# a piece: what each rank owns of the model state, by (tensor name, element range)
+
+def stored_shapes(model):
+    """{name: shape} of every tensor as files hold it: the model's own declaration (GPT's
+    leaves out the zero rows its vocabulary is padded with), else each tensor's shape, the
+    tied one under its first name."""
+    if hasattr(model, "stored_shapes"):
+        return model.stored_shapes()
+    shapes, seen = {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            shapes[name] = list(t.shape)
+    return shapes
+
+
+def stored(shapes, name, lo, hi):
+    """[lo, hi) of a flattened tensor, cut to what the checkpoint stores of it."""
+    return lo, min(hi, int(np.prod(shapes[name])))
+
+
+def state_piece(t, n):
+    """n elements of optimizer state for a piece of n elements: per-element state as it is; a
+    statistic of a whole tensor shaped otherwise (Adafactor's row and column means, only ever
+    of whole tensors: zero.py deals them whole) flat in the first elements, zeros after."""
+    flat = t.reshape(-1)
+    return flat[:n] if len(flat) >= n else torch.cat([flat, flat.new_zeros(n - len(flat))])
+
+
+def opt_state_keys(opt, param):
+    """The names of the state tensors the optimizer keeps for param (not its scalar step)."""
+    return sorted(k for k, t in opt.state[param].items() if torch.is_tensor(t) and t.dim() > 0)
+
+
+def step_count(opt, param):
+    """The optimizer's step count for param (AdamW's "step"), or None if it keeps none."""
+    t = opt.state[param].get("step")
+    return None if t is None else int(t.item() if torch.is_tensor(t) else t)
+
+
+def set_step_count(opt, params, step):
+    """A resumed step count (AdamW's bias correction needs it), where the optimizer keeps one."""
+    for p in params:
+        if torch.is_tensor(opt.state[p].get("step")):
+            opt.state[p]["step"].fill_(step)
+
+
+def owned_pieces(zero, shapes):
+    """This rank's pieces, copied to the host: {name: {"lo", "hi", "master", each optimizer state
+    key}} for trainable tensors and {name: {"lo", "hi", "value"}} for frozen ones. Up to stage 2
+    the frozen tensors are whole on every rank, at stage 0 all tensors: rank 0 owns them."""
+    out = {}
+    for s in zero.segments if zero.stage >= 1 or zero.rank == 0 else ():
+        lo, hi = stored(shapes, s.name, s.lo, s.hi)
+        if lo < hi:
+            state, n = zero.opt.state[s.master], hi - lo
+            out[s.name] = {"lo": lo, "hi": hi, "master": s.flat[:n].detach().cpu().clone(),
+                           **{k: state_piece(state[k], n).cpu().clone()
+                              for k in opt_state_keys(zero.opt, s.master)}}
+    if zero.stage == 3 or zero.rank == 0:
+        for name, lo, hi, values in zero.frozen_pieces():
+            lo, stop = stored(shapes, name, lo, hi)
+            if lo < stop:
+                out[name] = {"lo": lo, "hi": stop, "value": values[:stop - lo].cpu().clone()}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the whole of it, gathered one bucket at a time
+
+@contextmanager
+def _gathered(zero, b, owned):
+    """Every rank's `owned` piece of bucket b (hi - lo elements, any dtype) all-gathered into one
+    full flat tensor (a collective), counted in zero.gathered_bytes while it exists."""
+    full = torch.empty(b.numel, dtype=owned.dtype, device=owned.device)
+    nbytes = full.numel() * full.element_size()
+    zero.gathered_bytes += nbytes
+    zero.peak_gathered_bytes = max(zero.peak_gathered_bytes, zero.gathered_bytes)
+    try:
+        if zero.stage == 0:  # every rank owns everything
+            full.copy_(owned)
+        else:
+            work = all_gather_params(full, owned, Traffic(), zero.world_size, zero.gather_group)
+            if work is not None:
+                work.wait()
+        yield full
+    finally:
+        zero.gathered_bytes -= nbytes
+
+
+def full_tensors(zero, shapes, keys, keys_of=None):
+    """Every tensor whole (as model.stored_shapes() says), by name, on rank 0's host ({} on the
+    other ranks): {name: {key: tensor}}, owned_pieces' keys; a state key only for the tensors
+    that have it (keys_of: state_keys()). A collective: buckets are gathered one at a time,
+    each on the host before the next is gathered."""
+    out = {}
+
+    def host(name, flat):  # the stored part of a tensor, on the host
+        return flat[:int(np.prod(shapes[name]))].view(shapes[name]).cpu().clone()
+
+    for b in zero.buckets:
+        for key in keys:
+            owned = torch.zeros(b.hi - b.lo, dtype=torch.float32, device=zero.device)
+            has = lambda name: key == "master" or key in (keys_of or {}).get(name, ())
+            if not any(has(zero.names[id(p)]) for p in b.params):
+                continue  # the same collectives on every rank: keys_of is agreed
+            for s in b.segments:
+                if has(s.name):
+                    src = s.flat if key == "master" else zero.opt.state[s.master][key]
+                    owned[s.start:s.start + s.hi - s.lo] = state_piece(src, s.hi - s.lo)
+            with _gathered(zero, b, owned) as full:
+                if zero.rank == 0:
+                    for p, offset in zip(b.params, b.offsets):
+                        name = zero.names[id(p)]
+                        if has(name):
+                            out.setdefault(name, {})[key] = host(name, full[offset:offset
+                                                                            + p.numel()])
+    frozen = [b for u in zero.all_units for b in u.buckets if b.frozen] if zero.stage == 3 else []
+    for b in frozen:  # ZeRO-3's frozen buckets: their shards gathered the same way
+        with _gathered(zero, b, b.shard) as full:
+            if zero.rank == 0:
+                for t, offset in zip(b.params, b.offsets):
+                    name = zero.names[id(t)]
+                    out[name] = {"value": host(name, full[offset:offset + t.numel()])}
+    if zero.stage < 3 and zero.rank == 0:
+        for t in zero.frozen:
+            out[zero.names[id(t)]] = {"value": host(zero.names[id(t)], t.detach().reshape(-1))}
+    return out
+
 
 def state_dict(zero, model):
     """What model.state_dict() would give if no rank held a shard: its names, order and shapes
@@ -62,10 +199,61 @@ def state_dict(zero, model):
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# saving: the pieces, every rank's RNG states, the optimizer's keys and step
+
+def rng_state():
+    """Every generator's state as JSON (bytes as base64): an exact resume draws the same
+    dropout masks."""
+    b64 = lambda t: base64.b64encode(t.numpy().tobytes()).decode()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, words, gauss_next = random.getstate()
+    state = {"torch": b64(torch.get_rng_state()), "numpy": [kind, keys.tolist(), pos,
+                                                             has_gauss, gauss],
+             "python": [version, list(words), gauss_next]}
+    if torch.cuda.is_available():
+        state["cuda"] = b64(torch.cuda.get_rng_state())
+    return state
+
+
+def set_rng_state(state):
+    as_tensor = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+    torch.set_rng_state(as_tensor(state["torch"]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    version, words, gauss_next = state["python"]
+    random.setstate((version, tuple(words), gauss_next))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(as_tensor(state["cuda"]))
+
+
+def state_keys(zero):
+    """{tensor name: the optimizer's state keys} for every trainable tensor, as the optimizer
+    made them (AdamW: exp_avg, exp_avg_sq; SGD and Muon's matrices: momentum_buffer;
+    Adafactor's matrices: row_var, col_var), agreed by every rank: a checkpoint saves each, by
+    key (state_piece). A collective."""
+    mine = {s.name: opt_state_keys(zero.opt, s.master) for s in zero.segments}
+    keys = {}
+    for every in all_gather_object(mine, zero.world_size):
+        keys.update(every)
+    return keys
+
+
+def optimizer_header(zero):
+    """The optimizer's name, per-element state keys and step count, agreed by every rank (a
+    rank that owns nothing but padding has neither keys nor a count)."""
+    counts = [step_count(zero.opt, s.master) for s in zero.segments]
+    every = all_gather_object(max((c for c in counts if c is not None), default=None),
+                              zero.world_size)
+    return {"optimizer": zero.optimizer, "state_keys": state_keys(zero),
+            "opt_step": max((c for c in every if c is not None), default=0)}
+
+
 def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
     """Write OUT_DIR/ckpt-IT on every rank (a collective). header: run flags, model config,
-    tokenizer metadata. Keeps the newest keep_last complete checkpoints. On a write error
-    every rank raises CheckpointError and nothing changes in out_dir."""
+    tokenizer metadata, fp8's state. fmt: "consolidated" (1 file, gathered by rank 0) or
+    "sharded" (1 file a rank). Keeps the newest keep_last complete checkpoints. On a write
+    error every rank raises CheckpointError and nothing changes in out_dir."""
     rank, world_size = zero.rank, zero.world_size
     final = os.path.join(out_dir, f"ckpt-{it:07d}")
     # the collectives first (gathers, metadata), then the writes: a rank whose write fails
@@ -81,28 +269,41 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
         raise CheckpointError(f"not saving {final}: the master weights hold inf/NaN (the run "
                               "diverged); " + (f"{previous[-1]} is the newest good checkpoint"
                                                if previous else "no checkpoint was saved"))
-    common = dict(header, iter=it, save_id=save_id, world_size=world_size, stage=zero.stage,
-                  scaler=scaler.state_dict(), shapes=shapes,
-                  frozen=[name for name in shapes if name not in trainable],
-                  **opt_header)
-    if fmt == "sharded":
-        pieces = owned_pieces(zero, shapes)
-        for piece in pieces.values():  # each piece's checksums beside it: a rank checks its own
-            piece["crc"] = {k: crc(t) for k, t in piece.items() if k not in ("lo", "hi")}
-        layout = all_gather_object({n: (v["lo"], v["hi"]) for n, v in pieces.items()}, world_size)
-        files = {f"shard-{rank:05d}.pt": {"save_id": save_id, "rank": rank, "pieces": pieces,
-                                          "rng": rng_state()}}
-        if rank == 0:
-            files["meta.pt"] = dict(common, format="sharded", layout=layout)
-    else:
+    if fmt == "sharded":  # each rank its own pieces
+        pieces, n_files = owned_pieces(zero, shapes), world_size
+    else:  # rank 0 every tensor whole: one piece [0, numel) of each
         keys = sorted({k for ks in opt_header["state_keys"].values() for k in ks})
-        tensors = full_tensors(zero, shapes, ("master", *keys), opt_header["state_keys"])
-        rngs = all_gather_object(rng_state(), world_size)
-        crcs = {name: {k: crc(t) for k, t in entry.items()} for name, entry in tensors.items()}
-        files = {"ckpt.pt": dict(common, format="consolidated", tensors=tensors, crc=crcs,
-                                 rng=rngs)} if rank == 0 else {}
+        full = full_tensors(zero, shapes, ("master", *keys), opt_header["state_keys"])
+        pieces, n_files = {name: {"lo": 0, "hi": int(np.prod(shapes[name])),
+                                  **{k: t.reshape(-1) for k, t in entry.items()}}
+                           for name, entry in full.items()}, 1
+    tensors = {f"{name}/{k}": t for name, piece in pieces.items()
+               for k, t in piece.items() if k not in ("lo", "hi")}
+    fp8 = header.get("fp8")
+    if fp8 is not None and rank == 0:  # the amax histories: tensors of file 0
+        tensors.update({f"fp8/{n}": t for n, t in fp8["history"].items()})
+    # rank 0 writes the header: what every file holds, its crc32s, every rank's RNG states
+    index = {"layout": {n: [p["lo"], p["hi"]] for n, p in pieces.items()},
+             "crc": ckpt_reader.checksums(tensors), "rng": rng_state()}
+    every = all_gather_object(index, world_size)
+    files = [ckpt_reader.shard_name(i) for i in range(n_files)]
+    head = dict(header, format=ckpt_reader.FORMAT, iter=it, save_id=save_id,
+                world_size=world_size, stage=zero.stage, scaler=scaler.state_dict(),
+                shapes=shapes, frozen=[name for name in shapes if name not in trainable],
+                **opt_header, files=files, layout=[e["layout"] for e in every[:n_files]],
+                crc=[e["crc"] for e in every[:n_files]], rng=[e["rng"] for e in every],
+                fp8=None if fp8 is None else {"settings": fp8["settings"],
+                                              "history": sorted(fp8["history"])})
+
+    def write(tmp):  # this rank's files into the save's .tmp folder (rundir.write_save)
+        if rank < n_files:
+            ckpt_reader.write_shard(os.path.join(tmp, files[rank]), tensors,
+                                    {"save_id": save_id, "file": str(rank)})
+        if rank == 0:
+            ckpt_reader.write_header(os.path.join(tmp, ckpt_reader.HEADER), head)
+
     # into ckpt-IT.tmp, renamed to ckpt-IT once every rank's files are written (rundir.py)
-    error = rundir.write_save(out_dir, final, files, rank, world_size,
+    error = rundir.write_save(out_dir, final, write, rank, world_size,
                               lambda failed: lifecycle.agree(failed, zero.device, world_size),
                               keep_last)
     if error:
@@ -114,6 +315,41 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
 
 # ----------------------------------------------------------------------------------------------
 # resume: every rank reads the pieces it owns now, from whatever files hold them
+
+class Reader(CheckpointFiles):
+    """A checkpoint opened, its header checked (ckpt_reader.py). read(name, key, lo, hi)
+    returns elements [lo, hi) of a flattened tensor's "master", its optimizer state keys
+    (trainable) or "value" (frozen), from whichever files' pieces overlap them: the resharding.
+    Only the files that hold them are opened, each piece checked as it is read."""
+
+    def read(self, name, key, lo, hi):
+        if not 0 <= lo <= hi <= self.numel(name):
+            raise CheckpointError(f"{self.path}: {name} has {self.numel(name)} elements, "
+                                  f"not [{lo}, {hi})")
+        # the layout tiles every tensor exactly once (validate.check_header): every element
+        # of [lo, hi) is in exactly one of the pieces that overlap it
+        out = None
+        for i, layout in enumerate(self.header["layout"]):
+            if name not in layout or max(lo, layout[name][0]) >= min(hi, layout[name][1]):
+                continue
+            piece, (start, stop) = self.piece(i, name, key), layout[name]
+            if out is None:
+                out = torch.empty(hi - lo, dtype=piece.dtype)
+            if piece.dtype != out.dtype:
+                raise CheckpointError(f"{self.path}: the pieces of {name} differ in dtype")
+            a, b = max(lo, start), min(hi, stop)
+            out[a - lo:b - lo] = piece[a - start:b - start]
+        return torch.empty(0) if out is None else out
+
+    def weights(self):
+        """Every tensor whole (fp32 masters, frozen ones in their dtype), as files hold them:
+        for GPT.load_weights."""
+        state = {}
+        for name, shape in self.header["shapes"].items():
+            key = "value" if name in self.header["frozen"] else "master"
+            state[name] = self.read(name, key, 0, self.numel(name)).view(shape)
+        return state
+
 
 def check_compatible(*args):
     """validate.check_compatible's refusal as a CheckpointError: this run cannot continue it."""
@@ -184,10 +420,3 @@ def restore(path, zero, model, scaler, config, model_args, vocab_meta):
     if rng is not None:  # the same ranks again: dropout continues exactly
         set_rng_state(rng)
     return h["iter"], "; ".join(n for n in (note, fp8()) if n) or None, h
-
-
-if __name__ == "__main__":  # a library: the way out of a checkpoint is export.py
-    import sys
-    print("checkpoint.py is not a command: to write a checkpoint out, use "
-          "`python export.py CKPT --to hf OUT` or `--to safetensors OUT`", file=sys.stderr)
-    sys.exit(2)

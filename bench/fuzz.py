@@ -147,14 +147,12 @@ ODD = {  # what may be found in a run folder: (the file, what is done to it)
 
 
 def make_odd(folder, kind):
-    """Do ODD[kind] to the folder: HEADER is the newest checkpoint's ckpt.pt or meta.pt, SHARD
-    its first shard (or its ckpt.pt)."""
+    """Do ODD[kind] to the folder: HEADER is the newest checkpoint's checkpoint.json, SHARD its
+    first shard."""
     name, edit = ODD[kind]
     newest = os.path.join(folder, sorted(n for n in os.listdir(folder)
                                          if n.startswith("ckpt-") and "." not in n)[-1])
-    files = [f for f in ("ckpt.pt", "meta.pt", "shard-00000.pt")
-             if os.path.exists(os.path.join(newest, f))]
-    where = {"HEADER": files[0], "SHARD": files[-1]}
+    where = {"HEADER": "checkpoint.json", "SHARD": "shard-00000.safetensors"}
     edit(os.path.join(newest, where[name]) if name in where else os.path.join(folder, name))
 
 

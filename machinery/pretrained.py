@@ -19,11 +19,12 @@ from dataclasses import asdict
 
 import torch
 
-from checkpoint import CheckpointError, Reader, check_compatible, list_checkpoints
+from checkpoint import (CheckpointError, Reader, check_compatible, list_checkpoints, stored,
+                        stored_shapes)
 from configurator import ConfigError
 from machinery import adapters, hf, validate
+from machinery.ckpt_reader import HEADER, OLD
 from machinery.hf import HFError
-from machinery.pieces import stored, stored_shapes
 import model as model_py
 from model import GPT, GPTConfig
 
@@ -35,8 +36,9 @@ SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "bias", "block_size")
 # In: --init-from
 
 def is_checkpoint(path):
-    """A checkpoint folder of ours (either format), as opposed to a Hugging Face model."""
-    return any(os.path.isfile(os.path.join(path, f)) for f in ("ckpt.pt", "meta.pt"))
+    """A checkpoint folder of ours, as opposed to a Hugging Face model (one of the old pickled
+    format too: the Reader refuses it, naming the command that converts it)."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in (HEADER, *OLD))
 
 
 def open_init(cfg):
@@ -108,8 +110,8 @@ def hf_flags(cfg):
     of the vocabulary the data must be in)."""
     path = cfg.init_from
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"--init-from {path} is neither a checkpoint of ours (ckpt.pt or "
-                          "meta.pt) nor a Hugging Face GPT-2 folder (config.json + weights)")
+        raise ConfigError(f"--init-from {path} is neither a checkpoint of ours ({HEADER}) "
+                          "nor a Hugging Face GPT-2 folder (config.json + weights)")
     try:
         source = hf.locate(path)
         model_args = hf.check_weights(source)  # config.json and the weights' headers agree

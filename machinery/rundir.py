@@ -31,8 +31,6 @@ import socket
 import torch.distributed as dist
 
 from configurator import ConfigError
-from machinery import validate
-from machinery.tensorfile import torch_save
 from machinery.validate import is_int
 
 LOCK = "lock"
@@ -281,11 +279,10 @@ def mark_save(tmp):
         json.dump(_owner(), f)
 
 
-def write_save(out_dir, final, files, rank, world_size, any_rank, keep_last):
-    """Write one save's files ({name: object} on each rank) into FINAL.tmp, then commit it:
-    the rename to FINAL once every rank's files are written and fsynced (any_rank(failed)
-    tells every rank whether any failed). Each file's non-tensor fields are sealed with their
-    checksum first (validate.seal). Keeps the newest keep_last checkpoints up to FINAL. Returns
+def write_save(out_dir, final, write, rank, world_size, any_rank, keep_last):
+    """Write one save's files into FINAL.tmp (write(tmp) writes this rank's, fsynced), then
+    commit it: the rename to FINAL once every rank's files are written (any_rank(failed) tells
+    every rank whether any failed). Keeps the newest keep_last checkpoints up to FINAL. Returns
     None, or what failed: then nothing is committed and the .tmp folder is gone."""
     tmp, error = final + ".tmp", None
     try:
@@ -294,8 +291,7 @@ def write_save(out_dir, final, files, rank, world_size, any_rank, keep_last):
             os.makedirs(tmp)
             mark_save(tmp)
         _barrier(world_size)
-        for name, obj in files.items():
-            torch_save(validate.seal(obj), os.path.join(tmp, name))
+        write(tmp)
     except OSError as e:
         error = e
     # every rank learns whether every rank's files are complete before anything is committed

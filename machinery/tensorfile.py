@@ -1,6 +1,6 @@
 """
-Files of tensors written safely: safetensors by hand, one tensor at a time and atomically, and
-torch.save with its real error.
+Files of tensors written safely: safetensors by hand, one tensor at a time and atomically.
+(Checkpoints are written by the safetensors package itself: machinery/ckpt_reader.py.)
 
 A safetensors file is an 8-byte little-endian header length, a JSON header (name -> dtype,
 shape, byte range; "__metadata__" -> {str: str}), then the tensors' raw bytes in that order.
@@ -96,31 +96,3 @@ def check_crcs(meta, tensors):
     for name, t in tensors.items():
         if name not in want or crc(t) != want[name]:
             raise ValueError(f"tensor {name} fails its checksum: its bytes changed")
-
-
-class _Recorder:
-    """A file torch.save writes through: torch reports a failed write as an opaque RuntimeError
-    ("unexpected pos"); this keeps the OSError behind it (a full disk, a file-size limit)."""
-
-    def __init__(self, f):
-        self.f, self.error, self.flush = f, None, f.flush
-
-    def write(self, data):
-        try:
-            return self.f.write(data)
-        except OSError as e:
-            self.error = e
-            raise
-
-
-def torch_save(obj, path):
-    """torch.save, flushed and fsynced; an OSError (not torch's RuntimeError) when the bytes
-    did not reach the disk."""
-    with open(path, "wb") as f:
-        out = _Recorder(f)
-        try:
-            torch.save(obj, out)
-        except RuntimeError:
-            raise out.error or OSError(f"torch.save could not write {path}")
-        f.flush()
-        os.fsync(f.fileno())

@@ -8,15 +8,16 @@ model or copy elements, so a file that claims 10^5 layers or a LoRA rank of 10^9
 once, not minutes of work and a 256 GB allocation. Every function raises ValueError with the
 line to print; the caller puts its own file name and error class in front.
 
-Also here: the checksums, crc32 (about 7 GB/s on one CPU core: small beside writing the bytes)
-of a tensor's bytes and of a header's non-tensor fields in a canonical form (seal), and the
-identity of a vocabulary (two character sets of 65 characters are not the same vocabulary).
+Also here: the crc32 of a tensor's bytes (about 7 GB/s on one CPU core: small beside writing
+the bytes), and the identity of a vocabulary (two character sets of 65 characters are not the
+same vocabulary).
 """
+import base64
+import binascii
 import hashlib
 import math
 import random
 import re
-import zipfile
 import zlib
 from dataclasses import fields
 
@@ -47,82 +48,6 @@ def crc(t):
     """crc32 of a tensor's bytes as they lie in memory (or in a memory-mapped file)."""
     t = t.detach().contiguous().reshape(-1)
     return zlib.crc32(t.view(torch.uint8).numpy()) if t.numel() else 0
-
-
-# ----------------------------------------------------------------------------------------------
-# a header's checksum: every non-tensor field, in a canonical form
-
-SEAL = "header_crc"  # the key a sealed header keeps its checksum under
-SEPARATE = ("tensors", "pieces")  # the model's tensors: each checked against its own crc32
-
-
-def _fold(x, c, tensor_bytes):
-    """crc32 c extended by x in a canonical form: a type tag, a length and the value (a float
-    by its exact hex, dict keys sorted), so equal values give equal sums however they were
-    pickled. Tensors count by dtype, shape and, with tensor_bytes, their bytes."""
-    if isinstance(x, dict):
-        c = zlib.crc32(b"{%d" % len(x), c)
-        for k in sorted(x, key=repr):
-            c = _fold(x[k], _fold(k, c, tensor_bytes), tensor_bytes and k not in SEPARATE)
-        return c
-    if isinstance(x, (list, tuple)):
-        c = zlib.crc32(b"[%d" % len(x), c)
-        for v in x:
-            c = _fold(v, c, tensor_bytes)
-        return c
-    if isinstance(x, torch.Tensor):
-        c = zlib.crc32(f"t{x.dtype}{list(x.shape)}".encode(), c)
-        return zlib.crc32(x.detach().contiguous().reshape(-1).view(torch.uint8).numpy(), c) \
-            if tensor_bytes and x.numel() else c
-    if isinstance(x, (bytes, bytearray)):
-        return zlib.crc32(bytes(x), zlib.crc32(b"b%d:" % len(x), c))
-    if isinstance(x, str):
-        data = x.encode("utf-8", "surrogatepass")
-        return zlib.crc32(data, zlib.crc32(b"s%d:" % len(data), c))
-    kinds = ((bool, lambda v: b"T" if v else b"F"), (int, lambda v: b"i%d;" % v),
-             (float, lambda v: b"f" + v.hex().encode() + b";"), (type(None), lambda v: b"n"))
-    for kind, encode in kinds:
-        if isinstance(x, kind):
-            return zlib.crc32(encode(x), c)
-    raise ValueError(f"it holds a {type(x).__name__}, which no save writes")
-
-
-def header_crc(obj):
-    """The checksum of a file's header: every field but SEAL, canonical (_fold)."""
-    return _fold({k: v for k, v in obj.items() if k != SEAL}, 0, True)
-
-
-def seal(obj):
-    """A save's file with its header's checksum added (a dict; anything else as it is)."""
-    return dict(obj, **{SEAL: header_crc(obj)}) if isinstance(obj, dict) else obj
-
-
-def check_seal(obj):
-    """A loaded file's header against its checksum, before any field of it is used."""
-    if not isinstance(obj, dict) or not is_int(obj.get(SEAL)):
-        raise ValueError("its header has no checksum: written by an earlier nanoZeRO (resume it "
-                         "with that version, or start fresh in another --out-dir), or edited")
-    got = header_crc(obj)
-    if got != obj[SEAL]:
-        raise ValueError(f"its header fails its checksum (crc32 {got:08x}, saved "
-                         f"{obj[SEAL]:08x}): a field changed")
-
-
-def check_pickle(path):
-    """The bytes of a torch.save file's pickle (its non-tensor fields) against the crc32 the zip
-    keeps beside them: every flipped byte, before anything is unpickled."""
-    try:
-        z = zipfile.ZipFile(path)
-    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as e:
-        raise ValueError(f"cannot read it: truncated, or not a torch.save file ({e})")
-    with z:
-        names = [n for n in z.namelist() if n.endswith("/data.pkl")]
-        if len(names) != 1:
-            raise ValueError("cannot read it: not a torch.save file (no single data.pkl)")
-        try:
-            z.read(names[0])  # zipfile compares the bytes with the record's crc32
-        except (OSError, zipfile.BadZipFile, EOFError, ValueError) as e:
-            raise ValueError(f"its header's bytes fail their checksum ({e})")
 
 
 def vocab_id(meta):
@@ -192,7 +117,7 @@ def check_hf_types(cfg):
 
 
 # ----------------------------------------------------------------------------------------------
-# checkpoint headers (checkpoint.Reader calls these before reading any tensor)
+# checkpoint headers (ckpt_reader calls these before reading any tensor)
 
 SCALER = {"scale": "number", "growth_factor": "number", "backoff_factor": "number",
           "growth_interval": "int", "_growth_tracker": "int", "dynamic": "bool",
@@ -226,18 +151,21 @@ def _check_scaler(s):
 # the run's schedule in a header's config: numbers >= 0 where present (a resume keeps them)
 
 
+FILE = re.compile(r"shard-\d{5}\.safetensors")  # the only names a header may make us open
+
+
 def check_header(h):
-    """meta.pt / ckpt.pt's header: types, ranges, and (sharded) a layout whose pieces tile each
-    tensor exactly once and name only its tensors, one layout per rank of world_size."""
+    """checkpoint.json's header: types, ranges, files of our names, a layout whose pieces tile
+    each tensor exactly once and name only its tensors, a crc32 of every piece the layout
+    implies (checkpoint.py's keys), one RNG state per rank of world_size."""
     names = lambda x: isinstance(x, list) and all(isinstance(k, str) for k in x)
-    # state_keys: {tensor: its keys} (a list, the same for every tensor, before Muon)
-    keys = lambda x: names(x) or isinstance(x, dict) and all(
-        isinstance(n, str) and names(k) for n, k in x.items())
+    keys = lambda x: isinstance(x, dict) and all(isinstance(n, str) and names(k)
+                                                 for n, k in x.items())
     for key, ok, want in (("iter", is_int, "an integer"), ("opt_step", is_int, "an integer"),
                           ("world_size", is_int, "an integer"), ("stage", is_int, "0-3"),
                           ("save_id", lambda x: isinstance(x, str), "a string"),
                           ("optimizer", lambda x: isinstance(x, str), "a name"),
-                          ("state_keys", keys, "lists of names")):
+                          ("state_keys", keys, "lists of names by tensor")):
         if key not in h or not ok(h[key]):
             raise ValueError(f"{key} is {h.get(key)!r}: want {want}")
     if h["iter"] < 0 or h["opt_step"] < 0 or h["world_size"] < 1 or h["stage"] not in range(4):
@@ -259,30 +187,51 @@ def check_header(h):
     if not isinstance(h.get("frozen"), list) or not set(h["frozen"]) <= set(shapes):
         raise ValueError("frozen names tensors the checkpoint does not hold")
     check_model_args(h["model_args"])  # check_shapes_fit comes where a model is built from it
-    if h["format"] == "consolidated":
-        for key in ("tensors", "crc"):
-            if not isinstance(h.get(key), dict) or set(h[key]) != set(shapes):
-                raise ValueError(f"{key} does not list exactly the tensors of shapes")
-        if not isinstance(h.get("rng"), list) or len(h["rng"]) != h["world_size"]:
-            raise ValueError(f"world_size {h['world_size']} but "
-                             f"{len(h['rng']) if isinstance(h.get('rng'), list) else 'no'} "
-                             "RNG states")
-    else:
-        _check_layout(h["layout"] if "layout" in h else None, shapes, h["world_size"])
+    files = h.get("files")
+    if not names(files) or not files or not all(map(FILE.fullmatch, files)) \
+            or len(set(files)) != len(files):
+        raise ValueError(f"files is {files!r}: want shard-NNNNN.safetensors names")
+    _check_layout(h.get("layout"), shapes, len(files))
+    _check_crcs(h, files)
+    if not isinstance(h.get("rng"), list) or len(h["rng"]) != h["world_size"]:
+        raise ValueError(f"world_size {h['world_size']} but "
+                         f"{len(h['rng']) if isinstance(h.get('rng'), list) else 'no'} "
+                         "RNG states")
 
 
-def _check_layout(layout, shapes, world_size):
-    if not isinstance(layout, list) or len(layout) != world_size:
-        raise ValueError(f"world_size {world_size} but a layout of "
-                         f"{len(layout) if isinstance(layout, list) else 'no'} ranks")
+def _check_crcs(h, files):
+    """One {"TENSOR/KEY": crc32} per file, with every piece its layout implies; the fp8
+    histories' names, each a tensor of file 0."""
+    crcs = h.get("crc")
+    if not isinstance(crcs, list) or len(crcs) != len(files) or not all(
+            isinstance(c, dict) and all(is_int(v) for v in c.values()) for c in crcs):
+        raise ValueError("crc is not one table of checksums per file")
+    for i, layout in enumerate(h["layout"]):
+        for name in layout:
+            want = ("value",) if name in h["frozen"] else ("master", *keys_of(h, name))
+            missing = [k for k in want if f"{name}/{k}" not in crcs[i]]
+            if missing:
+                raise ValueError(f"{files[i]} has no checksum of {name}/{missing[0]}")
+    fp8 = h.get("fp8")
+    if fp8 is not None and (not isinstance(fp8, dict) or not isinstance(fp8.get("settings"), dict)
+                            or not isinstance(fp8.get("history"), list)
+                            or not all(f"fp8/{n}" in crcs[0] for n in fp8["history"]
+                                       if isinstance(n, str))):
+        raise ValueError("its FP8 state is not the one a save writes")
+
+
+def _check_layout(layout, shapes, n_files):
+    if not isinstance(layout, list) or len(layout) != n_files:
+        raise ValueError(f"{n_files} files but a layout of "
+                         f"{len(layout) if isinstance(layout, list) else 'no'}")
     pieces = {name: [] for name in shapes}
     for r, ranges in enumerate(layout):
         if not isinstance(ranges, dict):
-            raise ValueError(f"rank {r}'s layout is not a dict")
+            raise ValueError(f"file {r}'s layout is not a dict")
         for name, span in ranges.items():
             if name not in pieces or not isinstance(span, (tuple, list)) or len(span) != 2 \
                     or not all(is_int(x) for x in span):
-                raise ValueError(f"rank {r}'s layout has {name!r}: {span!r}")
+                raise ValueError(f"file {r}'s layout has {name!r}: {span!r}")
             pieces[name].append(tuple(span))
     for name, spans in pieces.items():  # sorted, each piece must start where the last ended
         end, numel = 0, math.prod(shapes[name])
@@ -295,81 +244,32 @@ def _check_layout(layout, shapes, world_size):
                              f"once: {sorted(spans)[:4]}")
 
 
-def check_entry(h, name, key, verified):
-    """ckpt.pt's tensor `key` of `name`, as many elements as the header's shape says (a tensor
-    cut short would leave the rest at fresh init) and bytes that match their crc32 (checked once
-    per tensor: `verified` holds the (name, key) pairs done)."""
-    entry, crcs, numel = h["tensors"][name], h["crc"][name], math.prod(h["shapes"][name])
-    t = entry.get(key) if isinstance(entry, dict) else None
-    if not isinstance(t, torch.Tensor) or t.numel() != numel:
-        got = f"{t.numel()} elements" if isinstance(t, torch.Tensor) else "nothing"
-        raise ValueError(f"{key} of {name} holds {got}, its shape {h['shapes'][name]} says "
-                         f"{numel}")
-    if not isinstance(crcs, dict) or not is_int(crcs.get(key)):
-        raise ValueError(f"{key} of {name} has no checksum")
-    if (name, key) not in verified:
-        _check_crc(t, crcs[key], name, key)
-        verified.add((name, key))
-    return t
-
-
-def _check_crc(t, want, name, key):
-    if crc(t) != want:
-        raise ValueError(f"{key} of {name} fails its checksum (crc32 {crc(t):08x}, saved "
-                         f"{want:08x}): its bytes changed")
-
-
 def keys_of(header, name):
     """The optimizer state keys a checkpoint holds for a trainable tensor."""
-    keys = header["state_keys"]
-    return tuple(keys.get(name, ()) if isinstance(keys, dict) else keys)
-
-
-def check_shard(shard, layout, header):
-    """A shard file's pieces against its rank's layout in meta.pt."""
-    pieces = shard.get("pieces")
-    if not isinstance(pieces, dict) or set(pieces) != set(layout):
-        raise ValueError("it holds other tensors than meta.pt's layout says")
-    for name, piece in pieces.items():
-        keys = ("value",) if name in header["frozen"] else ("master", *keys_of(header, name))
-        check_piece(piece, name, layout[name], keys)
+    return tuple(header["state_keys"].get(name, ()))
 
 
 def check_rng(state):
-    """One rank's saved RNG states (pieces.rng_state's layout), each set on a generator of
+    """One rank's saved RNG states (checkpoint.rng_state's JSON), each set on a generator of
     its own first: a state of the wrong size, type or value is refused before the run's are set."""
     if not isinstance(state, dict) or not {"torch", "numpy", "python"} <= set(state) \
             or not set(state) <= {"torch", "numpy", "python", "cuda"}:
         raise ValueError("its RNG states are not the ones a save writes")
     try:
-        torch.Generator().set_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+        as_bytes = lambda s: torch.frombuffer(bytearray(base64.b64decode(s, validate=True)),
+                                              dtype=torch.uint8)
+        torch.Generator().set_state(as_bytes(state["torch"]))
         kind, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.RandomState().set_state((kind, np.frombuffer(keys, dtype=np.uint32), pos,
+        np.random.RandomState().set_state((kind, np.array(keys, dtype=np.uint32), pos,
                                            has_gauss, gauss))
-        random.Random().setstate(tuple(tuple(x) if isinstance(x, list) else x
-                                       for x in state["python"]))
+        version, words, gauss_next = state["python"]
+        random.Random().setstate((version, tuple(words), gauss_next))
         if "cuda" in state and torch.cuda.is_available() and \
-                len(state["cuda"]) != torch.cuda.get_rng_state().numel():
-            raise ValueError(f"a CUDA state of {len(state['cuda'])} bytes")
-    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+                len(as_bytes(state["cuda"])) != torch.cuda.get_rng_state().numel():
+            raise ValueError("a CUDA state of another size")
+    except (TypeError, ValueError, RuntimeError, OverflowError, IndexError, binascii.Error) as e:
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
         raise ValueError(f"its RNG states do not fit the generators ({why})")
-
-
-def check_piece(piece, name, span, keys):
-    """One shard's piece of a tensor against its layout span: lo, hi and each key's length."""
-    if not isinstance(piece, dict) or (piece.get("lo"), piece.get("hi")) != tuple(span):
-        raise ValueError(f"the piece of {name} is not the layout's [{span[0]}, {span[1]})")
-    crcs = piece.get("crc")
-    for key in keys:
-        t = piece.get(key)
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or len(t) != span[1] - span[0]:
-            raise ValueError(f"the piece of {name} holds {key} of "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else t!r} "
-                             f"elements, not {span[1] - span[0]}")
-        if not isinstance(crcs, dict) or not is_int(crcs.get(key)):
-            raise ValueError(f"the piece of {name} has no checksum of its {key}")
-        _check_crc(t, crcs[key], name, key)
 
 
 # ----------------------------------------------------------------------------------------------

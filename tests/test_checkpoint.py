@@ -1,7 +1,9 @@
-"""Checkpoints: exact resume, resharding across world sizes and stages, both formats, bad files,
-preemption (SIGTERM) and a killed rank under torchrun --max-restarts."""
+"""Checkpoints: exact resume, resharding across world sizes, stages and file counts, bad files,
+an old checkpoint converted, preemption (SIGTERM) and a killed rank under torchrun
+--max-restarts."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +15,7 @@ import torch
 
 from checkpoint import CheckpointError, Reader, list_checkpoints
 from conftest import ROOT, free_port, run_distributed, run_train
-from machinery import validate
+from machinery import ckpt_reader
 from train import main
 
 TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
@@ -83,7 +85,7 @@ def test_reshard_across_world_sizes_stages_and_formats(data_root, tmp_path):
     out = tmp_path / "resharded"
     run(base + ["--max-iters", "4", "--zero", "3", "--ckpt-format", "sharded"], out, 4)
     run(base + ["--max-iters", "8", "--zero", "1", "--batch-size", "4", "--resume"], out, 2)
-    assert os.path.exists(os.path.join(list_checkpoints(out)[-1], "ckpt.pt"))  # consolidated now
+    assert Reader(list_checkpoints(out)[-1]).header["files"] == ["shard-00000.safetensors"]
     run(base + ["--max-iters", "12", "--zero", "3", "--resume", "--ckpt-format", "sharded"], out, 4)
     ref, got = losses(tmp_path / "ref"), losses(out)
     np.testing.assert_allclose([got[i] for i in range(12)], [ref[i] for i in range(12)], rtol=1e-4)
@@ -109,33 +111,37 @@ def test_bad_checkpoints_give_one_line_and_touch_nothing(data_root, tmp_path):
     r = run(args + ["--max-iters", "6", "--resume", "--n-embd", "48"], out, expect=2)  # mismatched shape
     assert "another model" in r.stderr and "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
     newest = list_checkpoints(out)[-1]
-    shard = os.path.join(newest, "shard-00000.pt")
+    shard = os.path.join(newest, "shard-00000.safetensors")
     data = open(shard, "rb").read()
-    # a folder someone edited: a shard copied in from another save, a meta.pt gone, a header
-    # that names another model
-    other = os.path.join(list_checkpoints(out)[0], "shard-00000.pt")
+    # a folder someone edited: a shard copied in from another save, a header gone, a header
+    # that names another model (sealed anew: only the checks behind the checksum can tell)
+    other = os.path.join(list_checkpoints(out)[0], "shard-00000.safetensors")
     open(shard, "wb").write(open(other, "rb").read())
     expect_error(["--resume"], "belongs to another save")
     open(shard, "wb").write(data)
-    meta = os.path.join(newest, "meta.pt")
+    meta = os.path.join(newest, "checkpoint.json")
     os.rename(meta, meta + ".away")
-    expect_error(["--resume"], "neither ckpt.pt nor meta.pt")
+    expect_error(["--resume"], "has no checkpoint.json")
     os.rename(meta + ".away", meta)
-    meta_bytes, header = open(meta, "rb").read(), torch.load(meta, weights_only=True)
-    torch.save(validate.seal({**header, "model_args": {**header["model_args"], "n_layer": 3}}), meta)
+    meta_bytes, header = open(meta, "rb").read(), ckpt_reader.read_header(meta)
+    ckpt_reader.write_header(meta, {**header, "model_args": {**header["model_args"], "n_layer": 3}})
     expect_error(["--resume"], "another model")
     open(meta, "wb").write(meta_bytes)
     open(shard, "wb").write(data[: len(data) // 2])  # truncated
-    expect_error(["--resume"], "cannot read")
+    expect_error(["--resume"], "cannot read .*shard-00000.safetensors")
     open(shard, "wb").write(b"\x00garbage" * 100)  # corrupt
-    expect_error(["--resume"], "cannot read")
+    expect_error(["--resume"], "cannot read .*shard-00000.safetensors")
+    open(shard, "wb").write(data)
 
-    # a checkpoint carrying a pickle that would run code is refused without running it
+    # a pickle that would run code, in the header's place: read as the JSON it is not
     marker = tmp_path / "pwned"
-    torch.save({"format": "consolidated", "payload": Evil(str(marker))}, os.path.join(newest, "ckpt.pt"))
-    expect_error(["--resume"], "cannot read")
+    torch.save({"format": "consolidated", "payload": Evil(str(marker))}, meta)
+    expect_error(["--resume"], "cannot read it: not JSON")
     assert not marker.exists()
-    with pytest.raises(CheckpointError, match="cannot read"):
+    open(meta, "w").write("[" * 100000)  # JSON nested deeper than Python's parser recurses
+    expect_error(["--resume"], "cannot read it: not JSON")
+    torch.save({"format": "consolidated", "payload": Evil(str(marker))}, meta)
+    with pytest.raises(CheckpointError, match="not JSON"):
         main(TINY + ["--data-root", data_root, "--max-iters", "1", "--init-from", newest, "--out-dir", str(tmp_path / "new")])
     assert not marker.exists()
 
@@ -423,20 +429,19 @@ def test_zero3_saves_and_restores_one_unit_at_a_time(tmp_path, fmt, lora):
 
 
 def _files_read(rank, world_size, folder):
-    """A 2-rank ZeRO-3 restore of a 4-rank sharded checkpoint: every rank opens meta.pt and only
-    the shards whose pieces overlap the ranges it owns now."""
+    """A 2-rank ZeRO-3 restore of a 4-rank sharded checkpoint: every rank opens only the shards
+    whose pieces overlap the ranges it owns now."""
     import checkpoint
     from conftest import make_zero
-    from machinery import ckpt_reader
     from model import GPT, GPTConfig
     from precision import GradScaler
-    opened, load = [], ckpt_reader._load
+    opened, safe_open = [], ckpt_reader.safe_open
 
-    def counted(path, *args):
+    def counted(path, *args, **kwargs):
         opened.append(os.path.basename(path))
-        return load(path, *args)
+        return safe_open(path, *args, **kwargs)
 
-    ckpt_reader._load = counted
+    ckpt_reader.safe_open = counted
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=30, n_layer=2, n_head=2, n_embd=32))
     zero = make_zero(model, 3, rank=rank, world_size=world_size)
@@ -445,9 +450,10 @@ def _files_read(rank, world_size, folder):
     layout = checkpoint.Reader(path).header["layout"]
     owned = [(s.name, s.lo, s.hi) for s in zero.segments]
     owned += [(name, lo, hi) for name, lo, hi, _ in zero.frozen_pieces()]
-    needed = {f"shard-{r:05d}.pt" for r, pieces in enumerate(layout) for name, lo, hi in owned
+    needed = {f"shard-{r:05d}.safetensors" for r, pieces in enumerate(layout)
+              for name, lo, hi in owned
               if name in pieces and pieces[name][0] < hi and lo < pieces[name][1]}
-    assert sorted(set(opened[:-1])) == sorted({"meta.pt"} | needed), (rank, opened)
+    assert sorted(set(opened)) == sorted(needed), (rank, opened)
     assert len(needed) < len(layout)  # fewer than every shard
 
 
@@ -466,3 +472,59 @@ def _save_sharded_4(rank, world_size, folder):
 def test_a_sharded_resume_reads_only_the_shards_it_needs(tmp_path):
     run_distributed(_save_sharded_4, 4, str(tmp_path))
     run_distributed(_files_read, 2, str(tmp_path))
+
+
+OLD = os.path.join(ROOT, "tests", "fixtures", "old-format")  # written by train.py at 6089cbf
+OLD_FLAGS = ["--device", "cpu", "--n-layer", "1", "--n-head", "1", "--n-embd", "8", "--block-size", "8",
+             "--batch-size", "2", "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "1",
+             "--warmup-iters", "1", "--lr-decay-iters", "8", "--learning-rate", "3e-3", "--dataset", "tiny",
+             "--dropout", "0.1"]
+
+
+def old_pieces(folder):
+    """{(name, key): (lo, the old file's tensor, flat)} and the RNG states of an old checkpoint."""
+    if os.path.exists(os.path.join(folder, "ckpt.pt")):
+        h = torch.load(os.path.join(folder, "ckpt.pt"), weights_only=True)
+        return {(n, k): (0, t.reshape(-1)) for n, e in h["tensors"].items() for k, t in e.items()}, h["rng"]
+    h = torch.load(os.path.join(folder, "meta.pt"), weights_only=True)
+    out, rngs = {}, []
+    for r in range(h["world_size"]):
+        shard = torch.load(os.path.join(folder, f"shard-{r:05d}.pt"), weights_only=True)
+        rngs.append(shard["rng"])
+        for n, p in shard["pieces"].items():
+            out.update({(n, k): (p["lo"], t) for k, t in p.items() if k not in ("lo", "hi", "crc")})
+    return out, rngs
+
+
+@pytest.mark.parametrize("fmt, flags", [("consolidated", []), ("sharded", ["--zero", "2"])])
+def test_an_old_checkpoint_is_refused_naming_a_converter_that_converts_it(data_root, tmp_path, fmt, flags):
+    """A checkpoint of the pickled format (ckpt.pt; meta.pt + a shard per rank, here 2) is one
+    line naming `python -m machinery.convert CKPT`; that command converts it (every tensor and
+    RNG state as the old files held them) and the run resumes from it, here on 1 rank."""
+    import base64
+    out = tmp_path / "run"
+    ckpt = out / "ckpt-0000002"
+    shutil.copytree(os.path.join(OLD, fmt), ckpt)
+    args = OLD_FLAGS + flags + ["--data-root", data_root, "--max-iters", "4", "--resume", "--out-dir", str(out)]
+    before = sorted(os.listdir(ckpt))
+    with pytest.raises(CheckpointError, match=f"convert it with `python -m machinery.convert {ckpt}`"):
+        main(args)
+    assert sorted(os.listdir(ckpt)) == before
+    with pytest.raises(CheckpointError, match="machinery.convert"):  # --init-from: the same line
+        main(OLD_FLAGS + ["--data-root", data_root, "--init-from", str(ckpt), "--out-dir", str(tmp_path / "new")])
+    r = subprocess.run([sys.executable, "-m", "machinery.convert", str(ckpt)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    n = 2 if fmt == "sharded" else 1
+    assert sorted(os.listdir(ckpt)) == ["checkpoint.json"] + [f"shard-{i:05d}.safetensors" for i in range(n)]
+    pieces, rngs = old_pieces(os.path.join(OLD, fmt))
+    reader = Reader(str(ckpt))
+    for (name, key), (lo, t) in pieces.items():
+        assert torch.equal(reader.read(name, key, lo, lo + len(t)), t), (name, key)
+    for old, new in zip(rngs, reader.header["rng"], strict=True):
+        assert base64.b64decode(new["torch"]) == old["torch"]
+        assert new["python"][1] == list(old["python"][1])
+    main(args)
+    assert sorted(losses(out)) == [2, 3]  # it carried on from iteration 2
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert rows[0]["event"] == "resume" and rows[0]["from"].endswith("ckpt-0000002")

@@ -14,7 +14,6 @@ from conftest import make_zero, run_distributed, zero_step
 from data.loader import get_batch
 from precision import GradScaler
 from test_zero import B, DATA, SEED, T, make_model
-from machinery import pieces
 from zero import zero_formula
 
 
@@ -62,7 +61,7 @@ def test_state_is_made_by_the_optimizer_and_a_first_skip_changes_nothing(name):
         opt = MuonAdamW(groups, **hyper) if name == "muon" else optim.build(name, groups, **hyper)
         if init:
             optim.init_state(opt, [p])
-            assert pieces.opt_state_keys(opt, p) == {"adamw": ["exp_avg", "exp_avg_sq"],
+            assert checkpoint.opt_state_keys(opt, p) == {"adamw": ["exp_avg", "exp_avg_sq"],
                                                 "sgd": ["momentum_buffer"],
                                                 "lion": ["exp_avg"],  # muon: AdamW for
                                                 "muon": ["exp_avg", "exp_avg_sq"]}[name]  # 1-D

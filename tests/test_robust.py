@@ -6,7 +6,6 @@ bounded before any work, and the safetensors files we write carry a crc32 per te
 Each test is named by its issue's item. Runs are tiny and in-process (train.main); a CLI's
 one-line form is checked by calling its main or run_main."""
 import errno
-import io
 import json
 import multiprocessing
 import os
@@ -15,7 +14,6 @@ import socket
 import subprocess
 import sys
 import time
-import zipfile
 
 import pytest
 import torch
@@ -24,9 +22,8 @@ import checkpoint
 import memory
 import train
 from checkpoint import CheckpointError, Reader, list_checkpoints
-from conftest import ROOT
 from configurator import ConfigError
-from machinery import adapters, ckpt_reader, hf, lifecycle, rundir, validate
+from machinery import adapters, ckpt_reader, hf, lifecycle, rundir
 from configurator import parse_args
 from machinery.rundir import RunDirError
 from model import GPT, GPTConfig
@@ -79,7 +76,9 @@ def test_30_1_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
     for it in (2, 4, 10, 20):  # 10 and 20: another history's, numbered past the new save
         os.makedirs(tmp_path / f"ckpt-{it:07d}")
     final = str(tmp_path / "ckpt-0000006")
-    assert rundir.write_save(str(tmp_path), final, {"x.pt": {"a": 1}}, 0, 1, bool, 2) is None
+    write = lambda tmp: open(os.path.join(tmp, "x"), "w").write("x")  # the save's one file
+    assert rundir.write_save(str(tmp_path), final, write, 0, 1, bool, 2) is None
+    assert os.listdir(final) == ["x"]
     assert sorted(os.listdir(tmp_path)) == ["ckpt-0000004", "ckpt-0000006", "ckpt-0000010",
                                             "ckpt-0000020"]
 
@@ -168,76 +167,77 @@ def tiny_checkpoint(folder, fmt="consolidated", header=None):
     return checkpoint.save(str(folder), 4, zero, model, GradScaler(), header, fmt, 2)
 
 
-def pickle_span(data):
-    """(start, end) of the bytes of a torch.save file's pickle (its data.pkl record)."""
-    z = zipfile.ZipFile(io.BytesIO(data))
-    info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
-    at = info.header_offset
-    start = at + 30 + int.from_bytes(data[at + 26:at + 28], "little") \
-        + int.from_bytes(data[at + 28:at + 30], "little")
-    return start, start + info.compress_size
-
-
-def flipped_files_refused(path, file, step, read):
-    """Flip each step-th byte of file's header pickle in turn: read() must refuse every one by
-    a checksum without unpickling anything. Returns how many were flipped."""
-    good = open(file, "rb").read()
-    start, end = pickle_span(good)
-    loads, load = [], ckpt_reader._load
-    # a load of the flipped file would be a ZeroDivisionError; the others load as they are
-    ckpt_reader._load = lambda p, *a: loads.append(p) or 1 / 0 if p == file else load(p, *a)
+def flipped_files_refused(path, file, spans, read):
+    """Flip each byte of file in spans ([(start, stop, step)]) in turn, one bit and all bits:
+    read(path) must refuse every one in one line. Returns how many bytes were flipped."""
+    good, flipped = open(file, "rb").read(), 0
     fd = os.open(file, os.O_WRONLY)
     try:
-        for i in range(start, end, step):
-            os.pwrite(fd, bytes([good[i] ^ 0xFF]), i)  # this byte flipped, the others as saved
-            with pytest.raises(CheckpointError, match="fail their checksum"):
-                read(path)
-            os.pwrite(fd, good[i:i + 1], i)
+        for start, stop, step in spans:
+            for i in range(start, stop, step):
+                for mask in (0x01, 0xFF):
+                    os.pwrite(fd, bytes([good[i] ^ mask]), i)  # this byte flipped, the others as saved
+                    with pytest.raises(CheckpointError):
+                        read(path)
+                os.pwrite(fd, good[i:i + 1], i)
+                flipped += 1
     finally:
-        ckpt_reader._load = load
         os.close(fd)
     assert open(file, "rb").read() == good
-    assert loads == []  # all refused, none unpickled
-    return len(range(start, end, step))
+    return flipped
 
 
-def test_31_1_every_byte_of_a_header_is_checked_before_any_is_read(tmp_path):
-    path = tiny_checkpoint(tmp_path / "shard", "sharded")  # meta.pt: the header, every byte
-    assert flipped_files_refused(path, os.path.join(path, "meta.pt"), 1, Reader) > 2000
-    read = lambda p: Reader(p).read("transformer.ln_f.weight", "master", 0, 8)
-    flipped_files_refused(path, os.path.join(path, "shard-00000.pt"), 50, read)  # its RNG
-    read(path)  # the files themselves read
-    path = tiny_checkpoint(tmp_path / "cons")  # ckpt.pt: its 20 kB header, every 50th byte
-    flipped_files_refused(path, os.path.join(path, "ckpt.pt"), 50, Reader)
+def read_all(path):
+    """Every tensor of every file of a checkpoint, each checked."""
+    reader = Reader(path)
+    for i, crcs in enumerate(reader.header["crc"]):
+        for key in crcs:
+            reader.tensor(i, key)
+
+
+def test_31_1_every_byte_of_a_header_is_checked_before_any_is_read(tmp_path, monkeypatch):
+    opened, safe_open = [], ckpt_reader.safe_open
+    monkeypatch.setattr(ckpt_reader, "safe_open", lambda p, **k: opened.append(p) or safe_open(p, **k))
+    path = tiny_checkpoint(tmp_path / "shard", "sharded")
+    header = os.path.join(path, "checkpoint.json")  # every byte: not JSON, or its checksum fails
+    assert flipped_files_refused(path, header, [(0, os.path.getsize(header), 1)], Reader) > 15000
+    assert opened == []  # refused before any tensor file was opened
+    shard = os.path.join(path, "shard-00000.safetensors")  # its header every byte, its data
+    head = 8 + int.from_bytes(open(shard, "rb").read(8), "little")
+    flipped_files_refused(path, shard, [(0, head, 1), (head, os.path.getsize(shard), 7)], read_all)
+    read_all(path)  # the files themselves read
+    path = tiny_checkpoint(tmp_path / "cons")
+    flipped_files_refused(path, os.path.join(path, "checkpoint.json"), [(0, 2000, 1)], Reader)
     Reader(path).weights()
 
 
-def test_31_1_edited_fields_and_fp8_histories_fail_the_header_checksum(tmp_path):
+def test_31_1_edited_fields_and_other_saves_files_are_refused(tmp_path):
+    import json
+    from safetensors.torch import save_file
     history = torch.rand(3, 17)
     fp8 = {"settings": {"scaling": "delayed", "history": 16}, "history": {"h.0": history}}
     path = tiny_checkpoint(tmp_path / "cons", header={"fp8": fp8})
-    file = os.path.join(path, "ckpt.pt")
-    good = torch.load(file, weights_only=True)
+    file = os.path.join(path, "checkpoint.json")
+    good = json.load(open(file))
+    rng = good["rng"][0]
     edits = [{"iter": 68}, {"opt_step": 5}, {"scaler": {**good["scaler"], "backoff_factor": 0.25}},
-             {"rng": [{**good["rng"][0], "torch": bytes(len(good["rng"][0]["torch"]))}]},
-             {"fp8": {**fp8, "history": {"h.0": history * 0}}}]
-    for edit in edits:  # re-saved by torch.save: the zip's sums fit, the header's does not
-        torch.save({**good, **edit}, file)
+             {"rng": [{**rng, "torch": rng["torch"][:-8] + "AAAAAAAA"}]},
+             {"fp8": {**good["fp8"], "settings": {"scaling": "delayed", "history": 8}}}]
+    for edit in edits:  # valid JSON, every field well formed: only the checksum can tell
+        json.dump({**good, **edit}, open(file, "w"))
         with pytest.raises(CheckpointError, match="header fails its checksum"):
             Reader(path)
-    path = tiny_checkpoint(tmp_path / "shard", "sharded")  # a shard's fields too
-    file = os.path.join(path, "shard-00000.pt")
-    shard = torch.load(file, weights_only=True)
-    for edit in ({"rng": {**shard["rng"], "python": [3, [0] * 625, None]}}, {"rank": 1}):
-        torch.save({**shard, **edit}, file)
-        with pytest.raises(CheckpointError, match="header fails its checksum"):
-            Reader(path).read("transformer.ln_f.weight", "master", 0, 8)
-    data = bytearray(open(os.path.join(path, "meta.pt"), "rb").read())
-    start, end = pickle_span(data)
-    data[(start + end) // 2] ^= 1
-    open(os.path.join(path, "meta.pt"), "wb").write(data)
-    with pytest.raises(CheckpointError, match="fail their checksum"):
-        Reader(path)
+    json.dump(good, open(file, "w"))
+    assert torch.equal(Reader(path).tensor(0, "fp8/h.0"), history)  # the histories: file 0's
+    shard = os.path.join(path, "shard-00000.safetensors")
+    with safe_open(shard, framework="pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    for edit in ({"save_id": "0" * 32}, {"file": "1"}):  # a shard of another save, or place
+        save_file(tensors, shard, metadata={**metadata, **edit})
+        with pytest.raises(CheckpointError, match="belongs to another save"):
+            Reader(path).weights()
+    save_file(tensors, shard, metadata=metadata)
+    Reader(path).weights()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,18 +329,6 @@ def _cli(argv, err):
 
 
 # ----------------------------------------------------------------------------------------------
-# 31.4 checkpoint.py is no command
-
-def test_31_4_checkpoint_py_says_use_export_py(capsys, monkeypatch):
-    import runpy
-    monkeypatch.setattr(sys, "argv", ["checkpoint.py", "ckpt", "--to", "hf", "out"])
-    with pytest.raises(SystemExit) as e:
-        runpy.run_path(os.path.join(ROOT, "checkpoint.py"), run_name="__main__")
-    out, err = capsys.readouterr()
-    assert e.value.code == 2 and "use `python export.py" in err and out == ""
-
-
-# ----------------------------------------------------------------------------------------------
 # 31.5 the tracebacks left: a failed adapter write, edited headers, sizes, out of memory
 
 def test_31_5_a_failed_adapter_write_is_one_line_and_the_checkpoint_stays(data_root, tmp_path,
@@ -357,26 +345,31 @@ def test_31_5_a_failed_adapter_write_is_one_line_and_the_checkpoint_stays(data_r
 
 
 def test_31_5_headers_that_pass_the_checksum_are_still_checked(data_root, tmp_path):
+    from test_validation import rewrite
     out = tmp_path / "fp8"
     fp8 = ["--bf16", "--fp8", "--fp8-scaling", "delayed", *SCHEDULE]
     run(data_root, out, *fp8, "--max-iters", "2")
-    file = os.path.join(list_checkpoints(out)[-1], "ckpt.pt")
-    good = torch.load(file, weights_only=True)
-    name = sorted(good["fp8"]["history"])[0]
-    histories = good["fp8"]["history"]
+    path = list_checkpoints(out)[-1]
+    saved = {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)}
+    good = Reader(path).header
+    name = good["fp8"]["history"][0]
     rng = good["rng"][0]
-    edits = [({"scaler": {**good["scaler"], "scale": 1e300}}, "scale is 1e\\+300"),
-             ({"scaler": {**good["scaler"], "backoff_factor": 5.3e182}}, "backoff_factor"),
-             ({"rng": [{**rng, "torch": rng["torch"][:100]}]}, "RNG states do not fit"),
-             ({"rng": [{**rng, "numpy": ["MT19937", 7, 0, 0, 0.0]}]}, "RNG states do not fit"),
-             ({"rng": [{**rng, "python": [3, [1] * 9, None]}]}, "RNG states do not fit"),
-             ({"fp8": {**good["fp8"], "history": {**histories, name: torch.zeros(2, 5)}}},
-              f"amax history of {name} is not"),
-             ({"fp8": {**good["fp8"], "history": {k: v for k, v in histories.items()
-                                                  if k != name}}}, "FP8 linears differ"),
-             ({"config": {**good["config"], "lr_decay_iters": "12"}}, "lr_decay_iters is '12'")]
-    for edit, message in edits:  # sealed anew: only the checks behind the checksum can tell
-        torch.save(validate.seal({**good, **edit}), file)
+    edits = [({"scaler": {**good["scaler"], "scale": 1e300}}, None, "scale is 1e\\+300"),
+             ({"scaler": {**good["scaler"], "backoff_factor": 5.3e182}}, None, "backoff_factor"),
+             ({"rng": [{**rng, "torch": rng["torch"][:100]}]}, None, "RNG states do not fit"),
+             ({"rng": [{**rng, "torch": "not base64!"}]}, None, "RNG states do not fit"),
+             ({"rng": [{**rng, "numpy": ["MT19937", 7, 0, 0, 0.0]}]}, None,
+              "RNG states do not fit"),
+             ({"rng": [{**rng, "python": [3, [1] * 9, None]}]}, None, "RNG states do not fit"),
+             ({}, {f"fp8/{name}": torch.zeros(2, 5)}, f"amax history of {name} is not"),
+             ({"fp8": {**good["fp8"], "history": good["fp8"]["history"][1:]}}, None,
+              "FP8 linears differ"),
+             ({"config": {**good["config"], "lr_decay_iters": "12"}}, None,
+              "lr_decay_iters is '12'")]
+    for edit, tensors, message in edits:
+        for f, data in saved.items():  # each edit of the checkpoint as saved
+            open(os.path.join(path, f), "wb").write(data)
+        rewrite(path, tensors, **edit)  # sealed anew: only the checks behind the checksum tell
         with pytest.raises(CheckpointError, match=message):
             run(data_root, out, *fp8, "--max-iters", "3", "--resume")
 

@@ -25,7 +25,7 @@ import export
 from machinery import pretrained
 from machinery import rundir
 import sample
-from machinery import validate
+from machinery import ckpt_reader, validate
 from checkpoint import CheckpointError, Reader, list_checkpoints
 from configurator import ConfigError
 from configurator import parse_args
@@ -100,7 +100,7 @@ def test_1_another_vocabulary_of_the_same_size_is_refused(data_root, runs, tmp_p
 # 2-3. every byte checked, every element from the file
 
 def flip_bytes_of(path, tensor):
-    """Flip 4 bytes in the middle of a tensor's record inside a torch.save file."""
+    """Flip 4 bytes in the middle of a tensor's bytes inside a safetensors file."""
     data = bytearray(open(path, "rb").read())
     raw = tensor.contiguous().numpy().tobytes()
     at = data.find(raw[:256])
@@ -110,36 +110,44 @@ def flip_bytes_of(path, tensor):
     open(path, "wb").write(bytes(data))
 
 
+def rewrite(path, tensors=None, **fields):
+    """Checkpoint folder path as a writer with a bug would leave it: file 0's tensors replaced
+    or added (`tensors`, their crc32 in the header fitting them), header fields replaced
+    (`fields`), sealed anew: every checksum fits, only the checks behind them can tell."""
+    meta = os.path.join(path, ckpt_reader.HEADER)
+    h = json.loads(json.dumps({**ckpt_reader.read_header(meta), **fields}))  # a copy
+    if tensors:
+        file = os.path.join(path, h["files"][0])
+        with safe_open(file, framework="pt") as f:
+            saved, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        saved.update(tensors)
+        ckpt_reader.write_shard(file, saved, metadata)
+        h["crc"][0].update(ckpt_reader.checksums(tensors))
+    ckpt_reader.write_header(meta, h)
+
+
 def test_2_flipped_tensor_bytes_fail_their_checksum(data_root, runs, tmp_path):
     name = "transformer.wte.weight"
-    for run, file in (("cons", "ckpt.pt"), ("shard", "shard-00000.pt")):
+    for run, key in (("cons", "master"), ("shard", "value")):
         out = copy_run(runs, run, tmp_path)
-        path = os.path.join(list_checkpoints(out)[-1], file)
-        saved = torch.load(path, weights_only=True)
-        t = saved["tensors"][name]["master"] if run == "cons" else \
-            saved["pieces"][name]["value"]
+        path = os.path.join(list_checkpoints(out)[-1], "shard-00000.safetensors")
+        with safe_open(path, framework="pt") as f:
+            t = f.get_tensor(f"{name}/{key}")
         flip_bytes_of(path, t)
         with pytest.raises(CheckpointError, match=r"fails its checksum.*resume from .*ckpt-0000001"):
             resume(data_root, out)
 
 
 def test_3_a_tensor_shorter_than_its_shape_is_refused(data_root, runs, tmp_path):
-    out = copy_run(runs, "cons", tmp_path)
-    path = os.path.join(list_checkpoints(out)[-1], "ckpt.pt")
-    h = torch.load(path, weights_only=True)
     name = "transformer.h.0.mlp.c_fc.weight"  # 4,096 elements
-    h["tensors"][name]["master"] = h["tensors"][name]["master"].reshape(-1)[:100].clone()
-    torch.save(validate.seal(h), path)  # a writer's bug, not a flipped byte: the checksum fits
-    with pytest.raises(CheckpointError, match="holds 100 elements, its shape .* says 4096"):
-        resume(data_root, out)
-    out = copy_run(runs, "shard", tmp_path)  # a shard's piece cut short
-    path = os.path.join(list_checkpoints(out)[-1], "shard-00000.pt")
-    shard = torch.load(path, weights_only=True)
-    piece = shard["pieces"][name]
-    piece["value"] = piece["value"][:100].clone()
-    torch.save(validate.seal(shard), path)
-    with pytest.raises(CheckpointError, match="holds value of .100,. elements, not 4096"):
-        resume(data_root, out)
+    for run, key in (("cons", "master"), ("shard", "value")):  # a whole tensor; a shard's piece
+        out = copy_run(runs, run, tmp_path)
+        path = list_checkpoints(out)[-1]
+        with safe_open(os.path.join(path, "shard-00000.safetensors"), framework="pt") as f:
+            short = f.get_tensor(f"{name}/{key}")[:100].clone()
+        rewrite(path, {f"{name}/{key}": short})
+        with pytest.raises(CheckpointError, match=f"holds {key} of shape .100., not .4096."):
+            resume(data_root, out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,44 +272,45 @@ def test_7_adapter_settings_are_checked_before_apply_lora(tmp_path):
 def test_8_edited_checkpoint_headers_are_one_line(runs, tmp_path):
     out = copy_run(runs, "shard", tmp_path)
     path = list_checkpoints(out)[-1]
-    meta = os.path.join(path, "meta.pt")
-    good = torch.load(meta, weights_only=True)
+    good = ckpt_reader.read_header(os.path.join(path, ckpt_reader.HEADER))
     name = "transformer.h.0.attn.c_attn.lora_A"
     lo, hi = good["layout"][0][name]
     scaler = {k: v for k, v in good["scaler"].items() if k != "scale"}
-    edits = [({"layout": [{**good["layout"][0], name: (lo + 8, hi + 8)}]}, "do not cover"),
+    edits = [({"layout": [{**good["layout"][0], name: [lo + 8, hi + 8]}]}, "do not cover"),
              ({"opt_step": "7"}, "opt_step is '7'"), ({"scaler": scaler}, "loss scaler"),
              ({"iter": -3}, "iter -3"), ({"opt_step": -7}, "opt_step -7"),
-             ({"world_size": 5}, "world_size 5 but a layout of 1 ranks"),
+             ({"world_size": 5}, "world_size 5 but 1 RNG states"),
+             ({"files": ["../../shard-00000.safetensors"]}, "files is"),
+             ({"crc": [{}]}, "has no checksum of"),
              ({"shapes": {**good["shapes"], "../../..": [4]}}, "'../../..'")]
     for edit, message in edits:  # each sealed with its checksum: the checks behind it
-        torch.save(validate.seal({**good, **edit}), meta)
+        rewrite(path, **{**good, **edit})
         quick(lambda: Reader(path), CheckpointError, message)
 
 
 def test_9_exports_check_model_args_and_write_only_the_models_names(runs, tmp_path, capsys):
     out = copy_run(runs, "cons", tmp_path)
     path = list_checkpoints(out)[-1]
-    ckpt = os.path.join(path, "ckpt.pt")
-    good = torch.load(ckpt, weights_only=True)
+    good = ckpt_reader.read_header(os.path.join(path, ckpt_reader.HEADER))
+    files = {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)}
     target = str(tmp_path / "w.safetensors")
 
-    def refused(header, message):
-        torch.save(validate.seal(header), ckpt)
+    def refused(message, tensors=None, **edit):
+        rewrite(path, tensors, **{**good, **edit})  # each edit of the header as saved
         t0 = time.time()
         assert export.main([path, "--to", "safetensors", target]) == 2
         assert time.time() - t0 < 1.0 and not os.path.exists(target)
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
 
-    refused({**good, "model_args": {**good["model_args"], "n_layer": 10**5}}, "n_layer is 100000")
-    refused({**good, "model_args": {**good["model_args"], "n_layer": 3}}, "n_layer 3, the tensors")
-    extra = torch.zeros(4)  # a consistent header that names a tensor no GPT has
-    refused({**good, "shapes": {**good["shapes"], "evil.weight": [4]},
-             "tensors": {**good["tensors"], "evil.weight": {"master": extra}},
-             "crc": {**good["crc"], "evil.weight": {"master": validate.crc(extra)}}},
-            "holds evil.weight, which this model lacks")
-    torch.save(good, ckpt)
+    refused("n_layer is 100000", model_args={**good["model_args"], "n_layer": 10**5})
+    refused("n_layer 3, the tensors", model_args={**good["model_args"], "n_layer": 3})
+    # a consistent header that names a tensor no GPT has
+    refused("holds evil.weight, which this model lacks", {"evil.weight/master": torch.zeros(4)},
+            shapes={**good["shapes"], "evil.weight": [4]},
+            layout=[{**good["layout"][0], "evil.weight": [0, 4]}])
+    for f, data in files.items():  # the checkpoint as saved: it exports
+        open(os.path.join(path, f), "wb").write(data)
     assert export.main([path, "--to", "safetensors", target]) == 0
 
 
