@@ -236,28 +236,6 @@ SAVED = {GPT: gpt, LayerNorm: layer_norm, CausalSelfAttention: attention, MLP: m
          nn.Linear: linear, QuantLinear: linear, LoRALinear: linear}  # FP8Linear: shapes_model
 
 
-def fp8_terms(layer, rows, h, lora):
-    """--fp8 (fp8.py): each block linear keeps two fp32 scales and, for its weight's gradient,
-    its input's FP8 cast (1 byte a value, the rows padded to a multiple of 16) instead of the
-    bf16 input; SDPA still keeps its own output. A frozen base (LoRA) keeps no cast, and the
-    first layer's linears in front of the first adapter keep nothing: the scales come first."""
-    M = math.ceil(rows / 16) * 16
-    linear = {"c_attn input": ("c_attn", h), "attention output = c_proj input": ("attn.c_proj", h),
-              "c_fc input": ("c_fc", h), "gelu output = c_proj input": ("mlp.c_proj", 4 * h)}
-    out = {}
-    for term, v in layer.items():
-        name, width = linear.get(term, (None, 0))
-        if name:
-            out[f"{name} FP8 scales (2 fp32)"] = 8
-        if name == "attn.c_proj":
-            out[term], out["attn.c_proj input's FP8 cast"] = v, 0 if lora else M * width
-        elif name:
-            out[term] = v if lora else M * width  # the cast, not the bf16 input
-        else:
-            out[term] = v
-    return out
-
-
 # -- `selective` (activation_dial.SAVE_OPS): a block keeps its matmuls' and attention's outputs,
 # whether or not autograd would need them (frozen layers too); all else is recomputed
 
