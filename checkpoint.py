@@ -19,7 +19,7 @@ size and ZeRO stage resumes from either: each rank reads the ranges it owns now,
 pieces that overlap them (Reader.read). Under ZeRO-3 no rank holds more than one bucket beyond
 its shards, saving or restoring.
 
-Checked on resume, each a one-line CheckpointError that changes no file (machinery/ckpt_reader.py
+Checked on resume, each a one-line UserError that changes no file (machinery/ckpt_reader.py
 opens the files, validate.py checks the header): the header's checksum, types, ranges and
 layout; the model shape and the vocabulary itself; each file's save_id and tensor names; every
 piece's length and crc32 (a rank checks what it reads); LoRA's rank, alpha and targets, the
@@ -47,8 +47,9 @@ import torch
 
 from collectives import Traffic, all_gather_object, all_gather_params
 from machinery import ckpt_reader, lifecycle, rundir, validate
-from machinery.ckpt_reader import CheckpointError, CheckpointFiles, newest_checkpoint  # checked
+from machinery.ckpt_reader import CheckpointFiles, newest_checkpoint  # checked
 from machinery.rundir import list_checkpoints
+from configurator import UserError
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,7 +254,7 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
     """Write OUT_DIR/ckpt-IT on every rank (a collective). header: run flags, model config,
     tokenizer metadata, fp8's state. fmt: "consolidated" (1 file, gathered by rank 0) or
     "sharded" (1 file a rank). Keeps the newest keep_last complete checkpoints. On a write
-    error every rank raises CheckpointError and nothing changes in out_dir."""
+    error every rank raises UserError and nothing changes in out_dir."""
     rank, world_size = zero.rank, zero.world_size
     final = os.path.join(out_dir, f"ckpt-{it:07d}")
     # the collectives first (gathers, metadata), then the writes: a rank whose write fails
@@ -266,8 +267,8 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
     if lifecycle.agree(not all(s.flat.isfinite().all() for s in zero.segments),
                        zero.device, world_size):
         previous = list_checkpoints(out_dir)
-        raise CheckpointError(f"not saving {final}: the master weights hold inf/NaN (the run "
-                              "diverged); " + (f"{previous[-1]} is the newest good checkpoint"
+        raise UserError(f"not saving {final}: the master weights hold inf/NaN (the run "
+                        "diverged); " + (f"{previous[-1]} is the newest good checkpoint"
                                                if previous else "no checkpoint was saved"))
     if fmt == "sharded":  # each rank its own pieces
         pieces, n_files = owned_pieces(zero, shapes), world_size
@@ -308,8 +309,8 @@ def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
                               keep_last)
     if error:
         previous = list_checkpoints(out_dir)
-        raise CheckpointError(f"could not write {final} ({error}); "
-                              + (f"{previous[-1]} is intact" if previous else "nothing was saved"))
+        raise UserError(f"could not write {final} ({error}); "
+                        + (f"{previous[-1]} is intact" if previous else "nothing was saved"))
     return final
 
 
@@ -324,8 +325,8 @@ class Reader(CheckpointFiles):
 
     def read(self, name, key, lo, hi):
         if not 0 <= lo <= hi <= self.numel(name):
-            raise CheckpointError(f"{self.path}: {name} has {self.numel(name)} elements, "
-                                  f"not [{lo}, {hi})")
+            raise UserError(f"{self.path}: {name} has {self.numel(name)} elements, "
+                            f"not [{lo}, {hi})")
         # the layout tiles every tensor exactly once (validate.check_header): every element
         # of [lo, hi) is in exactly one of the pieces that overlap it
         out = None
@@ -336,7 +337,7 @@ class Reader(CheckpointFiles):
             if out is None:
                 out = torch.empty(hi - lo, dtype=piece.dtype)
             if piece.dtype != out.dtype:
-                raise CheckpointError(f"{self.path}: the pieces of {name} differ in dtype")
+                raise UserError(f"{self.path}: the pieces of {name} differ in dtype")
             a, b = max(lo, start), min(hi, stop)
             out[a - lo:b - lo] = piece[a - start:b - start]
         return torch.empty(0) if out is None else out
@@ -352,11 +353,11 @@ class Reader(CheckpointFiles):
 
 
 def check_compatible(*args):
-    """validate.check_compatible's refusal as a CheckpointError: this run cannot continue it."""
+    """validate.check_compatible's refusal as a UserError: this run cannot continue it."""
     try:
         validate.check_compatible(*args)
     except ValueError as e:
-        raise CheckpointError(str(e))
+        raise UserError(str(e))
 
 
 def _read_owned(reader, zero, shapes):
@@ -366,9 +367,9 @@ def _read_owned(reader, zero, shapes):
     for s in zero.segments:
         saved, mine = validate.keys_of(reader.header, s.name), opt_state_keys(zero.opt, s.master)
         if tuple(mine) != saved:
-            raise CheckpointError(f"{reader.path} holds optimizer state {list(saved)} of "
-                                  f"{s.name}, this run's {zero.optimizer} keeps {mine}: the "
-                                  "same --optimizer and torch are needed to resume")
+            raise UserError(f"{reader.path} holds optimizer state {list(saved)} of "
+                            f"{s.name}, this run's {zero.optimizer} keeps {mine}: the "
+                            "same --optimizer and torch are needed to resume")
         lo, hi = stored(shapes, s.name, s.lo, s.hi)
         if lo < hi:
             keys = ("master",) + saved
@@ -393,12 +394,12 @@ def restore(path, zero, model, scaler, config, model_args, vocab_meta):
         trainable, frozen = _read_owned(reader, zero, shapes)
         rng = reader.rng(zero.rank) if h["world_size"] == zero.world_size else None
         fp8 = reader.fp8(model)  # --fp8's amax histories: checked now, restored below
-    except CheckpointError as e:
+    except UserError as e:
         error = str(e)
     # a rank reads its own shards: one bad file stops every rank, with its line
     errors = [e for e in all_gather_object(error, zero.world_size) if e]
     if errors:
-        raise CheckpointError(errors[0])
+        raise UserError(errors[0])
     # everything is read: only now is the run changed
     for s, saved in trainable:
         n, state = len(saved["master"]), zero.opt.state[s.master]

@@ -8,7 +8,7 @@ Each field of TrainConfig is a flag, the command line generated from the datacla
 this file): `zero` -> --zero, `grad_ckpt` -> --grad-ckpt, with its help text, choices and range
 from the field. Precedence: the dataclass defaults < a preset file (--config) < explicit flags.
 A preset is a file of plain `name = value` lines, parsed with `ast`, never executed (nanoGPT's
-configurator exec()s Python files). Bad input is a ConfigError: one line, never a traceback.
+configurator exec()s Python files). Bad input is a UserError: one line, never a traceback.
 The resolved configuration goes into metrics.jsonl and every checkpoint. This file imports
 nothing of the project: the flags are checked here by what they are, the model and the data
 later by what they hold.
@@ -22,9 +22,10 @@ from dataclasses import dataclass, field, fields
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-class ConfigError(Exception):
-    """Bad input from the user: printed as one line, never a traceback; under torchrun by rank
-    0 alone, the same on every rank, unless rank_local (only this rank can see the problem)."""
+class UserError(Exception):
+    """Bad input from the user (a flag, a file, a folder, the data): printed as one line, never
+    a traceback, by every command of ours; under torchrun by rank 0 alone, the same on every
+    rank, unless rank_local (only this rank can see the problem). The one class of them all."""
 
     def __init__(self, message, rank_local=False):
         super().__init__(message)
@@ -193,45 +194,45 @@ def check_config(cfg):
         value, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
         choices, check = f.metadata["choices"], f.metadata["check"]
         if choices and value not in choices:
-            raise ConfigError(f"{flag} {value}: use "
-                              f"{', '.join(str(c) for c in choices if c != '')}")
+            raise UserError(f"{flag} {value}: use "
+                            f"{', '.join(str(c) for c in choices if c != '')}")
         if check and not RANGES[check][0](value):  # NaN fails every comparison
             message = RANGES[check][1]
-            raise ConfigError(f"{flag} {message}" if check.startswith("int") else
-                              f"{flag} {value}: {message}")
+            raise UserError(f"{flag} {message}" if check.startswith("int") else
+                            f"{flag} {value}: {message}")
     if cfg.loss_scale not in ("auto", "dynamic", "none"):
         try:  # a scale below fp32's smallest normal number makes every gradient zero
             if not FP32_TINY <= float(cfg.loss_scale) < math.inf:
                 raise ValueError
         except ValueError:
-            raise ConfigError(f"--loss-scale {cfg.loss_scale}: use dynamic, none or a number "
-                              f"from {FP32_TINY:g} (fp32's smallest normal) up")
+            raise UserError(f"--loss-scale {cfg.loss_scale}: use dynamic, none or a number "
+                            f"from {FP32_TINY:g} (fp32's smallest normal) up")
     if cfg.grad_ckpt_every > 1 and cfg.grad_ckpt == "none":
-        raise ConfigError(f"--grad-ckpt-every {cfg.grad_ckpt_every} picks which blocks "
-                          "--grad-ckpt checkpoints: add --grad-ckpt [full|selective]")
+        raise UserError(f"--grad-ckpt-every {cfg.grad_ckpt_every} picks which blocks "
+                        "--grad-ckpt checkpoints: add --grad-ckpt [full|selective]")
     if (cfg.quantize or cfg.double_quant) and not cfg.lora:
-        raise ConfigError("--quantize stores a frozen base: it needs --lora")
+        raise UserError("--quantize stores a frozen base: it needs --lora")
     if cfg.double_quant and cfg.quantize != "nf4":
-        raise ConfigError("--double-quant quantizes nf4's block scales: it needs --quantize nf4")
+        raise UserError("--double-quant quantizes nf4's block scales: it needs --quantize nf4")
     if cfg.fp8 and cfg.dtype != "bf16":
-        raise ConfigError(f"--fp8 computes around bf16 working weights: add --bf16 "
-                          f"(not --dtype {cfg.dtype})")
+        raise UserError(f"--fp8 computes around bf16 working weights: add --bf16 "
+                        f"(not --dtype {cfg.dtype})")
     if cfg.fp8 and cfg.grad_ckpt == "selective":  # its policy sees ops, not FP8's Function
-        raise ConfigError("--grad-ckpt selective keeps the outputs of torch's matmul ops, which "
-                          "--fp8's products are not: use --grad-ckpt full with --fp8")
+        raise UserError("--grad-ckpt selective keeps the outputs of torch's matmul ops, which "
+                        "--fp8's products are not: use --grad-ckpt full with --fp8")
     if cfg.fp8 and cfg.quantize:
-        raise ConfigError("--fp8 needs no --quantize (a quantized base would be quantized "
-                          "twice)")
+        raise UserError("--fp8 needs no --quantize (a quantized base would be quantized "
+                        "twice)")
     if cfg.optimizer == "muon" and cfg.zero == 3:  # it needs whole matrices (beyond/muon.py)
-        raise ConfigError("--optimizer muon orthogonalises each weight matrix whole; ZeRO-3 "
-                          "shards every matrix over the ranks: use --zero 2 (or 0, 1)")
+        raise UserError("--optimizer muon orthogonalises each weight matrix whole; ZeRO-3 "
+                        "shards every matrix over the ranks: use --zero 2 (or 0, 1)")
     if cfg.zeropp:
         try:
             parse_zeropp(cfg.zeropp)
         except ValueError as e:
-            raise ConfigError(str(e))
+            raise UserError(str(e))
         if cfg.zero != 3:
-            raise ConfigError(f"--zeropp {cfg.zeropp} extends ZeRO stage 3: add --zero 3")
+            raise UserError(f"--zeropp {cfg.zeropp} extends ZeRO stage 3: add --zero 3")
 
 
 def grad_accum_for(cfg, world_size):
@@ -240,8 +241,8 @@ def grad_accum_for(cfg, world_size):
         return cfg.grad_accum
     per_micro = cfg.batch_size * cfg.block_size * world_size  # tokens of one micro-step, all ranks
     if cfg.batch_tokens % per_micro:
-        raise ConfigError(f"--batch-tokens {cfg.batch_tokens} is not a multiple of batch_size x "
-                          f"block_size x world size = {per_micro}: pick a multiple of it")
+        raise UserError(f"--batch-tokens {cfg.batch_tokens} is not a multiple of batch_size x "
+                        f"block_size x world size = {per_micro}: pick a multiple of it")
     return cfg.batch_tokens // per_micro
 
 
@@ -256,7 +257,7 @@ def load_preset(path):
             path = cand
             break
     else:
-        raise ConfigError(f"no preset {path!r}: see the files in config/")
+        raise UserError(f"no preset {path!r}: see the files in config/")
     known = {f.name: f for f in fields(TrainConfig)}
     out = {}
     with open(path) as f:
@@ -264,31 +265,31 @@ def load_preset(path):
     for node in ast.parse(source, path).body:
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1
                 and isinstance(node.targets[0], ast.Name)):
-            raise ConfigError(f"{path}:{node.lineno}: presets hold only `name = value` lines")
+            raise UserError(f"{path}:{node.lineno}: presets hold only `name = value` lines")
         name = node.targets[0].id
         if name not in known:
-            raise ConfigError(f"{path}:{node.lineno}: unknown setting {name!r}")
+            raise UserError(f"{path}:{node.lineno}: unknown setting {name!r}")
         try:
             value = ast.literal_eval(node.value)
         except ValueError:
-            raise ConfigError(f"{path}:{node.lineno}: {name} must be a literal value")
+            raise UserError(f"{path}:{node.lineno}: {name} must be a literal value")
         ftype = known[name].type
         if ftype is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if type(value) is not ftype:
             choices = known[name].metadata["choices"]
             hint = f" ({', '.join(map(repr, choices))})" if choices else ""
-            raise ConfigError(f"{path}:{node.lineno}: {name} must be {ftype.__name__}{hint}, "
-                              f"got {value!r}")
+            raise UserError(f"{path}:{node.lineno}: {name} must be {ftype.__name__}{hint}, "
+                            f"got {value!r}")
         out[name] = value
     return out
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one-line ConfigErrors."""
+    """argparse whose errors are one-line UserErrors."""
 
     def error(self, message):  # one line, no usage dump
-        raise ConfigError(message)
+        raise UserError(message)
 
 
 # --help groups the flags as TrainConfig's sections above: the first field of each
@@ -338,11 +339,11 @@ def config_from(args):
     values.update({k: v for k, v in vars(args).items()
                    if v is not None and k in TrainConfig.__dataclass_fields__})
     if args.bf16 and args.fp16:
-        raise ConfigError("--bf16 and --fp16 conflict: pick one")
+        raise UserError("--bf16 and --fp16 conflict: pick one")
     for short in ("bf16", "fp16"):
         if getattr(args, short):
             if args.dtype not in (None, short):
-                raise ConfigError(f"--{short} conflicts with --dtype {args.dtype}: pick one")
+                raise UserError(f"--{short} conflicts with --dtype {args.dtype}: pick one")
             values["dtype"] = short
     given = frozenset(values)  # a preset's or a flag's: train.fit_schedule derives the rest
     cfg = TrainConfig(**values)

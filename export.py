@@ -11,11 +11,9 @@ PEFT's format. Every check comes before the first byte is written (machinery/exp
 """
 import sys
 
-from checkpoint import CheckpointError
-from configurator import ConfigError
+from configurator import UserError
 from configurator import OneLineParser
-from machinery.exporter import ExportError, export
-from machinery.hf import HFError
+from machinery.exporter import export
 from precision import DTYPES
 
 
@@ -33,7 +31,7 @@ def main(argv=None):
     try:
         args = p.parse_args(argv)
         lines = export(args.ckpt, args.to, args.out, args.dtype, args.merge)
-    except (CheckpointError, ExportError, HFError, ConfigError) as e:
+    except UserError as e:
         print(f"export.py: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a vanished folder: the temporary files are gone

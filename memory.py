@@ -14,7 +14,7 @@ a train.py command that runs what it estimated. Sizes are decimal: 1 GB = 1e9 by
 import bisect
 import sys
 
-from configurator import ConfigError
+from configurator import UserError
 from machinery.estimator import (GB, HEADROOM, advise_plans, breakdown, command, dataset_note,
                                  fits, model_from_flags, parse_bytes, parse_flags, print_run,
                                  save_flags)
@@ -120,6 +120,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except ConfigError as e:  # one line, never a traceback
+    except UserError as e:  # one line, never a traceback
         print(f"memory.py: error: {e}", file=sys.stderr)
         sys.exit(2)

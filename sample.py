@@ -21,19 +21,17 @@ import sys
 
 import torch
 
-from configurator import ConfigError
+from configurator import UserError
 
 from configurator import OneLineParser
-from data.prepare import DataError, get_codec
+from data.prepare import get_codec
 from lora import merge_lora
 from machinery import pretrained
-from machinery.adapters import AdapterError, load_adapter
+from machinery.adapters import load_adapter
 from machinery.validate import vocab_id
 from precision import resolve_dtype
 
 
-class SampleError(Exception):
-    """Bad input from the user: printed as one line, never a traceback."""
 
 
 def parse_args(argv=None):
@@ -70,12 +68,12 @@ def parse_args(argv=None):
 def sample(args):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
-        raise SampleError("--device cuda but no CUDA device is visible: use --device cpu")
+        raise UserError("--device cuda but no CUDA device is visible: use --device cpu")
     device = torch.device("cuda" if use_cuda else "cpu")
     try:
         dtype = resolve_dtype(args.dtype, device)
     except ValueError as e:
-        raise SampleError(str(e))
+        raise UserError(str(e))
     # the weights: a run's newest checkpoint, a given one, or a Hugging Face GPT-2
     what, ckpt = pretrained.weights_to_sample(args.ckpt, args.init_from, args.out_dir)
     model = pretrained.model_of(ckpt)  # its sizes checked before it is built
@@ -92,11 +90,11 @@ def sample(args):
             with open(start[len("FILE:"):], encoding="utf-8") as f:
                 start = f.read()
         except (OSError, UnicodeDecodeError) as e:
-            raise SampleError(f"cannot read the prompt {start[len('FILE:'):]}: {e}")
+            raise UserError(f"cannot read the prompt {start[len('FILE:'):]}: {e}")
     encode, decode = get_codec(ckpt["meta"])
-    ids = encode(start)  # DataError for characters outside a char vocabulary
+    ids = encode(start)  # UserError for characters outside a char vocabulary
     if not ids:
-        raise SampleError("the prompt is empty: --start needs at least one token")
+        raise UserError("the prompt is empty: --start needs at least one token")
     pretrained.check_sample_size(model, len(ids), args, device)  # samples x tokens: it fits
 
     # every check passed: say what is sampled
@@ -117,7 +115,7 @@ def main(argv=None):
     """Returns the exit status: 0, or 2 after a one-line error."""
     try:
         sample(parse_args(argv))
-    except (SampleError, DataError, AdapterError, ConfigError, pretrained.LoadError) as e:
+    except UserError as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -27,8 +27,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
-from checkpoint import CheckpointError
-from configurator import SCHEDULE, ConfigError, TrainConfig, grad_accum_for, parse_args
+from configurator import SCHEDULE, UserError, TrainConfig, grad_accum_for, parse_args
 from data.loader import Batches, changed_data, data_identity, estimate_loss, load_data
 from lora import apply_lora
 from machinery import lifecycle, report  # the run's guards; its numbers, measured
@@ -47,12 +46,12 @@ def init_distributed(cfg):
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
-        raise ConfigError("--device cuda but no CUDA device is visible: use --device cpu",
-                          rank_local=True)
+        raise UserError("--device cuda but no CUDA device is visible: use --device cpu",
+                        rank_local=True)
     if use_cuda and local_rank >= torch.cuda.device_count():
-        raise ConfigError(f"rank {rank} wants cuda:{local_rank}, but "
-                          f"{torch.cuda.device_count()} GPU(s) are visible: one process "
-                          "per GPU, or --device cpu", rank_local=True)
+        raise UserError(f"rank {rank} wants cuda:{local_rank}, but "
+                        f"{torch.cuda.device_count()} GPU(s) are visible: one process "
+                        "per GPU, or --device cpu", rank_local=True)
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -146,13 +145,13 @@ def update(zero, scaler, lr, grad_clip, on_grads=None):
 # the set-up
 
 def model_config(cfg, vocab_size):
-    """The GPTConfig of a run's flags (a ConfigError when the shape does not divide)."""
+    """The GPTConfig of a run's flags (a UserError when the shape does not divide)."""
     try:
         return GPTConfig(arch=GPT.ARCH, block_size=cfg.block_size, vocab_size=vocab_size,
                          n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                          dropout=cfg.dropout, bias=cfg.bias)
     except ValueError as e:
-        raise ConfigError(str(e))
+        raise UserError(str(e))
 
 
 def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
@@ -175,7 +174,7 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
             try:
                 model.load_weights(init_weights)
             except ValueError as e:
-                raise ConfigError(f"--init-from does not fit this model: {e}")
+                raise UserError(f"--init-from does not fit this model: {e}")
         # an adapter file names its base: the weights before LoRA and quantization
         if cfg.lora:
             from machinery import adapters
@@ -190,7 +189,7 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
         try:  # the targets are names of the model's own LINEARS
             apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
         except ValueError as e:
-            raise ConfigError(f"--lora-targets {cfg.lora_targets}: {e}")
+            raise UserError(f"--lora-targets {cfg.lora_targets}: {e}")
         if cfg.quantize:  # QLoRA: the frozen base in 4 or 8 bits, under the adapters
             quantize_base(model, cfg.quantize, cfg.double_quant)
     # 3. FP8 after LoRA: the base's product goes FP8, the adapters stay bf16
@@ -200,7 +199,7 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
             eager = fp8.check_available(device, cfg.compile)  # a warning on a GPU, or None
             fp8.convert(model, cfg.fp8_scaling, cfg.fp8_amax_history)
         except (RuntimeError, ValueError) as e:
-            raise ConfigError(str(e))
+            raise UserError(str(e))
         if eager and rank == 0:
             print(eager)
     # 4. activation checkpointing: read by the block loop in every forward
@@ -243,8 +242,8 @@ def make_engine(cfg, model, dtype, rank, world_size, grad_accum, source=None):
         Engine = WholeZeRO
     node_size = cfg.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % node_size:
-        raise ConfigError(f"--node-size {node_size} does not divide the world size "
-                          f"{world_size}")
+        raise UserError(f"--node-size {node_size} does not divide the world size "
+                        f"{world_size}")
     if cfg.zeropp:
         from beyond.zeropp import ZeROpp, parse_zeropp
         Engine = ZeROpp
@@ -258,7 +257,7 @@ def make_engine(cfg, model, dtype, rank, world_size, grad_accum, source=None):
                       and dtype != torch.float32, optimizer=cfg.optimizer,
                       master_weights=source, **extra)
     except ValueError as e:
-        raise ConfigError(str(e))
+        raise UserError(str(e))
     zero.traffic.node_size = node_size  # bytes by link (collectives.Traffic)
     return zero
 
@@ -286,7 +285,7 @@ def main(argv=None):
     try:  # the working dtype of weights and gradients; bf16 where the device has it natively
         dtype = resolve_dtype(cfg.dtype, device)
     except ValueError as e:
-        raise ConfigError(str(e))
+        raise UserError(str(e))
     # --init-from: weights of ours (init) or a Hugging Face GPT-2 (init_hf), whose
     # config.json sets the model flags not given, and the vocabulary the data must be in
     init = init_hf = base_meta = None
@@ -366,7 +365,7 @@ def main(argv=None):
         it += 1
         saving = cfg.save_interval and it % cfg.save_interval == 0 and it < cfg.max_iters
         if (logging or saving) and scaler.exhausted.item():
-            raise ConfigError(lifecycle.exhausted(cfg, scaler, it))
+            raise UserError(lifecycle.exhausted(cfg, scaler, it))
         if saving or stopped:
             save(cfg, it, zero, model, scaler, header, print0)
         if stopped:
@@ -397,9 +396,9 @@ def resume(cfg, zero, model, scaler, gptconf, meta, data_id, print0):
     # the files it reads with the header's (a checkpoint older than that has none)
     changed, new_data = changed_data(saved.get("data"), data_id, path, zero.world_size), None
     if changed and not cfg.accept_new_data:
-        raise ConfigError(f"--resume: {changed}; the batches from here on would not be the "
-                          "run's: prepare the data it trained on again, or pass "
-                          "--accept-new-data to go on with this data (recorded in metrics.jsonl)")
+        raise UserError(f"--resume: {changed}; the batches from here on would not be the "
+                        "run's: prepare the data it trained on again, or pass "
+                        "--accept-new-data to go on with this data (recorded in metrics.jsonl)")
     if changed:
         new_data = {"event": "new_data", "iter": start_it, "from": path, "change": changed,
                     "data": data_id}
@@ -421,4 +420,4 @@ def save(cfg, it, zero, model, scaler, header, print0):
 
 
 if __name__ == "__main__":
-    lifecycle.run_main(main, "train.py", (ConfigError, CheckpointError, lifecycle.RunDirError))
+    lifecycle.run_main(main, "train.py", UserError)

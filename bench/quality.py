@@ -24,7 +24,7 @@ import torch
 
 from bench.common import (Stopwatch, adamw, comma_list, command, parser, plain_step, report,
                           run_train, table)
-from configurator import ConfigError, TrainConfig
+from configurator import UserError, TrainConfig
 from configurator import load_preset
 from model import GPT
 from data.loader import get_batch, load_data
@@ -92,7 +92,7 @@ def main(argv=None):
     torch.set_num_threads(min(2, os.cpu_count()))  # nanoGPT's CPU recipe on 2 cores
     try:  # train.py's loader: prepared on first use, or a one-line error that says how
         train, val, meta = load_data(replace(TrainConfig(), dataset=args.dataset), 0, 1)
-    except ConfigError as e:
+    except UserError as e:
         p.error(str(e))
     vocab = meta["vocab_size"]
     watch, rows, finals = Stopwatch(), [], {"train.py": [], "plain": []}

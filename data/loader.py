@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import all_gather_object
-from configurator import ConfigError
-from data.prepare import DATASETS, DataError, load_meta, prepare, rebuild_command
+from configurator import UserError
+from data.prepare import DATASETS, load_meta, prepare, rebuild_command
 from machinery.lifecycle import agreed_error
 from machinery.validate import vocab_id
 
@@ -90,18 +90,18 @@ def load_data(cfg, rank, world_size, base_meta=None):
             prepare(dataset="shakespeare_char" if cfg.input else cfg.dataset,
                     input_path=cfg.input or None, out_root=os.path.join(ROOT, cfg.data_root),
                     base_meta=base_meta if cfg.input else None)
-        except DataError as e:
+        except UserError as e:
             error = str(e)
     # every rank's outcome, gathered (a barrier too: each node's preparation is done)
     error = agreed_error(all_gather_object(error, world_size), SHARE_DATA)
     if error is None:
         try:
             meta = check_folder(data_dir, cfg.block_size, cfg.input or None)
-        except DataError as e:
+        except UserError as e:
             error = str(e)
     error = agreed_error(all_gather_object(error, world_size), SHARE_DATA)
     if error:
-        raise ConfigError(error)
+        raise UserError(error)
     train = np.memmap(os.path.join(data_dir, "train.bin"), dtype=np.uint16, mode="r")
     val = np.memmap(os.path.join(data_dir, "val.bin"), dtype=np.uint16, mode="r")
     return train, val, meta
@@ -110,10 +110,10 @@ def load_data(cfg, rank, world_size, base_meta=None):
 def check_folder(data_dir, block_size, input_path=None):
     """A prepared folder as prepare() writes it, checked before anything is memory-mapped:
     meta.json (load_meta), then each .bin file there, not empty, of whole uint16 ids, holding
-    the tokens meta.json counts, and more than a block of them. Returns meta; a DataError, one
+    the tokens meta.json counts, and more than a block of them. Returns meta; a UserError, one
     line naming the file and the data/prepare.py command that writes it again, otherwise."""
     if not os.path.isdir(data_dir):
-        raise DataError(f"no prepared data in {data_dir}: run "
+        raise UserError(f"no prepared data in {data_dir}: run "
                         f"{rebuild_command(data_dir, input_path)}")
     meta = load_meta(data_dir, input_path)
     fix = f"rebuild it with {rebuild_command(data_dir, input_path)}"
@@ -122,18 +122,18 @@ def check_folder(data_dir, block_size, input_path=None):
         try:
             size = os.path.getsize(path)
         except OSError:
-            raise DataError(f"no {path}: {fix}")
+            raise UserError(f"no {path}: {fix}")
         if size == 0:
-            raise DataError(f"{path} is empty: {fix}")
+            raise UserError(f"{path} is empty: {fix}")
         if size % 2:  # np.memmap would raise "not a multiple of the data-type size"
-            raise DataError(f"{path} has {size:,} bytes, an odd number: not uint16 ids "
+            raise UserError(f"{path} has {size:,} bytes, an odd number: not uint16 ids "
                             f"(a copy cut short?); {fix}")
         counted = meta.get(f"{split}_tokens")
         if counted is not None and size != 2 * counted:
-            raise DataError(f"{path} holds {size // 2:,} tokens, meta.json says {counted:,} "
+            raise UserError(f"{path} holds {size // 2:,} tokens, meta.json says {counted:,} "
                             f"(cut short, or written by another preparation): {fix}")
         if size // 2 <= block_size + 1:
-            raise DataError(f"{data_dir} has too few tokens for --block-size {block_size} "
+            raise UserError(f"{data_dir} has too few tokens for --block-size {block_size} "
                             f"({split}.bin: {size // 2:,}): a smaller --block-size, or more text")
     return meta
 
@@ -169,7 +169,7 @@ def data_identity(cfg, train, val, meta, world_size):
                      f"with {rebuild_command(os.path.dirname(tokens.filename), cfg.input or None)}")
     error = agreed_error(all_gather_object(error, world_size), SHARE_DATA)
     if error:
-        raise ConfigError(error)
+        raise UserError(error)
     return identity
 
 

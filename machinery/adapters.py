@@ -31,12 +31,11 @@ from lora import LoRALinear, apply_lora, lora_modules, targets_of
 from machinery import validate
 from collectives import all_gather_object
 from quant import declared_linears
+from configurator import UserError
 
 CONFIG, WEIGHTS, KEY = "adapter_config.json", "adapter_model.safetensors", "nanozero"
 
 
-class AdapterError(Exception):
-    """An adapter file that is unreadable or does not fit this model (other base, other shapes)."""
 
 
 def adapter_state(state_dict):
@@ -47,8 +46,8 @@ def adapter_state(state_dict):
     for k, t in state_dict.items():
         if "lora_" in k:
             if t.untyped_storage().nbytes() == 0:
-                raise AdapterError(f"{k} has no storage (a ZeRO-3 shard): "
-                                   "use checkpoint.state_dict(zero, model)")
+                raise UserError(f"{k} has no storage (a ZeRO-3 shard): "
+                                "use checkpoint.state_dict(zero, model)")
             out[k] = t.detach().cpu().clone()
     return out
 
@@ -191,7 +190,7 @@ def save_adapter(folder, model, fingerprint, vocab=None, base_name=None, lora_st
 
 def read_adapter(path):
     """(adapter_config.json, our metadata, {PEFT name: tensor}) of an adapter folder (or its
-    adapter_model.safetensors). AdapterError, one line, for anything unreadable."""
+    adapter_model.safetensors). UserError, one line, for anything unreadable."""
     folder = path if os.path.isdir(path) else os.path.dirname(os.fspath(path))
     try:  # safetensors: tensors and strings only, nothing that could run code
         with open(os.path.join(folder, CONFIG)) as f:
@@ -204,14 +203,14 @@ def read_adapter(path):
         if os.fspath(path).endswith("/adapter.safetensors"):  # before PEFT's was the one format
             message = (f"{path} is an adapter file of an older nanoZeRO: `python export.py "
                        "CKPT --to hf OUT` writes the run's adapter as PEFT's folder (OUT/adapter)")
-        raise AdapterError(message.splitlines()[0])
+        raise UserError(message.splitlines()[0])
     try:
         ours = json.loads(meta[KEY])
         assert isinstance(ours, dict) and isinstance(config, dict)
         assert isinstance(ours.get("base_fingerprint"), str) and "tensors" in ours
     except (KeyError, ValueError, AssertionError):
-        raise AdapterError(f"{path}: no base fingerprint or settings in its metadata (an adapter"
-                           " from elsewhere?): train.py --lora and export.py write them")
+        raise UserError(f"{path}: no base fingerprint or settings in its metadata (an adapter"
+                        " from elsewhere?): train.py --lora and export.py write them")
     return config, ours, tensors
 
 
@@ -221,7 +220,7 @@ def load_adapter(model, path, vocab=None):
     apply_lora with the file's settings (checked first against their types, ranges and the
     file's tensors); one with LoRA must have the same settings. The checksums, the base
     fingerprint, the vocabulary (vocab: the model's validate.vocab_id, when known) and every
-    name and shape must match, else AdapterError. Load before ZeRO wraps the model: under
+    name and shape must match, else UserError. Load before ZeRO wraps the model: under
     ZeRO-3 its LoRA parameters are shards."""
     config, ours, tensors = read_adapter(path)
     settings, layout = ours.get("settings"), ours.get("slices")
@@ -246,24 +245,24 @@ def load_adapter(model, path, vocab=None):
         if not all(t.isfinite().all() for t in lora.values()):
             raise ValueError("its tensors hold inf/NaN: use an adapter of an earlier checkpoint")
     except ValueError as e:
-        raise AdapterError(f"{path}: {e}")
+        raise UserError(f"{path}: {e}")
     if vocab is not None and ours.get("vocab") not in (None, vocab):
-        raise AdapterError(f"{path} was trained on vocabulary {ours['vocab']}, this model reads "
-                           f"{vocab}: the same ids would mean other tokens")
+        raise UserError(f"{path} was trained on vocabulary {ours['vocab']}, this model reads "
+                        f"{vocab}: the same ids would mean other tokens")
     base, fp = base_fingerprint(model), ours["base_fingerprint"]
     if fp != base:
-        raise AdapterError(f"{path} was trained on base {fp}, this model is base {base}")
+        raise UserError(f"{path} was trained on base {fp}, this model is base {base}")
     have = getattr(model, "lora_settings", None)
     if have is None:
         apply_lora(model, **settings)
     elif have != settings:
-        raise AdapterError(f"{path} has LoRA settings {settings}, the model has {have}")
+        raise UserError(f"{path} has LoRA settings {settings}, the model has {have}")
     if any(m.merged for m in lora_modules(model)):
-        raise AdapterError("the model has LoRA merged in: unmerge_lora(model) first")
+        raise UserError("the model has LoRA merged in: unmerge_lora(model) first")
     params = {k: p for k, p in model.named_parameters() if "lora_" in k}
     if lora_layout(model) != layout or params.keys() != lora.keys() \
             or any(params[k].shape != lora[k].shape for k in params):
-        raise AdapterError(f"{path}: LoRA tensor names or shapes differ from the model's")
+        raise UserError(f"{path}: LoRA tensor names or shapes differ from the model's")
     for k, p in params.items():
         p.copy_(lora[k])
     return settings
@@ -272,7 +271,7 @@ def load_adapter(model, path, vocab=None):
 def save_run_adapter(out_dir, zero, model, meta, print0):
     """The end of a LoRA run: the adapter alone (kilobytes) in OUT_DIR/adapter, PEFT's folder,
     its full tensors gathered onto rank 0 one by one (a collective). A failed write (a full
-    disk) is a CheckpointError on every rank that names the checkpoint holding the adapter."""
+    disk) is a UserError on every rank that names the checkpoint holding the adapter."""
     full, error = checkpoint.state_dict(zero, model), None
     path = os.path.join(out_dir, "adapter")
     if zero.rank == 0:
@@ -287,4 +286,4 @@ def save_run_adapter(out_dir, zero, model, meta, print0):
                      "holds the adapter, and `python export.py` writes it out (--to hf OUT)")
     error = all_gather_object(error, zero.world_size)[0]
     if error:
-        raise checkpoint.CheckpointError(error)
+        raise UserError(error)

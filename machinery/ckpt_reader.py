@@ -12,7 +12,7 @@ canonical form: sorted keys, no spaces).
 Checked before anything is used (validate.py for the header's types, ranges and layout): the
 header's bytes (JSON, its checksum), then each file as it is opened (safetensors' own header
 checks, its save_id, its tensor names) and each piece as it is read (its length and crc32). A
-bad file is one CheckpointError line that names the older checkpoint to resume from instead.
+bad file is one UserError line that names the older checkpoint to resume from instead.
 Which checkpoint a resume reads is rank 0's choice, the same for every rank (newest_checkpoint):
 nodes need not share a disk.
 """
@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from machinery import rundir, validate
 from machinery.lifecycle import agreed_error
+from configurator import UserError
 
 HEADER = "checkpoint.json"
 SEAL = "header_crc"  # the header's own checksum, kept in it
@@ -35,8 +36,6 @@ OLD = ("ckpt.pt", "meta.pt")  # the pickled formats of nanoZeRO before this one
 CONVERT = "python -m machinery.convert"
 
 
-class CheckpointError(Exception):
-    """A missing, corrupt, truncated or mismatched checkpoint: one line, no traceback."""
 
 
 def shard_name(i):
@@ -123,7 +122,7 @@ def newest_checkpoint(out_dir, world_size):
     """--resume: the newest complete checkpoint rank 0 lists, the same for every rank, as the
     path of that name in this rank's out_dir; None when rank 0 has none. Ranks that each list
     their own disk could pick another, or none, and enter other collectives: a hang. A rank
-    that has no such folder stops every rank with one line (a CheckpointError)."""
+    that has no such folder stops every rank with one line (a UserError)."""
     chosen = [os.path.basename(p) for p in rundir.list_checkpoints(out_dir)[-1:]] or [None]
     if world_size > 1:
         dist.broadcast_object_list(chosen, src=0)
@@ -136,7 +135,7 @@ def newest_checkpoint(out_dir, world_size):
         dist.all_gather_object(errors, missing)
     error = agreed_error(errors, SHARE_OUT_DIR)
     if error:
-        raise CheckpointError(error)
+        raise UserError(error)
     return path
 
 
@@ -144,8 +143,8 @@ def refuse_old(path):
     """A folder in a format of an earlier nanoZeRO: one line naming the command that converts."""
     old = [f for f in OLD if os.path.exists(os.path.join(path, f))]
     if old:
-        raise CheckpointError(f"{path} holds {old[0]}, the pickled format of an earlier "
-                              f"nanoZeRO: convert it with `{CONVERT} {path}`, then use it")
+        raise UserError(f"{path} holds {old[0]}, the pickled format of an earlier "
+                        f"nanoZeRO: convert it with `{CONVERT} {path}`, then use it")
 
 
 class CheckpointFiles:
@@ -154,28 +153,28 @@ class CheckpointFiles:
 
     def __init__(self, path):
         if not os.path.isdir(path):
-            raise CheckpointError(f"no checkpoint at {path}")
+            raise UserError(f"no checkpoint at {path}")
         self.path, self.checked = path, set()  # the files opened and checked
         self.hint = rundir.resume_hint(path)  # a bad file names what to resume from instead
         self.file = os.path.join(path, HEADER)
         if not os.path.isfile(self.file):
             refuse_old(path)
-            raise CheckpointError(f"{path} has no {HEADER}: not a complete checkpoint (pass "
-                                  "another, or delete it)")
+            raise UserError(f"{path} has no {HEADER}: not a complete checkpoint (pass "
+                            "another, or delete it)")
         try:
             self.header = self._checked(self.file, read_header, self.file)
         except OSError as e:
-            raise CheckpointError(f"cannot read {self.file}: {e.strerror or e}")
+            raise UserError(f"cannot read {self.file}: {e.strerror or e}")
         if self.header.get("format") != FORMAT:
-            raise CheckpointError(f"{path} is not a nanoZeRO checkpoint")
+            raise UserError(f"{path} is not a nanoZeRO checkpoint")
         self._checked(self.file, validate.check_header, self.header)  # before any claim is used
 
     def _checked(self, file, check, *args):
-        """check(*args) (validate.py), its refusal a CheckpointError naming the file."""
+        """check(*args) (validate.py), its refusal a UserError naming the file."""
         try:
             return check(*args)
         except ValueError as e:
-            raise CheckpointError(f"{file}: {e} (a corrupt or edited file); {self.hint}")
+            raise UserError(f"{file}: {e} (a corrupt or edited file); {self.hint}")
 
     def tensor(self, i, key):
         """Tensor `key` of file i, opened by safe_open (its own header checked), the file's
@@ -183,26 +182,26 @@ class CheckpointFiles:
         h, name = self.header, self.header["files"][i]
         file = os.path.join(self.path, name)
         if key not in h["crc"][i]:
-            raise CheckpointError(f"{self.path} holds no {key} in {name}")
+            raise UserError(f"{self.path} holds no {key} in {name}")
         try:
             with safe_open(file, framework="pt") as f:  # memory-mapped: only key is read
                 if name not in self.checked:  # once a file: its save, its names
                     if f.metadata() != {"save_id": h["save_id"], "file": str(i)}:
-                        raise CheckpointError(f"{file} belongs to another save than its "
-                                              f"{HEADER}: the folder was edited; use another")
+                        raise UserError(f"{file} belongs to another save than its "
+                                        f"{HEADER}: the folder was edited; use another")
                     if set(f.keys()) != set(h["crc"][i]):
-                        raise CheckpointError(f"{file} holds other tensors than its {HEADER} "
-                                              f"says (a corrupt or edited file); {self.hint}")
+                        raise UserError(f"{file} holds other tensors than its {HEADER} "
+                                        f"says (a corrupt or edited file); {self.hint}")
                     self.checked.add(name)
                 t = f.get_tensor(key)
         except FileNotFoundError:
-            raise CheckpointError(f"{file} is missing: the checkpoint is incomplete")
+            raise UserError(f"{file} is missing: the checkpoint is incomplete")
         except (SafetensorError, OSError) as e:  # truncated, a header that lies, ...
-            raise CheckpointError(f"cannot read {file}: {_first_line(e)}; {self.hint}")
+            raise UserError(f"cannot read {file}: {_first_line(e)}; {self.hint}")
         got = piece_crc(t)
         if got != h["crc"][i][key]:
-            raise CheckpointError(f"{file}: {key} fails its checksum (crc32 {got:08x}, saved "
-                                  f"{h['crc'][i][key]:08x}): its bytes changed; {self.hint}")
+            raise UserError(f"{file}: {key} fails its checksum (crc32 {got:08x}, saved "
+                            f"{h['crc'][i][key]:08x}): its bytes changed; {self.hint}")
         return t
 
     def piece(self, i, name, key):
@@ -210,14 +209,14 @@ class CheckpointFiles:
         lo, hi = self.header["layout"][i][name]
         t = self.tensor(i, f"{name}/{key}")
         if t.dim() != 1 or len(t) != hi - lo:
-            raise CheckpointError(f"{self.path}: the piece of {name} holds {key} of shape "
-                                  f"{list(t.shape)}, not [{hi - lo}]; {self.hint}")
+            raise UserError(f"{self.path}: the piece of {name} holds {key} of shape "
+                            f"{list(t.shape)}, not [{hi - lo}]; {self.hint}")
         return t
 
     def numel(self, name):
         shape = self.header["shapes"].get(name)
         if shape is None:
-            raise CheckpointError(f"{self.path} has no tensor {name!r}")
+            raise UserError(f"{self.path} has no tensor {name!r}")
         return int(torch.Size(shape).numel())
 
     def model_args(self):

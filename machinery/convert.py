@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from machinery import ckpt_reader, validate
-from machinery.ckpt_reader import CheckpointError
+from configurator import UserError
 
 OLD_ONLY = ("format", "tensors", "crc", "rng", "layout", "header_crc")  # not today's fields
 
@@ -27,14 +27,14 @@ def _load(path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+        raise UserError(f"{path} is missing: the checkpoint is incomplete")
     except Exception as e:  # truncated zip, a pickle that wants to run code, ...
-        raise CheckpointError(f"cannot read {path}: {ckpt_reader._first_line(e)}")
+        raise UserError(f"cannot read {path}: {ckpt_reader._first_line(e)}")
 
 
 def _checked(path, name, key, t, want):
     if not isinstance(t, torch.Tensor) or validate.crc(t) != want:
-        raise CheckpointError(f"{path}: {key} of {name} fails its checksum: not converted")
+        raise UserError(f"{path}: {key} of {name} fails its checksum: not converted")
     return t.reshape(-1)
 
 
@@ -65,7 +65,7 @@ def _files(path, h):
         file = os.path.join(path, f"shard-{r:05d}.pt")
         shard = _load(file)
         if shard.get("save_id") != h["save_id"]:
-            raise CheckpointError(f"{file} belongs to another save than its meta.pt")
+            raise UserError(f"{file} belongs to another save than its meta.pt")
         layout, tensors = {}, {}
         for name, piece in shard["pieces"].items():
             layout[name] = [piece["lo"], piece["hi"]]
@@ -80,13 +80,13 @@ def _files(path, h):
 def convert(path):
     """Rewrite the old checkpoint in folder path as checkpoint.json + shard-NNNNN.safetensors."""
     if os.path.isfile(os.path.join(path, ckpt_reader.HEADER)):
-        raise CheckpointError(f"{path} is in today's format already")
+        raise UserError(f"{path} is in today's format already")
     old = [f for f in ckpt_reader.OLD if os.path.isfile(os.path.join(path, f))]
     if not old:
-        raise CheckpointError(f"{path} holds neither ckpt.pt nor meta.pt: not an old checkpoint")
+        raise UserError(f"{path} holds neither ckpt.pt nor meta.pt: not an old checkpoint")
     h = _load(os.path.join(path, old[0]))
     if not isinstance(h, dict) or h.get("format") not in ("consolidated", "sharded"):
-        raise CheckpointError(f"{path}/{old[0]} is not a nanoZeRO checkpoint")
+        raise UserError(f"{path}/{old[0]} is not a nanoZeRO checkpoint")
     try:
         pieces, rngs = _files(path, h)
         fp8 = h.get("fp8")
@@ -99,7 +99,7 @@ def convert(path):
                       layout=[layout for layout, _ in pieces], rng=[_rng(s) for s in rngs],
                       crc=[ckpt_reader.checksums(tensors) for _, tensors in pieces])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{path}: its old files are not the ones a save wrote ({e!r})")
+        raise UserError(f"{path}: its old files are not the ones a save wrote ({e!r})")
     try:
         for i, (name, (_, tensors)) in enumerate(zip(names, pieces)):
             ckpt_reader.write_shard(os.path.join(path, name), tensors,
@@ -126,7 +126,7 @@ def main(argv):
     for path in argv:
         try:
             convert(path)
-        except (CheckpointError, OSError) as e:
+        except (UserError, OSError) as e:
             print(f"{e}", file=sys.stderr)
             return 2
         print(f"converted {path}")

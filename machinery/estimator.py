@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict
 
 import optim
-from configurator import ConfigError, config_from, load_preset, make_parser
+from configurator import UserError, config_from, load_preset, make_parser
 from machinery.footprint import for_run
 from machinery.validate import BOUNDS, check_model_args, check_optimizer
 import model as model_py  # model.GPT when called: a fork's edit of it is estimated
@@ -117,7 +117,7 @@ def parse_bytes(text, flag="--gpu-mem"):
     except ValueError:
         n = -1
     if not 0 < n < math.inf:
-        raise ConfigError(f"{flag} {text}: use a size such as 80GB or 24GiB")
+        raise UserError(f"{flag} {text}: use a size such as 80GB or 24GiB")
     return n
 
 
@@ -145,15 +145,15 @@ def parse_flags(argv):
     for name, most in LIMITS.items():  # NaN fails every comparison: refused too
         value = getattr(a, name)
         if value is not None and not 1 <= value <= most:
-            raise ConfigError(f"--{name.replace('_', '-')} {value:g}: use a number in "
-                              f"[1, {most:g}]")
+            raise UserError(f"--{name.replace('_', '-')} {value:g}: use a number in "
+                            f"[1, {most:g}]")
     tc = config_from(a)
     try:
         check_optimizer(tc.optimizer)
     except ValueError as e:
-        raise ConfigError(str(e))
+        raise UserError(str(e))
     if tc.quantize == "int8":
-        raise ConfigError("memory.py models the nf4 base (QLoRA's): use --quantize nf4")
+        raise UserError("memory.py models the nf4 base (QLoRA's): use --quantize nf4")
     return a, tc
 
 
@@ -171,7 +171,7 @@ def model_from_flags(a, tc, psi):
                         bias=bias, dropout=0.0 if psi else tc.dropout, **shape)
         check_model_args(asdict(cfg))  # validate.BOUNDS: 10^5 layers is no model to estimate
     except ValueError as e:  # e.g. a width its heads do not divide
-        raise ConfigError(str(e).replace("model_args ", "--").replace("_", "-"))
+        raise UserError(str(e).replace("model_args ", "--").replace("_", "-"))
     preset = a.config and not psi
     flags = [f"--config {a.config}"] if preset else []
     for k, v in {**shape, "block_size": block}.items():

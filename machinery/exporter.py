@@ -21,10 +21,9 @@ import model as model_py
 from model import GPTConfig
 from precision import DTYPES
 from quant import QuantizedWeight, quantize_base
+from configurator import UserError
 
 
-class ExportError(Exception):
-    """Bad input to the export: one line, nothing written."""
 
 
 def rebuild(reader, weights=None):
@@ -45,17 +44,17 @@ def rebuild(reader, weights=None):
                             targets=list(parse_targets(cfg["lora_targets"])))
             check_adapter(settings, model_args["n_embd"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ExportError(f"{reader.path}: its LoRA flags are not valid ({e})")
+            raise UserError(f"{reader.path}: its LoRA flags are not valid ({e})")
         apply_lora(model, **settings)
         if cfg.get("quantize"):
             if cfg["quantize"] not in ("int8", "nf4"):
-                raise ExportError(f"{reader.path}: --quantize {cfg['quantize']!r} is not ours")
+                raise UserError(f"{reader.path}: --quantize {cfg['quantize']!r} is not ours")
             quantize_base(model, cfg["quantize"], bool(cfg.get("double_quant")))
     check_compatible(h, model_args, None, reader.path, None, model.stored_shapes())
     try:
         model.load_weights(weights)
     except ValueError as e:
-        raise ExportError(f"{reader.path} does not fit its own model config: {e}")
+        raise UserError(f"{reader.path} does not fit its own model config: {e}")
     return model
 
 
@@ -64,13 +63,13 @@ def check_writable(out, to):
     ancestor must be a folder we may write into, and the path itself of the right kind."""
     if os.path.exists(out) and os.path.isdir(out) != (to == "hf"):
         kind = "a file" if to == "hf" else "a folder"
-        raise ExportError(f"{out} is {kind}: --to {to} writes " +
-                          ("a folder" if to == "hf" else "one .safetensors file"))
+        raise UserError(f"{out} is {kind}: --to {to} writes " +
+                        ("a folder" if to == "hf" else "one .safetensors file"))
     parent = os.path.dirname(os.path.abspath(out))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ExportError(f"cannot write {out}: {parent} is not a folder we may write into")
+        raise UserError(f"cannot write {out}: {parent} is not a folder we may write into")
 
 
 def export(ckpt, to, out, dtype=None, merge=False):
@@ -79,20 +78,20 @@ def export(ckpt, to, out, dtype=None, merge=False):
     reader = Reader(ckpt)
     lora = bool(reader.header.get("config", {}).get("lora"))
     if merge and not lora:
-        raise ExportError(f"--merge: {ckpt} has no LoRA adapter to merge (drop --merge)")
+        raise UserError(f"--merge: {ckpt} has no LoRA adapter to merge (drop --merge)")
     if to == "safetensors" and dtype:
-        raise ExportError("--dtype is for --to hf: --to safetensors keeps the checkpoint's dtypes")
+        raise UserError("--dtype is for --to hf: --to safetensors keeps the checkpoint's dtypes")
     check_writable(out, to)
     if to == "hf":  # before the checkpoint is read: config.json is transformers' GPT2Config
         hf.library("transformers", "export.py --to hf")
     model_args = reader.model_args()
     arch, ours = model_args.get("arch"), model_py.GPT.ARCH  # ours: a fork's, if model.py is
     if to == "hf" and arch != "gpt2":  # hf.py writes GPT-2's layout (Conv1D, tied head, wpe)
-        raise ExportError(f"{ckpt} holds a {arch!r} model: the export writes GPT-2's "
-                          "architecture only ('gpt2'); --to safetensors writes any model")
+        raise UserError(f"{ckpt} holds a {arch!r} model: the export writes GPT-2's "
+                        "architecture only ('gpt2'); --to safetensors writes any model")
     if arch != ours:
-        raise ExportError(f"{ckpt} holds a {arch!r} model, model.py builds {ours!r}: export "
-                          "it from the code that trained it")
+        raise UserError(f"{ckpt} holds a {arch!r} model, model.py builds {ours!r}: export "
+                        "it from the code that trained it")
     weights = reader.weights()  # every element read, its checksum compared, before a byte
     model = rebuild(reader, weights)  # as it trained: LoRA, a quantized base; names checked
     if to == "safetensors" and not merge:  # as the checkpoint holds them; load_weights reads it

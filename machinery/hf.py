@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from machinery.adapters import KEY, fingerprint_tensors
 from model import GPTConfig
 from machinery.validate import check_hf_types, check_model_args
+from configurator import UserError
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -40,8 +41,6 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a GPT-2 export m
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin")
 
 
-class HFError(Exception):
-    """A file or folder that is not a GPT-2 model we can read, or a model we cannot write as one."""
 
 
 def _one_line(e):
@@ -52,17 +51,19 @@ def _one_line(e):
 # Configs
 
 def gpt2_config_to_model_args(cfg):
-    """A config.json dict -> GPTConfig kwargs; HFError for any GPT-2 variant model.py can't run."""
+    """A config.json dict -> GPTConfig kwargs; a UserError for any GPT-2 variant model.py
+    can't run."""
     get = lambda k, default: default if cfg.get(k) is None else cfg[k]
     try:  # "1e-5" or 2.0 is another program's config, not a GPT-2 we can read
         check_hf_types(cfg)
     except ValueError as e:
-        raise HFError(f"config.json: {e}") from None
+        raise UserError(f"config.json: {e}") from None
     if cfg.get("model_type") != "gpt2":
-        raise HFError(f"model_type {cfg.get('model_type')!r} is not gpt2")
+        raise UserError(f"model_type {cfg.get('model_type')!r} is not gpt2")
     act = get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):  # both are tanh-GELU, model.py's activation
-        raise HFError(f"activation_function {act!r}: only gelu_new / gelu_pytorch_tanh are GPT-2's")
+        raise UserError(f"activation_function {act!r}: only gelu_new / gelu_pytorch_tanh "
+                        "are GPT-2's")
     unsupported = [k for k in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
                                "add_cross_attention") if cfg.get(k)]
     unsupported += [] if get("scale_attn_weights", True) else ["scale_attn_weights=false"]
@@ -73,24 +74,24 @@ def gpt2_config_to_model_args(cfg):
     if abs(get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:
         unsupported.append(f"layer_norm_epsilon={cfg['layer_norm_epsilon']} (model.py uses 1e-5)")
     if unsupported:
-        raise HFError(f"GPT-2 config with unsupported features: {', '.join(unsupported)}")
+        raise UserError(f"GPT-2 config with unsupported features: {', '.join(unsupported)}")
     args = dict(block_size=get("n_positions", 1024), vocab_size=get("vocab_size", 50257),
                 n_layer=get("n_layer", 12), n_head=get("n_head", 12), n_embd=n_embd,
                 dropout=float(get("resid_pdrop", 0.0)), bias=True)  # GPT-2 uses 0.1 everywhere
     try:  # sizes within validate.BOUNDS: 10^5 layers is one line now, not minutes of building
         check_model_args(args)
     except ValueError as e:
-        raise HFError(f"config.json: {_one_line(e)}") from None
+        raise UserError(f"config.json: {_one_line(e)}") from None
     return args
 
 
 def library(name, needed_for):
-    """import name, or HFError with the line that installs it (an optional dependency)."""
+    """import name, or UserError with the line that installs it (an optional dependency)."""
     try:
         return importlib.import_module(name)
     except ImportError:
-        raise HFError(f"{needed_for} needs {name}, which is not installed: "
-                      f"pip install {name}") from None
+        raise UserError(f"{needed_for} needs {name}, which is not installed: "
+                        f"pip install {name}") from None
 
 
 def model_args_to_gpt2_config(model_args, dtype=torch.float32):
@@ -133,21 +134,21 @@ def locate(source, cache_dir=None):
         return source
     repo = source if "/" in source else f"openai-community/{source}"
     if repo.split("/")[0] != "openai-community" or repo.split("/")[1] not in HUB_NAMES:
-        raise HFError(f"{source}: no such file or folder, and not one of {', '.join(HUB_NAMES)}:"
-                      " pass a folder holding a GPT-2's config.json and model.safetensors")
+        raise UserError(f"{source}: no such file or folder, and not one of {', '.join(HUB_NAMES)}:"
+                        " pass a folder holding a GPT-2's config.json and model.safetensors")
     short = repo.split("/")[1]
     hint = (f"download it on a connected machine (`hf download {repo} --local-dir {short}`) "
             f"and pass the folder, e.g. --init-from ./{short}")
     try:
         from huggingface_hub import snapshot_download  # optional: only hub names need it
     except ImportError:
-        raise HFError(f"{source}: huggingface_hub is not installed (pip install "
-                      f"huggingface_hub); {hint}") from None
+        raise UserError(f"{source}: huggingface_hub is not installed (pip install "
+                        f"huggingface_hub); {hint}") from None
     try:
         files = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*"]
         return snapshot_download(repo, cache_dir=cache_dir, allow_patterns=files)
     except Exception as e:  # offline, unreachable, rate-limited: one message for all
-        raise HFError(f"{source}: cannot download ({_one_line(e)}); {hint}") from None
+        raise UserError(f"{source}: cannot download ({_one_line(e)}); {hint}") from None
 
 
 def _folder_and_files(path):
@@ -156,14 +157,14 @@ def _folder_and_files(path):
     if os.path.isdir(path):
         found = [f for f in WEIGHT_FILES if os.path.exists(os.path.join(path, f))]
         if not found:
-            raise HFError(f"{path}: no {', '.join(WEIGHT_FILES)} in this folder")
+            raise UserError(f"{path}: no {', '.join(WEIGHT_FILES)} in this folder")
         path = os.path.join(path, found[0])  # index before single file, safetensors before .bin
     if path.endswith(".index.json"):
         try:
             with open(path) as f:
                 shards = sorted(set(json.load(f)["weight_map"].values()))
         except Exception as e:
-            raise HFError(f"{path}: unreadable shard index ({_one_line(e)})") from None
+            raise UserError(f"{path}: unreadable shard index ({_one_line(e)})") from None
         return folder, [os.path.join(folder, s) for s in shards]
     return folder, [path]
 
@@ -180,12 +181,12 @@ def read_config(source, cache_dir=None):
     folder, _ = _folder_and_files(locate(source, cache_dir))
     path = os.path.join(folder, "config.json")
     if not os.path.exists(path):
-        raise HFError(f"{folder}: no config.json (a Hugging Face model folder has one)")
+        raise UserError(f"{folder}: no config.json (a Hugging Face model folder has one)")
     try:
         with open(path) as f:
             cfg = json.load(f)
     except Exception as e:
-        raise HFError(f"{path}: unreadable ({_one_line(e)})") from None
+        raise UserError(f"{path}: unreadable ({_one_line(e)})") from None
     return gpt2_config_to_model_args(cfg)
 
 
@@ -205,7 +206,7 @@ def _open(path, stack):
             sd = torch.load(path, map_location="cpu", weights_only=True)
         return {k: (tuple(t.shape), lambda k=k: sd[k]) for k, t in sd.items()}
     except Exception as e:
-        raise HFError(f"{path}: unreadable ({_one_line(e)})") from None
+        raise UserError(f"{path}: unreadable ({_one_line(e)})") from None
 
 
 def crc32(t):
@@ -215,8 +216,8 @@ def crc32(t):
 
 def _checked(path, crcs, name, t):
     if crcs is not None and crcs.get(name) != crc32(t):  # a file from elsewhere has none
-        raise HFError(f"{path}: {name} fails its checksum (crc32 {crc32(t)}, saved "
-                      f"{crcs.get(name)}): its bytes changed")
+        raise UserError(f"{path}: {name} fails its checksum (crc32 {crc32(t)}, saved "
+                        f"{crcs.get(name)}): its bytes changed")
     return t
 
 
@@ -233,16 +234,16 @@ def _read_plan(files, model_args, stack):
     plan, want = [], expected_shapes(model_args)
     for ours, shape in want.items():
         if ours not in readers:
-            raise HFError(f"{files[0]}: tensor {ours.removeprefix('transformer.')} is missing")
+            raise UserError(f"{files[0]}: tensor {ours.removeprefix('transformer.')} is missing")
         name, path, got, read = readers[ours]
         transpose = ours.endswith(CONV1D)
         shape = shape[::-1] if transpose else shape  # the file holds (in, out)
         if got != shape:
-            raise HFError(f"{path}: tensor {name} has shape {got}, the config says {shape}")
+            raise UserError(f"{path}: tensor {name} has shape {got}, the config says {shape}")
         plan.append((ours, read, transpose))
     extra = sorted(set(readers) - set(want) - {"lm_head.weight"})
     if extra:
-        raise HFError(f"{files[0]}: unexpected tensor {extra[0]} (not GPT2LMHeadModel's)")
+        raise UserError(f"{files[0]}: unexpected tensor {extra[0]} (not GPT2LMHeadModel's)")
     if "lm_head.weight" in readers:  # a tied head saved twice: checked equal to wte when read
         plan.append(("lm_head.weight", readers["lm_head.weight"][3], False))
     return plan
@@ -279,16 +280,16 @@ class Weights:
         read, transpose = self.plan[name]
         try:
             t = read().float()
-        except HFError:
+        except UserError:
             raise
         except Exception as e:
-            raise HFError(f"{self.source}: cannot read {name} ({_one_line(e)})") from None
+            raise UserError(f"{self.source}: cannot read {name} ({_one_line(e)})") from None
         return t.t() if transpose else t
 
 
 def _check_tied(head, wte):
     if not torch.equal(head.to(wte.device, wte.dtype), wte):
-        raise HFError("lm_head.weight differs from transformer.wte.weight: GPT-2's head is tied")
+        raise UserError("lm_head.weight differs from transformer.wte.weight: GPT-2's head is tied")
 
 
 def load_pretrained(source, cache_dir=None):
@@ -312,18 +313,18 @@ def load_into(model, source, cache_dir=None):
     and device: host memory never holds more than the model and one tensor. The model must have
     been built from read_config(source) (LoRA applied or not; not yet quantized), or with a
     smaller block_size: its position embedding then gets the file's first rows (nanoGPT's
-    crop_block_size). On an HFError from a tensor read, the model is partly overwritten.
+    crop_block_size). On an UserError from a tensor read, the model is partly overwritten.
     Returns the GPTConfig kwargs."""
     with Weights(source, cache_dir) as w:
         have = {k: getattr(model.config, k) for k in w.model_args if k != "dropout"}
         if any(have[k] != w.model_args[k] for k in have if k != "block_size") \
                 or have["block_size"] > w.model_args["block_size"]:
-            raise HFError(f"{source} is {w.model_args}, the model is {have}: build it from "
-                          "read_config")
+            raise UserError(f"{source} is {w.model_args}, the model is {have}: build it from "
+                            "read_config")
         params = dict(model.named_parameters())
         missing = [k for k in expected_shapes(w.model_args) if k not in params]
         if missing:  # a quantized weight is a module of buffers, not a parameter
-            raise HFError(f"the model has no parameter {missing[0]}: load before quantize_base")
+            raise UserError(f"the model has no parameter {missing[0]}: load before quantize_base")
         for ours in w:
             t, target = w[ours], params["transformer.wte.weight" if ours == "lm_head.weight"
                                         else ours]
@@ -365,15 +366,16 @@ def save_hf(state_dict, model_args, out_dir, dtype=torch.float32):
     every tensor at once: the transposed matmul weights are a second copy of most of the model
     while it writes (the export holds the model already; host memory, never a GPU's)."""
     if dtype not in DTYPES:
-        raise HFError(f"dtype {dtype}: use one of {', '.join(map(str, DTYPES))}")
+        raise UserError(f"dtype {dtype}: use one of {', '.join(map(str, DTYPES))}")
     lora = [k for k in state_dict if "lora_" in k]
     if lora:
-        raise HFError(f"{lora[0]} is a LoRA tensor: export the base (merged with lora.merge_lora, "
-                      f"lora_ keys dropped), or the adapter with adapters.save_adapter")
+        raise UserError(f"{lora[0]} is a LoRA tensor: export the base (merged with "
+                        "lora.merge_lora, lora_ keys dropped), or the adapter with "
+                        "adapters.save_adapter")
     try:
         GPTConfig(**model_args)
     except (TypeError, ValueError) as e:
-        raise HFError(f"model_args: {_one_line(e)}") from None
+        raise UserError(f"model_args: {_one_line(e)}") from None
     V = model_args["vocab_size"]  # a model's own state dict holds model.py's padded rows: cut them
     state_dict = {k: v[:V] if k in ("transformer.wte.weight", "lm_head.weight") else v
                   for k, v in state_dict.items()}
@@ -383,10 +385,10 @@ def save_hf(state_dict, model_args, out_dir, dtype=torch.float32):
         t = state_dict.get(name)
         if (t is None and not zero_bias) or (t is not None and tuple(t.shape) != shape):
             got = "missing" if t is None else f"of shape {tuple(t.shape)}"
-            raise HFError(f"state dict: {name} is {got}, the model args say {shape}")
+            raise UserError(f"state dict: {name} is {got}, the model args say {shape}")
     extra = sorted(set(state_dict) - set(want) - {"lm_head.weight"})
     if extra:
-        raise HFError(f"state dict: unexpected tensor {extra[0]} (not one of GPT's)")
+        raise UserError(f"state dict: unexpected tensor {extra[0]} (not one of GPT's)")
     if "lm_head.weight" in state_dict:
         _check_tied(state_dict["lm_head.weight"], state_dict["transformer.wte.weight"])
     config = model_args_to_gpt2_config(model_args, dtype)  # before a byte: transformers is there

@@ -18,10 +18,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from configurator import ConfigError
+from configurator import UserError
 from machinery import rundir, validate
 # train.py's, through this module: the run's metrics.jsonl and its folder's lock
-from machinery.rundir import Metrics, RunDirError, releasing_locks
+from machinery.rundir import Metrics, releasing_locks
 
 
 def stop_on_signals():
@@ -84,7 +84,7 @@ def inject_nan(model, step, rank, world_size, grad_accum, start_it):
 
 def start(cfg, model_class, rank, world_size, device, print0):
     """Before any work: what the flags ask of the model class and the optimizer, the memory the
-    run needs, then out_dir's lock and history (one run a folder): a ConfigError, one line,
+    run needs, then out_dir's lock and history (one run a folder): a UserError, one line,
     the same on every rank."""
     validate.check_run(cfg, model_class)
     rundir.claim(cfg, rank, world_size, print0, lambda: check_memory(cfg, device))
@@ -118,7 +118,7 @@ def free_bytes(device):
 
 
 def check_memory(cfg, device):
-    """A ConfigError, before any work, when this run cannot fit in the memory it has: half of
+    """A UserError, before any work, when this run cannot fit in the memory it has: half of
     memory.py's estimate of one rank's peak (footprint.for_run, the one estimator) times the
     ranks sharing a host, so that a refusal is never a close call. The data set, and with it
     the vocabulary, is not read yet: the estimate takes the smallest, a need at least."""
@@ -140,11 +140,11 @@ def check_memory(cfg, device):
         return
     if need > free:
         where = f"{ranks} ranks on this host" if ranks > 1 else f"this {device.type}"
-        raise ConfigError(f"--batch-size {cfg.batch_size} x --block-size {cfg.block_size} on "
-                          f"{cfg.n_layer} x {cfg.n_embd}: {where} needs over {need / 1e9:.3g} GB, "
-                          f"{free / 1e9:.3g} GB is free: lower --batch-size (--grad-accum keeps "
-                          "the batch), or add --grad-ckpt; `python memory.py` with these flags "
-                          "estimates it")
+        raise UserError(f"--batch-size {cfg.batch_size} x --block-size {cfg.block_size} on "
+                        f"{cfg.n_layer} x {cfg.n_embd}: {where} needs over {need / 1e9:.3g} GB, "
+                        f"{free / 1e9:.3g} GB is free: lower --batch-size (--grad-accum keeps "
+                        "the batch), or add --grad-ckpt; `python memory.py` with these flags "
+                        "estimates it")
 
 
 def out_of_memory(e):

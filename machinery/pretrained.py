@@ -19,12 +19,10 @@ from dataclasses import asdict
 
 import torch
 
-from checkpoint import (CheckpointError, Reader, check_compatible, list_checkpoints, stored,
-                        stored_shapes)
-from configurator import ConfigError
+from checkpoint import Reader, check_compatible, list_checkpoints, stored, stored_shapes
+from configurator import UserError
 from machinery import adapters, hf, validate
 from machinery.ckpt_reader import HEADER, OLD
-from machinery.hf import HFError
 import model as model_py
 from model import GPT, GPTConfig
 
@@ -110,13 +108,13 @@ def hf_flags(cfg):
     of the vocabulary the data must be in)."""
     path = cfg.init_from
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"--init-from {path} is neither a checkpoint of ours ({HEADER}) "
-                          "nor a Hugging Face GPT-2 folder (config.json + weights)")
+        raise UserError(f"--init-from {path} is neither a checkpoint of ours ({HEADER}) "
+                        "nor a Hugging Face GPT-2 folder (config.json + weights)")
     try:
         source = hf.locate(path)
         model_args = hf.check_weights(source)  # config.json and the weights' headers agree
-    except HFError as e:
-        raise ConfigError(f"--init-from {e}")
+    except UserError as e:
+        raise UserError(f"--init-from {e}")
     for name in SHAPE_FLAGS:
         mine, theirs = getattr(cfg, name), model_args[name]
         if name not in getattr(cfg, "explicit", ()):
@@ -124,8 +122,8 @@ def hf_flags(cfg):
         elif mine != theirs and not (name == "block_size" and mine < theirs):
             flag = "--" + name.replace("_", "-")
             fix = f"drop {flag} or make it smaller" if name == "block_size" else f"drop {flag}"
-            raise ConfigError(f"{flag} {mine} contradicts {path}'s config.json ({name} {theirs}):"
-                              f" {fix}")
+            raise UserError(f"{flag} {mine} contradicts {path}'s config.json ({name} {theirs}):"
+                            f" {fix}")
     return source, {"tokenizer": "gpt2", "vocab_size": model_args["vocab_size"]}
 
 
@@ -134,18 +132,18 @@ def hf_weights(source):
     when asked: the full-precision source of a 16-bit run's fp32 master."""
     try:
         return hf.Weights(source)
-    except HFError as e:
-        raise ConfigError(f"--init-from {e}")
+    except UserError as e:
+        raise UserError(f"--init-from {e}")
 
 
 def check_vocab(meta, want, cfg):
     """The data's token ids must be the model's: GPT-2 BPE, as many as its embedding rows."""
     if (meta["tokenizer"], meta["vocab_size"]) != (want["tokenizer"], want["vocab_size"]):
-        raise ConfigError(f"--init-from {cfg.init_from} reads GPT-2 BPE ({want['vocab_size']} "
-                          f"tokens), the data set {cfg.dataset} is {meta['tokenizer']} "
-                          f"({meta['vocab_size']} tokens): prepare one with `python "
-                          "data/prepare.py --input FILE --tokenizer gpt2 --name NAME`, or use "
-                          "--dataset shakespeare")
+        raise UserError(f"--init-from {cfg.init_from} reads GPT-2 BPE ({want['vocab_size']} "
+                        f"tokens), the data set {cfg.dataset} is {meta['tokenizer']} "
+                        f"({meta['vocab_size']} tokens): prepare one with `python "
+                        "data/prepare.py --input FILE --tokenizer gpt2 --name NAME`, or use "
+                        "--dataset shakespeare")
 
 
 def load_hf(source, config, device, dtype, lora=False):
@@ -166,16 +164,14 @@ def load_hf(source, config, device, dtype, lora=False):
     try:
         hf.load_into(model, source)
         model.base_id = hf.base_fingerprint(source) if lora else None
-    except HFError as e:
-        raise ConfigError(f"--init-from {e}")
+    except UserError as e:
+        raise UserError(f"--init-from {e}")
     return model
 
 
 # ----------------------------------------------------------------------------------------------
 # In: sample.py's weights
 
-class LoadError(Exception):
-    """A checkpoint or model sample.py cannot read: one line."""
 
 
 def find_checkpoint(out_dir):
@@ -184,7 +180,7 @@ def find_checkpoint(out_dir):
     if not ckpts and os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
         return os.path.join(out_dir, "ckpt.pt")  # a single-file checkpoint (nanoGPT's layout)
     if not ckpts:
-        raise LoadError(f"no checkpoint in {out_dir} (train.py writes ckpt-NNNNNNN folders "
+        raise UserError(f"no checkpoint in {out_dir} (train.py writes ckpt-NNNNNNN folders "
                           f"there): train one first, e.g. `python train.py --out-dir {out_dir}`,"
                           " or pass --ckpt PATH")
     return ckpts[-1]
@@ -194,14 +190,11 @@ def load_checkpoint(path):
     """A checkpoint of ours (a folder in either format, or one file holding model,
     model_args and meta), read with weights_only=True: {model, model_args, meta[, iter]}."""
     if os.path.isdir(path):
-        try:
-            reader = Reader(path)
-            return {"model_args": reader.model_args(), "model": reader.weights(),
-                    "meta": reader.header["meta"], "iter": reader.header["iter"]}
-        except CheckpointError as e:
-            raise LoadError(str(e))
+        reader = Reader(path)
+        return {"model_args": reader.model_args(), "model": reader.weights(),
+                "meta": reader.header["meta"], "iter": reader.header["iter"]}
     if not os.path.isfile(path):
-        raise LoadError(f"no checkpoint at {path}: train one first, e.g. "
+        raise UserError(f"no checkpoint at {path}: train one first, e.g. "
                           f"`python train.py --out-dir {os.path.dirname(path) or '.'}`")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
@@ -210,24 +203,21 @@ def load_checkpoint(path):
         # refuses any global outside its allow-list ("Trying to load unsupported GLOBAL ...")
         why = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), None)
         if why:
-            raise LoadError(f"refused {path}: it holds Python objects, "
+            raise UserError(f"refused {path}: it holds Python objects, "
                               f"which could run code ({why})")
-        raise LoadError(f"cannot read {path}: truncated, corrupt or not a checkpoint "
+        raise UserError(f"cannot read {path}: truncated, corrupt or not a checkpoint "
                           f"({type(e).__name__})")
     if not isinstance(ckpt, dict) or not {"model", "model_args", "meta"} <= ckpt.keys():
-        raise LoadError(f"{path} is not a checkpoint of train.py "
+        raise UserError(f"{path} is not a checkpoint of train.py "
                           "(it needs model, model_args and meta)")
     return ckpt
 
 
 def load_hf_for_sampling(source):
     """A Hugging Face GPT-2 (a hub name, a folder, a weights file): its ckpt dict, GPT-2 BPE."""
-    try:
-        model_args, weights = hf.load_pretrained(source)
-    except hf.HFError as e:
-        raise LoadError(str(e))
+    model_args, weights = hf.load_pretrained(source)
     if model_args["vocab_size"] != 50257:  # the ids tiktoken's GPT-2 encoding knows
-        raise LoadError(f"{source} has a vocabulary of {model_args['vocab_size']} tokens, "
+        raise UserError(f"{source} has a vocabulary of {model_args['vocab_size']} tokens, "
                           "not GPT-2 BPE's 50257: sample.py could not decode its ids")
     return {"model": weights, "model_args": model_args,
             "meta": {"tokenizer": "gpt2", "vocab_size": 50257}}
@@ -251,10 +241,10 @@ def model_of(ckpt):
         model = model_py.GPT(GPTConfig(**ckpt["model_args"]))  # a fork's, if edited
         model.load_weights(ckpt["model"])  # strict: every name and shape must match model.py
     except (TypeError, ValueError, RuntimeError) as e:
-        raise LoadError("checkpoint does not fit model.py: " + " ".join(str(e).split()))
+        raise UserError("checkpoint does not fit model.py: " + " ".join(str(e).split()))
     bad = next((k for k, t in model.state_dict().items() if not t.isfinite().all()), None)
     if bad:  # every draw would be a NaN probability
-        raise LoadError(f"the weights hold inf/NaN ({bad}): sample from an earlier checkpoint")
+        raise UserError(f"the weights hold inf/NaN ({bad}): sample from an earlier checkpoint")
     return model
 
 
@@ -263,13 +253,13 @@ def check_sample_flags(args):
     (greedy) or large enough that logits / T stay finite in fp32, a seed a generator takes."""
     for name, least in (("num_samples", 1), ("max_new_tokens", 0), ("top_k", 0)):
         if getattr(args, name) < least:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least {least}")
+            raise UserError(f"--{name.replace('_', '-')} must be at least {least}")
     t = args.temperature
     if not (t == 0 or 1e-4 <= t < float("inf")):
-        raise ConfigError(f"--temperature {t}: use 0 (greedy) or a number from 1e-4 up "
-                          "(below it, logits / T overflow fp32)")
+        raise UserError(f"--temperature {t}: use 0 (greedy) or a number from 1e-4 up "
+                        "(below it, logits / T overflow fp32)")
     if not 0 <= args.seed < 2**64:
-        raise ConfigError(f"--seed {args.seed}: use an integer in [0, 2**64)")
+        raise UserError(f"--seed {args.seed}: use an integer in [0, 2**64)")
 
 
 def check_sample_size(model, prompt_tokens, args, device):
@@ -284,6 +274,6 @@ def check_sample_size(model, prompt_tokens, args, device):
                                + 8 * c.vocab_size)
     free = free_bytes(device)
     if free is not None and need > free:
-        raise ConfigError(f"--num-samples {args.num_samples} x {tokens:,} tokens needs about "
-                          f"{need / 1e9:.3g} GB, {free / 1e9:.3g} GB is free on {device.type}: "
-                          "lower --num-samples or --max-new-tokens")
+        raise UserError(f"--num-samples {args.num_samples} x {tokens:,} tokens needs about "
+                        f"{need / 1e9:.3g} GB, {free / 1e9:.3g} GB is free on {device.type}: "
+                        "lower --num-samples or --max-new-tokens")

@@ -30,7 +30,7 @@ import socket
 
 import torch.distributed as dist
 
-from configurator import ConfigError
+from configurator import UserError
 from machinery.validate import is_int
 
 LOCK = "lock"
@@ -42,9 +42,6 @@ _logs = []  # the Metrics this process opened: rolled back if the run fails befo
 _saves = []  # the checkpoints this process committed: a run that saved is never rolled back
 
 
-class RunDirError(Exception):
-    """The folder is another run's, or holds something where a run's file belongs: one line,
-    nothing written."""
 
 
 def _start_time(pid):
@@ -114,14 +111,14 @@ def _read_json(path):
 def take_lock(out_dir, take_over=False):
     """Make out_dir this process's: create OUT_DIR/lock, or take over one whose run is dead (or
     is this process: an earlier run in it that raised), or with take_over one we cannot judge.
-    Returns a note to print, or None; RunDirError when a live run holds the folder, or when we
+    Returns a note to print, or None; UserError when a live run holds the folder, or when we
     cannot tell and take_over is off."""
     if not os.path.isdir(out_dir):
         os.makedirs(out_dir, exist_ok=True)
         _created.add(os.path.abspath(out_dir))
     path, me = os.path.join(out_dir, LOCK), _owner()
     if os.path.isdir(path):
-        raise RunDirError(f"{path} is a folder where the run's lock file belongs: move it away")
+        raise UserError(f"{path} is a folder where the run's lock file belongs: move it away")
     tmp = f"{path}.{me['pid']}"
     with open(tmp, "w") as f:
         json.dump(me, f)
@@ -138,17 +135,17 @@ def take_lock(out_dir, take_over=False):
                 continue
             verdict, why = judge(held)
             if verdict == "alive":
-                raise RunDirError(f"{out_dir} is in use by the run of {why} ({path}): wait for it "
-                                  "to end, or use another --out-dir")
+                raise UserError(f"{out_dir} is in use by the run of {why} ({path}): wait for it "
+                                "to end, or use another --out-dir")
             if verdict in ("unknown", "invalid") and not take_over:
-                raise RunDirError(f"cannot tell whether a run still writes to {out_dir}: {path} "
-                                  f"{why}; if none does, delete {path} or pass --take-over-lock, "
-                                  "else use another --out-dir")
+                raise UserError(f"cannot tell whether a run still writes to {out_dir}: {path} "
+                                f"{why}; if none does, delete {path} or pass --take-over-lock, "
+                                "else use another --out-dir")
             if verdict != "mine":
                 note = f"took over {path} from pid {(held or {}).get('pid')} ({why})" \
                     if isinstance(held, dict) else f"took over {path} ({why})"
             _set_aside(path, held)
-        raise RunDirError(f"cannot take {path}: another run keeps replacing it")
+        raise UserError(f"cannot take {path}: another run keeps replacing it")
     finally:
         os.remove(tmp)
 
@@ -180,12 +177,10 @@ def claim(cfg, rank, world_size, print0, check=None):
                 check()
             note = take_lock(cfg.out_dir, cfg.take_over_lock)
             note = "; ".join(n for n in (note, _one_history(cfg)) if n) or None
-        except RunDirError as e:
-            error = str(e)
+        except UserError as e:  # rank 0 raises it as it is, the others its line
+            error, raised = str(e), e
         except OSError as e:
             error = f"cannot write {cfg.out_dir}: {e.strerror or e}"
-        except ConfigError as e:  # check()'s: rank 0 raises it as it is, the others its line
-            error, raised = str(e), e
     if world_size > 1:
         shared = [error]
         dist.broadcast_object_list(shared, src=0)
@@ -193,7 +188,7 @@ def claim(cfg, rank, world_size, print0, check=None):
     if raised:
         raise raised
     if error:
-        raise RunDirError(error)
+        raise UserError(error)
     if note:
         print0(note)
 
@@ -205,8 +200,8 @@ def _one_history(cfg):
     for name, wrong, kind in (("metrics.jsonl", os.path.isdir, "a folder"),
                               ("adapter", os.path.isfile, "a file")):  # PEFT's adapter folder
         if wrong(os.path.join(out, name)):
-            raise RunDirError(f"{os.path.join(out, name)} is {kind} where the run's "
-                              f"{name} belongs: move it away, or use another --out-dir")
+            raise UserError(f"{os.path.join(out, name)} is {kind} where the run's "
+                            f"{name} belongs: move it away, or use another --out-dir")
     log = os.path.join(out, "metrics.jsonl")
     earlier = list_checkpoints(out)
     logged = os.path.isfile(log) and os.path.getsize(log) > 0
@@ -215,14 +210,14 @@ def _one_history(cfg):
     what = (f"checkpoints up to {earlier[-1]}" if earlier else "no checkpoint") + \
         (" and metrics.jsonl" if logged else "")
     if not cfg.archive:
-        raise RunDirError(f"{out} holds an earlier run ({what}): pass --resume to continue it, "
-                          "another --out-dir for a new run, or --archive to move it into "
-                          f"{out}/archive-N/ first")
+        raise UserError(f"{out} holds an earlier run ({what}): pass --resume to continue it, "
+                        "another --out-dir for a new run, or --archive to move it into "
+                        f"{out}/archive-N/ first")
     names = sorted(n for n in os.listdir(out) if RUN_FILES.fullmatch(n))
     init = os.path.abspath(cfg.init_from) if cfg.init_from else ""
     if any(init == os.path.abspath(os.path.join(out, n)) for n in names):
-        raise RunDirError(f"--init-from {cfg.init_from} is part of the run --archive would move: "
-                          "start the new run in another --out-dir")
+        raise UserError(f"--init-from {cfg.init_from} is part of the run --archive would move: "
+                        "start the new run in another --out-dir")
     taken = {int(m.group(1)) for m in map(re.compile(r"archive-(\d+)").fullmatch,
                                           os.listdir(out)) if m}
     folder = os.path.join(out, f"archive-{max(taken, default=0) + 1}")

@@ -15,7 +15,7 @@ from machinery import validate
 from beyond.activation_dial import Policy, policy
 from beyond.offload import Offload, install_offload
 from machinery.activations import activation_bytes
-from configurator import ConfigError, TrainConfig
+from configurator import UserError, TrainConfig
 from configurator import parse_args
 from conftest import make_zero, run_distributed, run_train, zero_step
 from memory import advise, estimate
@@ -38,7 +38,7 @@ def test_flags():
     for argv, message in ((["--grad-ckpt", "some"], "--grad-ckpt some: use none, full, selective"),
                           (["--grad-ckpt-every", "0"], "--grad-ckpt-every must be at least 1"),
                           (["--grad-ckpt-every", "2"], "add --grad-ckpt \\[full\\|selective\\]")):
-        with pytest.raises(ConfigError, match=message):
+        with pytest.raises(UserError, match=message):
             parse_args(argv)
     assert policy(True) == Policy("full") and not policy(False) and not Policy("none", 3)
     assert Policy("selective", 2).flags() == "--grad-ckpt selective --grad-ckpt-every 2"
@@ -48,7 +48,7 @@ def test_flags():
 def test_preset_with_a_bool_and_an_old_checkpoint(tmp_path):
     preset = tmp_path / "old.py"  # from when --grad-ckpt was a switch: refused, with the fix
     preset.write_text("grad_ckpt = True\n")
-    with pytest.raises(ConfigError, match="grad_ckpt must be str \\('none', 'full', "
+    with pytest.raises(UserError, match="grad_ckpt must be str \\('none', 'full', "
                                           "'selective'\\), got True"):
         parse_args(["--config", str(preset)])
     # the checkpoint's config is compared only for the settings that matter (not this one)

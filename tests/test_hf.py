@@ -18,8 +18,8 @@ from machinery import hf
 import lora
 from machinery import adapters
 import quant
-from machinery.hf import HFError
 from model import GPT, GPTConfig
+from configurator import UserError
 
 try:  # the references; the bad-input tests below run without them
     import peft
@@ -176,10 +176,10 @@ def one_line(excinfo, *words):
 def test_folder_without_config(tmp_path):
     hf.save_hf(random_gpt().state_dict(), ARGS, tmp_path)
     os.remove(tmp_path / "config.json")
-    with pytest.raises(HFError) as e:
+    with pytest.raises(UserError) as e:
         hf.load_pretrained(str(tmp_path))
     one_line(e, "config.json")
-    with pytest.raises(HFError) as e:
+    with pytest.raises(UserError) as e:
         hf.load_pretrained(str(tmp_path / "empty"))
     one_line(e, "no such file")
 
@@ -190,7 +190,7 @@ def test_folder_without_config(tmp_path):
     (dict(reorder_and_upcast_attn=True), "reorder"), (dict(n_head=5), "n_head")])
 def test_not_gpt2_config(tmp_path, change, word):
     cfg = {**hf.model_args_to_gpt2_config(ARGS).to_dict(), **change}
-    with pytest.raises(HFError) as e:
+    with pytest.raises(UserError) as e:
         hf.gpt2_config_to_model_args(cfg)
     one_line(e, word)
 
@@ -216,10 +216,10 @@ def test_bad_tensors(tmp_path, tensor, words):
     hf.save_hf(random_gpt().state_dict(), ARGS, tmp_path)
     name = "transformer.h.1.mlp.c_fc." + ("bias" if tensor is None else "weight")
     rewrite_weights(tmp_path, name, tensor)
-    with pytest.raises(HFError) as e:
+    with pytest.raises(UserError) as e:
         hf.load_pretrained(str(tmp_path))
     one_line(e, *words)
-    with pytest.raises(HFError) as e:
+    with pytest.raises(UserError) as e:
         hf.load_into(GPT(GPTConfig(**ARGS)), str(tmp_path))  # checked before any copy
     one_line(e, *words)
 
@@ -229,7 +229,7 @@ def test_load_into_quantized_model(tmp_path):
     model = GPT(GPTConfig(**ARGS))
     quant.quantize_base(model, "int8")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(HFError) as e:
+    with pytest.raises(UserError) as e:
         hf.load_into(model, str(tmp_path))
     one_line(e, "quantize_base")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -238,7 +238,7 @@ def test_load_into_quantized_model(tmp_path):
 def test_unreadable_weights(tmp_path):
     hf.save_hf(random_gpt().state_dict(), ARGS, tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(HFError) as e:
+    with pytest.raises(UserError) as e:
         hf.load_pretrained(str(tmp_path))
     one_line(e, "unreadable")
 
@@ -250,7 +250,7 @@ def test_untied_head(hf_model, tmp_path):
     assert "lm_head.weight" in sd  # the tied head, saved twice: accepted (test above)
     sd["lm_head.weight"] = sd["lm_head.weight"] + 1  # a head of its own: not GPT-2
     torch.save(sd, tmp_path / "pytorch_model.bin")
-    with pytest.raises(HFError) as e:
+    with pytest.raises(UserError) as e:
         hf.load_pretrained(str(tmp_path))
     one_line(e, "tied")
 
@@ -262,7 +262,7 @@ def test_save_bad_input_writes_nothing(tmp_path):
            ({**sd, "transformer.wpe.weight": torch.zeros(7, 32)}, "wpe"),
            ({**sd, "transformer.h.0.attn.c_attn.lora_A": torch.zeros(2, 32)}, "LoRA")]
     for state, word in bad:
-        with pytest.raises(HFError) as e:
+        with pytest.raises(UserError) as e:
             hf.save_hf(state, ARGS, tmp_path / "out")
         one_line(e, word)
     lora.apply_lora(model, rank=2, targets="mlp_fc")
@@ -277,7 +277,7 @@ def test_save_bad_input_writes_nothing(tmp_path):
 
 def test_without_transformers_one_line_nothing_written(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes the import fail
-    with pytest.raises(HFError) as e:
+    with pytest.raises(UserError) as e:
         hf.save_hf(random_gpt().state_dict(), ARGS, tmp_path / "out")
     one_line(e, "pip install transformers")
     assert not os.path.exists(tmp_path / "out")
@@ -286,7 +286,7 @@ def test_without_transformers_one_line_nothing_written(tmp_path, monkeypatch):
 def test_hub_name_without_huggingface_hub(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no ./gpt2 folder to find instead
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # makes the import fail
-    with pytest.raises(HFError) as e:
+    with pytest.raises(UserError) as e:
         hf.load_pretrained("gpt2")
     one_line(e, "not installed", "--local-dir gpt2", "./gpt2")
 
@@ -298,10 +298,10 @@ def test_hub_unreachable(tmp_path, monkeypatch):
     fake.snapshot_download = snapshot_download
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, "huggingface_hub", fake)
-    with pytest.raises(HFError) as e:
+    with pytest.raises(UserError) as e:
         hf.load_pretrained("openai-community/gpt2-xl")
     one_line(e, "no network", "--local-dir gpt2-xl")
-    with pytest.raises(HFError) as e:
+    with pytest.raises(UserError) as e:
         hf.load_pretrained("gpt3")
     one_line(e, "not one of")
 

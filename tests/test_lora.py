@@ -17,11 +17,11 @@ import lora
 from machinery import adapters
 import quant
 from conftest import make_zero, run_distributed, zero_step
-from machinery.adapters import AdapterError
 from model import GPT, GPTConfig
 from precision import GradScaler
 from data.loader import get_batch
 from zero import ZeRO
+from configurator import UserError
 
 CFG = dict(block_size=16, vocab_size=17, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
 B, T, ACCUM, STEPS, LR, CLIP, SEED = 2, 16, 2, 3, 1e-2, 0.03, 99
@@ -173,24 +173,24 @@ def test_adapter_save_load_swap(tmp_path):
     lora.remove_adapter(model)
     assert torch.equal(run(model), base_out)  # back to the base, bitwise
 
-    with pytest.raises(AdapterError, match="trained on base"):
+    with pytest.raises(UserError, match="trained on base"):
         adapters.load_adapter(make_model(seed=1), paths["A"])  # another base
-    with pytest.raises(AdapterError, match="settings"):
+    with pytest.raises(UserError, match="settings"):
         adapters.load_adapter(make_model(rank=8, targets="q,v,mlp_fc"), paths["A"])
     other = make_model(rank=4, targets="q,v,mlp_fc")
     other.lora_settings["rank"] = 8  # settings that claim a match, shapes that do not
-    with pytest.raises(AdapterError, match="settings"):
+    with pytest.raises(UserError, match="settings"):
         adapters.load_adapter(other, paths["A"])
     weights = os.path.join(paths["A"], "adapter_model.safetensors")
     with open(weights, "r+b") as f:  # a corrupt file: half of it
         f.truncate(os.path.getsize(weights) // 2)
-    with pytest.raises(AdapterError, match="not a readable adapter"):
+    with pytest.raises(UserError, match="not a readable adapter"):
         adapters.load_adapter(make_model(), paths["A"])
     from safetensors.torch import save_file
     old = str(tmp_path / "old" / "adapter.safetensors")  # the format before PEFT's
     os.makedirs(os.path.dirname(old))
     save_file(adapters.adapter_state(model.state_dict()), old, {"base_fingerprint": "0" * 16})
-    with pytest.raises(AdapterError, match="older nanoZeRO: `python export.py CKPT --to hf OUT`"):
+    with pytest.raises(UserError, match="older nanoZeRO: `python export.py CKPT --to hf OUT`"):
         adapters.load_adapter(make_model(), old)
 
 
@@ -239,7 +239,7 @@ def test_edited_or_lying_adapters_are_one_line(tmp_path):
         folder = str(tmp_path / f"case{len(os.listdir(tmp_path))}")
         shutil.copytree(good, folder)
         edited(folder, **kw)
-        with pytest.raises(AdapterError, match=message) as e:
+        with pytest.raises(UserError, match=message) as e:
             adapters.load_adapter(make_model(), folder)
         assert "\n" not in str(e.value)
     for change, message in ((off_block, "not block-diagonal"),
@@ -250,9 +250,9 @@ def test_edited_or_lying_adapters_are_one_line(tmp_path):
         t = {}
         edited(folder, tensors=lambda have: t.update(change(have)) or t)
         edited(folder, meta=crcs(t))
-        with pytest.raises(AdapterError, match=message):
+        with pytest.raises(UserError, match=message):
             adapters.load_adapter(make_model(), folder)
-    with pytest.raises(AdapterError, match="vocabulary char:x"):
+    with pytest.raises(UserError, match="vocabulary char:x"):
         adapters.load_adapter(make_model(), good, vocab="char:y")
     adapters.load_adapter(make_model(), good, vocab="char:x")  # the untouched one fits
 
@@ -269,7 +269,7 @@ def test_adapter_shape_mismatch(tmp_path):
     wide = GPT(GPTConfig(**{**CFG, "n_embd": 64}))
     lora.apply_lora(wide, rank=4, targets="q")
     adapters.save_adapter(path, wide, adapters.base_fingerprint(make_model()))
-    with pytest.raises(AdapterError, match="shapes differ"):
+    with pytest.raises(UserError, match="shapes differ"):
         adapters.load_adapter(make_model(), path)
 
 
@@ -357,7 +357,7 @@ def _lora_under_zero(rank, world_size):
             torch.testing.assert_close(t, ref[n], rtol=1e-5, atol=5e-6, msg=f"stage {stage} {n}")
         assert adapters.base_fingerprint(full) == adapters.base_fingerprint(lora_model(mode))  # base intact
         if stage == 3:
-            with pytest.raises(AdapterError, match="ZeRO-3"):
+            with pytest.raises(UserError, match="ZeRO-3"):
                 adapters.adapter_state(model.state_dict())
 
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import lora
-import memory
 from machinery import estimator
-from configurator import parse_args
+from configurator import UserError, parse_args
 from conftest import make_zero, run_distributed
 from machinery.activations import BYTES, activation_bytes
 from machinery.footprint import bucket_sizes, estimate, model_state_bytes, param_count, param_numels
@@ -194,9 +193,9 @@ def test_cli_estimate(capsys):
     assert e["state"]["total"] == pytest.approx(zero_formula(psi, 2, 8, torch.bfloat16)["total"],
                                                 rel=1e-6)
     assert main(flags)["state"]["grads"] == e["state"]["grads"] * 2  # fp32: 4 bytes, not 2
-    with pytest.raises(memory.ConfigError):
+    with pytest.raises(UserError):
         main(["--params", "1e9", "--gpu-mem", "80XB"])
-    with pytest.raises(memory.ConfigError):
+    with pytest.raises(UserError):
         main(["--n-layer", "2", "--n-embd", "10", "--n-head", "3"])  # 10 is not divisible by 3
 
 
@@ -254,7 +253,7 @@ def test_the_console_and_the_memory_check_call_memory_pys_estimate(flags, monkey
     state, equal to what the engine holds to the byte; check_memory refuses, in one line, the
     run whose half peak by that same estimate exceeds the free memory, and lets pass the one
     a byte under it."""
-    from configurator import ConfigError
+    from configurator import UserError
     from machinery import lifecycle, report
     from machinery.footprint import for_run
     from train import build
@@ -271,6 +270,6 @@ def test_the_console_and_the_memory_check_call_memory_pys_estimate(flags, monkey
     monkeypatch.setattr(lifecycle, "free_bytes", lambda device: half)
     lifecycle.check_memory(cfg, torch.device("cpu"))  # fits, just
     monkeypatch.setattr(lifecycle, "free_bytes", lambda device: half - 1)
-    with pytest.raises(ConfigError, match="--batch-size 3 x --block-size 16 on 2 x 32: this cpu "
+    with pytest.raises(UserError, match="--batch-size 3 x --block-size 16 on 2 x 32: this cpu "
                        "needs over"):
         lifecycle.check_memory(cfg, torch.device("cpu"))

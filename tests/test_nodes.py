@@ -70,7 +70,7 @@ def test_resume_from_a_checkpoint_one_node_lacks(tmp_path):
     assert not os.path.exists(os.path.join(base, "node0", "error.txt"))
     run_train(ARGS + ["--max-iters", "6", "--resume", base], 2, wrap=as_two_nodes)
     lines = [open(os.path.join(base, f"node{r}", "error.txt")).read() for r in (0, 1)]
-    assert lines == ["CheckpointError: rank 1 of 2: no checkpoint at out/ckpt-0000004; every "
+    assert lines == ["UserError: rank 1 of 2: no checkpoint at out/ckpt-0000004; every "
                      "rank reads the checkpoint it resumes from: copy it into each node's "
                      "--out-dir, or put --out-dir on a disk the nodes share"] * 2
     for r in (0, 1):

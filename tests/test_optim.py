@@ -9,12 +9,12 @@ import torch
 import checkpoint
 import optim
 from beyond.muon import MuonAdamW
-from checkpoint import CheckpointError
 from conftest import make_zero, run_distributed, zero_step
 from data.loader import get_batch
 from precision import GradScaler
 from test_zero import B, DATA, SEED, T, make_model
 from zero import zero_formula
+from configurator import UserError
 
 
 def lion_reference(p, g, m, lr, betas, wd):
@@ -112,7 +112,7 @@ def _resume_and_state(rank, world_size, tmp):
                     assert torch.equal(whole[k], resumed[k]), (name, stage, k)
             if stage == 3:  # another optimizer cannot carry this state on
                 _, other = engine()
-                with pytest.raises(CheckpointError, match="--optimizer"):
+                with pytest.raises(UserError, match="--optimizer"):
                     checkpoint.restore(path, other, model, scaler, {"optimizer": "adamw"}, {},
                                        None)
 
@@ -127,5 +127,5 @@ def test_a_checkpoint_from_before_the_generic_state_is_one_line(tmp_path):
     (tmp_path / "ckpt-0000002").mkdir()
     torch.save({"format": "consolidated", "iter": 2, "adam_step": 2, "world_size": 1},
                tmp_path / "ckpt-0000002" / "ckpt.pt")
-    with pytest.raises(CheckpointError, match="earlier nanoZeRO"):
+    with pytest.raises(UserError, match="earlier nanoZeRO"):
         checkpoint.Reader(str(tmp_path / "ckpt-0000002"))

@@ -27,7 +27,7 @@ from machinery import pretrained
 import sample
 from checkpoint import Reader, list_checkpoints
 from conftest import ROOT, TEXT, run_train
-from configurator import ConfigError
+from configurator import UserError
 from configurator import parse_args
 from model import GPT, GPTConfig
 from data.loader import get_batch
@@ -226,7 +226,7 @@ def test_bad_init_from(gpt2, data_root, tmp_path, case, words):
         argv = ["--data-root", data_root] + RUN + ["--dataset", "tiny"]
     else:
         argv += case.split()
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(UserError) as e:
         main(["--init-from", source, "--out-dir", str(tmp_path / "out")] + argv)
     one_line(e, *words)
     assert not os.path.exists(tmp_path / "out")
@@ -239,10 +239,10 @@ def test_unreachable_hub(gpt2, tmp_path, monkeypatch):
     fake.snapshot_download = snapshot_download
     monkeypatch.chdir(tmp_path)  # no ./gpt2-medium folder to find instead
     monkeypatch.setitem(sys.modules, "huggingface_hub", fake)
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(UserError) as e:
         main(["--init-from", "gpt2-medium", "--data-root", gpt2[1]] + RUN)
     one_line(e, "no network", "--init-from ./gpt2-medium")
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(UserError) as e:
         main(["--init-from", "no_such_folder", "--data-root", gpt2[1]] + RUN)
     one_line(e, "no such file or folder", "config.json")
 

@@ -21,11 +21,10 @@ import torch
 import checkpoint
 import memory
 import train
-from checkpoint import CheckpointError, Reader, list_checkpoints
-from configurator import ConfigError
+from checkpoint import Reader, list_checkpoints
+from configurator import UserError
 from machinery import adapters, ckpt_reader, hf, lifecycle, rundir
 from configurator import parse_args
-from machinery.rundir import RunDirError
 from model import GPT, GPTConfig
 from precision import GradScaler
 from safetensors import safe_open
@@ -58,7 +57,7 @@ def test_30_1_a_fresh_run_never_eats_an_earlier_run(data_root, tmp_path, capsys)
     out = tmp_path / "out"
     run(data_root, out, *SCHEDULE, "--max-iters", "4", "--save-interval", "2")
     before = snapshot(out)
-    with pytest.raises(RunDirError, match=r"holds an earlier run \(checkpoints up to \S+"
+    with pytest.raises(UserError, match=r"holds an earlier run \(checkpoints up to \S+"
                        r"ckpt-0000004 and metrics.jsonl\): pass --resume to continue it, "
                        "another --out-dir for a new run, or --archive"):
         run(data_root, out, *SCHEDULE, "--max-iters", "2")
@@ -104,7 +103,7 @@ def test_30_2_odd_files_in_a_run_folder_are_one_line(data_root, tmp_path):
         make(out / name)
         before = snapshot(out)
         t0 = time.time()
-        with pytest.raises(RunDirError, match=message):
+        with pytest.raises(UserError, match=message):
             run(data_root, out, *SCHEDULE, "--max-iters", "4", "--resume")
         assert time.time() - t0 < 5 and snapshot(out) == before
 
@@ -177,7 +176,7 @@ def flipped_files_refused(path, file, spans, read):
             for i in range(start, stop, step):
                 for mask in (0x01, 0xFF):
                     os.pwrite(fd, bytes([good[i] ^ mask]), i)  # this byte flipped, the others as saved
-                    with pytest.raises(CheckpointError):
+                    with pytest.raises(UserError):
                         read(path)
                 os.pwrite(fd, good[i:i + 1], i)
                 flipped += 1
@@ -225,7 +224,7 @@ def test_31_1_edited_fields_and_other_saves_files_are_refused(tmp_path):
              {"fp8": {**good["fp8"], "settings": {"scaling": "delayed", "history": 8}}}]
     for edit in edits:  # valid JSON, every field well formed: only the checksum can tell
         json.dump({**good, **edit}, open(file, "w"))
-        with pytest.raises(CheckpointError, match="header fails its checksum"):
+        with pytest.raises(UserError, match="header fails its checksum"):
             Reader(path)
     json.dump(good, open(file, "w"))
     assert torch.equal(Reader(path).tensor(0, "fp8/h.0"), history)  # the histories: file 0's
@@ -234,7 +233,7 @@ def test_31_1_edited_fields_and_other_saves_files_are_refused(tmp_path):
         tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
     for edit in ({"save_id": "0" * 32}, {"file": "1"}):  # a shard of another save, or place
         save_file(tensors, shard, metadata={**metadata, **edit})
-        with pytest.raises(CheckpointError, match="belongs to another save"):
+        with pytest.raises(UserError, match="belongs to another save"):
             Reader(path).weights()
     save_file(tensors, shard, metadata=metadata)
     Reader(path).weights()
@@ -272,7 +271,7 @@ def test_31_3_a_lock_names_its_run_and_a_dead_one_is_taken_over(data_root, tmp_p
     out = tmp_path / "out"
     run(data_root, out, *SCHEDULE, "--max-iters", "2")
     write_lock(out, pid=12345, host="elsewhere")  # another host: we cannot tell
-    with pytest.raises(RunDirError, match="names pid 12345 on host elsewhere, which this host "
+    with pytest.raises(UserError, match="names pid 12345 on host elsewhere, which this host "
                        r"cannot look up; if none does, delete \S+lock or pass --take-over-lock"):
         run(data_root, out, *SCHEDULE, "--max-iters", "3", "--resume")
     run(data_root, out, *SCHEDULE, "--max-iters", "3", "--resume", "--take-over-lock")
@@ -296,12 +295,12 @@ def test_31_3_the_lock_comes_before_any_work(data_root, tmp_path):
         out = tmp_path / "held"
         write_lock(out, pid=other.pid, host=socket.gethostname(),
                    start_time=rundir._start_time(other.pid))
-        with pytest.raises(RunDirError, match=f"in use by the run of pid {other.pid}"):
+        with pytest.raises(UserError, match=f"in use by the run of pid {other.pid}"):
             run(data_root, out, "--dataset", "nothing_here")  # refused before the data
     finally:
         other.kill()
         other.wait()
-    with pytest.raises(ConfigError):  # a refused run leaves no empty --out-dir behind
+    with pytest.raises(UserError):  # a refused run leaves no empty --out-dir behind
         run(data_root, tmp_path / "never", "--n-embd", "30", "--n-head", "4")
     assert not os.path.exists(tmp_path / "never")
     # two runs started together (forked from the tests' warm server): one trains, the other
@@ -325,7 +324,7 @@ def _cli(argv, err):
     sys.stdout = open(os.devnull, "w")
     torch.set_num_threads(1)
     lifecycle.run_main(lambda: train.main(argv), "train.py",
-                       (ConfigError, CheckpointError, RunDirError))
+                       UserError)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,7 +337,7 @@ def test_31_5_a_failed_adapter_write_is_one_line_and_the_checkpoint_stays(data_r
 
     monkeypatch.setattr(adapters, "save_adapter", full)
     out = tmp_path / "lora"
-    with pytest.raises(CheckpointError, match=r"could not write \S+adapter \(No space "
+    with pytest.raises(UserError, match=r"could not write \S+adapter \(No space "
                        r"left on device\); the run is saved: \S+ckpt-0000002 holds the adapter"):
         run(data_root, out, *SCHEDULE, "--lora", "--max-iters", "2")
     Reader(list_checkpoints(out)[-1]).weights()  # intact
@@ -370,18 +369,18 @@ def test_31_5_headers_that_pass_the_checksum_are_still_checked(data_root, tmp_pa
         for f, data in saved.items():  # each edit of the checkpoint as saved
             open(os.path.join(path, f), "wb").write(data)
         rewrite(path, tensors, **edit)  # sealed anew: only the checks behind the checksum tell
-        with pytest.raises(CheckpointError, match=message):
+        with pytest.raises(UserError, match=message):
             run(data_root, out, *fp8, "--max-iters", "3", "--resume")
 
 
 def test_31_5_sizes_are_checked_before_any_work(data_root, tmp_path, monkeypatch, capsys):
-    with pytest.raises(ConfigError, match="--bucket-mb 1e\\+308: must be in"):
+    with pytest.raises(UserError, match="--bucket-mb 1e\\+308: must be in"):
         parse_args(["--bucket-mb", "1e308"])
-    with pytest.raises(ConfigError, match="--min-loss-scale 1e-300: must be in"):
+    with pytest.raises(UserError, match="--min-loss-scale 1e-300: must be in"):
         parse_args(["--min-loss-scale", "1e-300"])
     # a batch the memory cannot hold: one line before anything exists (the free memory faked)
     monkeypatch.setattr(lifecycle, "free_bytes", lambda device: 10**6)
-    with pytest.raises(ConfigError, match="--batch-size 64 .* is free: lower --batch-size"):
+    with pytest.raises(UserError, match="--batch-size 64 .* is free: lower --batch-size"):
         run(data_root, tmp_path / "big", "--batch-size", "64")
     assert not os.path.exists(tmp_path / "big")
     monkeypatch.undo()
@@ -394,7 +393,7 @@ def test_31_5_sizes_are_checked_before_any_work(data_root, tmp_path, monkeypatch
     monkeypatch.setattr(train, "estimate_loss", no_memory)
     argv = TINY + ["--data-root", data_root, "--out-dir", str(tmp_path / "oom")]
     with pytest.raises(SystemExit) as e:
-        lifecycle.run_main(lambda: train.main(argv), "train.py", (ConfigError,))
+        lifecycle.run_main(lambda: train.main(argv), "train.py", (UserError,))
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "out of memory" in err \
         and "lower --batch-size" in err
@@ -412,7 +411,7 @@ def test_31_5_sizes_are_checked_before_any_work(data_root, tmp_path, monkeypatch
     (["--n-layer", "100000"], "--n-layer is 100000"), (["--n-embd", "1000000"], "n-embd")])
 def test_31_6_memory_py_numbers_are_bounded(argv, message):
     t0 = time.time()
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(UserError, match=message):
         memory.main(argv)
     assert time.time() - t0 < 2
 
@@ -442,13 +441,13 @@ def test_31_7_safetensors_we_write_carry_a_crc32_per_tensor(tmp_path):
     fresh = lambda: (torch.manual_seed(0), GPT(GPTConfig(**args)))[1]
     adapters.load_adapter(fresh(), path)
     flip_tensor_byte(os.path.join(path, "adapter_model.safetensors"))
-    with pytest.raises(adapters.AdapterError, match="fail their checksum"):
+    with pytest.raises(UserError, match="fail their checksum"):
         adapters.load_adapter(fresh(), path)
     folder = str(tmp_path / "hf")  # an export's model.safetensors
     hf.save_hf(fresh().state_dict(), {**args, "dropout": 0.0}, folder)
     hf.load_pretrained(folder)
     flip_tensor_byte(os.path.join(folder, "model.safetensors"))
-    with pytest.raises(hf.HFError, match="fails its checksum"):
+    with pytest.raises(UserError, match="fails its checksum"):
         hf.load_pretrained(folder)
     # a file from elsewhere has no checksums: read as it is
     with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as f:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from checkpoint import Reader, list_checkpoints
 from conftest import ROOT, free_port, run_train
-from configurator import ConfigError
+from configurator import UserError
 from configurator import parse_args
 from data.loader import get_batch
 from train import main
@@ -46,20 +46,20 @@ def test_rank_slices_make_the_global_batch():
     (["--config", "no_such_preset"], "no preset"),
 ])
 def test_bad_flags_are_config_errors(argv, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(UserError, match=message):
         parse_args(argv)
 
 
 def test_bad_runs_are_config_errors(data_root, tmp_path):
     base = TINY + ["--data-root", data_root, "--out-dir", str(tmp_path), "--max-iters", "1"]
-    with pytest.raises(ConfigError, match="not divisible by n_head"):
+    with pytest.raises(UserError, match="not divisible by n_head"):
         main(base + ["--dataset", "tiny", "--n-embd", "30", "--n-head", "4"])
-    with pytest.raises(ConfigError, match="data/prepare.py"):
+    with pytest.raises(UserError, match="data/prepare.py"):
         main(base + ["--dataset", "nothing_here"])
-    with pytest.raises(ConfigError, match="too few tokens"):
+    with pytest.raises(UserError, match="too few tokens"):
         main(base + ["--dataset", "tiny", "--block-size", "100000"])
     if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match="--device cpu"):
+        with pytest.raises(UserError, match="--device cpu"):
             main(base + ["--dataset", "tiny", "--device", "cuda"])
 
 
@@ -68,13 +68,13 @@ def test_preset_files_parse_and_reject_unknown_keys(tmp_path):
         parse_args(["--config", os.path.join(ROOT, "config", name)])
     bad = tmp_path / "bad.py"
     bad.write_text("n_layer = 2\nlearning_rat = 1e-3\n")
-    with pytest.raises(ConfigError, match="unknown setting 'learning_rat'"):
+    with pytest.raises(UserError, match="unknown setting 'learning_rat'"):
         parse_args(["--config", str(bad)])
     bad.write_text("n_layer = '2'\n")
-    with pytest.raises(ConfigError, match="must be int"):
+    with pytest.raises(UserError, match="must be int"):
         parse_args(["--config", str(bad)])
     bad.write_text("import os\n")
-    with pytest.raises(ConfigError, match="only `name = value`"):
+    with pytest.raises(UserError, match="only `name = value`"):
         parse_args(["--config", str(bad)])
     # explicit flags override the preset
     cfg = parse_args(["--config", os.path.join(ROOT, "config", "shakespeare_char.py"), "--n-layer", "3"])
@@ -294,6 +294,6 @@ def test_batch_tokens_sets_the_accumulation_per_world_size():
     from configurator import grad_accum_for
     cfg = parse_args(["--batch-size", "4", "--block-size", "32", "--batch-tokens", "512"])
     assert [grad_accum_for(cfg, n) for n in (1, 2, 4)] == [4, 2, 1]  # the same 512 tokens a step
-    with pytest.raises(ConfigError, match="not a multiple of .* = 384"):
+    with pytest.raises(UserError, match="not a multiple of .* = 384"):
         grad_accum_for(cfg, 3)
     assert grad_accum_for(parse_args(["--grad-accum", "3"]), 8) == 3  # off: --grad-accum as given

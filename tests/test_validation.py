@@ -26,15 +26,13 @@ from machinery import pretrained
 from machinery import rundir
 import sample
 from machinery import ckpt_reader, validate
-from checkpoint import CheckpointError, Reader, list_checkpoints
-from configurator import ConfigError
+from checkpoint import Reader, list_checkpoints
+from configurator import UserError
 from configurator import parse_args
 from conftest import ROOT, TEXT, free_port, make_zero
 from data.prepare import prepare
-from machinery.adapters import AdapterError
 from model import GPT, GPTConfig
 from precision import GradScaler
-from machinery.rundir import RunDirError
 from train import main
 
 TINY = ["--device", "cpu", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size",
@@ -76,9 +74,9 @@ def test_1_another_vocabulary_of_the_same_size_is_refused(data_root, runs, tmp_p
     (other / "input.txt").write_text(text.replace("z", "~"))  # 'z' -> '~': as many characters
     prepare(input_path=str(other / "input.txt"), name="tiny", out_root=str(other))
     out = copy_run(runs, "cons", tmp_path)
-    with pytest.raises(CheckpointError, match="another vocabulary"):
+    with pytest.raises(UserError, match="another vocabulary"):
         resume(str(other), out)
-    with pytest.raises(CheckpointError, match="another vocabulary"):
+    with pytest.raises(UserError, match="another vocabulary"):
         main(TINY + ["--data-root", str(other), "--init-from", str(list_checkpoints(out)[-1]),
                      "--out-dir", str(tmp_path / "new")])
     # --input into the base's vocabulary keeps working: its text is encoded in the base's ids
@@ -92,7 +90,7 @@ def test_1_another_vocabulary_of_the_same_size_is_refused(data_root, runs, tmp_p
     meta = Reader(list_checkpoints(runs / "shard")[-1]).header["meta"]
     assert adapters.read_adapter(adapter)[1]["vocab"] == validate.vocab_id(meta)
     model = GPT(GPTConfig(**Reader(list_checkpoints(runs / "cons")[-1]).header["model_args"]))
-    with pytest.raises(AdapterError, match="vocabulary"):
+    with pytest.raises(UserError, match="vocabulary"):
         adapters.load_adapter(model, adapter, vocab="char:0123456789abcdef")
 
 
@@ -134,7 +132,7 @@ def test_2_flipped_tensor_bytes_fail_their_checksum(data_root, runs, tmp_path):
         with safe_open(path, framework="pt") as f:
             t = f.get_tensor(f"{name}/{key}")
         flip_bytes_of(path, t)
-        with pytest.raises(CheckpointError, match=r"fails its checksum.*resume from .*ckpt-0000001"):
+        with pytest.raises(UserError, match=r"fails its checksum.*resume from .*ckpt-0000001"):
             resume(data_root, out)
 
 
@@ -146,7 +144,7 @@ def test_3_a_tensor_shorter_than_its_shape_is_refused(data_root, runs, tmp_path)
         with safe_open(os.path.join(path, "shard-00000.safetensors"), framework="pt") as f:
             short = f.get_tensor(f"{name}/{key}")[:100].clone()
         rewrite(path, {f"{name}/{key}": short})
-        with pytest.raises(CheckpointError, match=f"holds {key} of shape .100., not .4096."):
+        with pytest.raises(UserError, match=f"holds {key} of shape .100., not .4096."):
             resume(data_root, out)
 
 
@@ -165,7 +163,7 @@ def test_4_one_writer_per_out_dir(data_root, runs, tmp_path, capsys):
         out = copy_run(runs, "cons", tmp_path)
         before = sorted(os.listdir(out))
         write_lock(out, other.pid)  # a live run holds the folder
-        with pytest.raises(RunDirError, match=f"in use by the run of pid {other.pid}"):
+        with pytest.raises(UserError, match=f"in use by the run of pid {other.pid}"):
             resume(data_root, out)
         assert sorted(os.listdir(out)) == sorted(before + ["lock"])  # nothing written
         # its save in progress is not "stale"; a dead run's is cleared
@@ -232,11 +230,11 @@ def test_6_hf_configs_are_checked_before_the_model_is_built(tmp_path):
              ({"vocab_size": 50257.0}, "vocab_size is 50257.0")]
     for edit, message in edits:
         json.dump({**good, **edit}, open(os.path.join(folder, "config.json"), "w"))
-        quick(lambda: hf.read_config(folder), hf.HFError, message)
+        quick(lambda: hf.read_config(folder), UserError, message)
     # a config that does not fit its weights: refused from the headers, before any model exists
     json.dump({**good, "n_layer": 3}, open(os.path.join(folder, "config.json"), "w"))
     cfg = parse_args(["--init-from", folder, "--device", "cpu"])
-    quick(lambda: pretrained.open_init(cfg), ConfigError, "h.2.ln_1.weight is missing")
+    quick(lambda: pretrained.open_init(cfg), UserError, "h.2.ln_1.weight is missing")
 
 
 def adapter_file(tmp_path, settings=None, vocab=None):
@@ -263,7 +261,7 @@ def test_7_adapter_settings_are_checked_before_apply_lora(tmp_path):
         path = adapter_file(tmp_path, {**ok, **edit})
         torch.manual_seed(0)
         fresh = GPT(GPTConfig(**HF_ARGS))  # the adapter's own base
-        quick(lambda: adapters.load_adapter(fresh, path), AdapterError, message)
+        quick(lambda: adapters.load_adapter(fresh, path), UserError, message)
     torch.manual_seed(0)
     base = GPT(GPTConfig(**HF_ARGS))
     adapters.load_adapter(base, adapter_file(tmp_path, ok, vocab="char:x"), vocab="char:x")  # fits
@@ -285,7 +283,7 @@ def test_8_edited_checkpoint_headers_are_one_line(runs, tmp_path):
              ({"shapes": {**good["shapes"], "../../..": [4]}}, "'../../..'")]
     for edit, message in edits:  # each sealed with its checksum: the checks behind it
         rewrite(path, **{**good, **edit})
-        quick(lambda: Reader(path), CheckpointError, message)
+        quick(lambda: Reader(path), UserError, message)
 
 
 def test_9_exports_check_model_args_and_write_only_the_models_names(runs, tmp_path, capsys):
@@ -328,14 +326,14 @@ BAD_FLAGS = [("--learning-rate", "-1"), ("--learning-rate", "nan"), ("--learning
 
 @pytest.mark.parametrize("flag, value", BAD_FLAGS)
 def test_10_11_flags_out_of_range_are_one_line(flag, value):
-    with pytest.raises(ConfigError, match=f"^{flag} "):
+    with pytest.raises(UserError, match=f"^{flag} "):
         parse_args(["--lora", flag, value])
 
 
 def test_11_a_fixed_scale_that_always_overflows_stops_and_nan_is_never_saved(data_root,
                                                                               tmp_path):
     out = tmp_path / "fp16"
-    with pytest.raises(ConfigError, match="overflowed at the fixed loss scale 1e\\+09"):
+    with pytest.raises(UserError, match="overflowed at the fixed loss scale 1e\\+09"):
         main(TINY + ["--data-root", data_root, "--out-dir", str(out), "--fp16", "--loss-scale",
                      "1e9", "--max-iters", "20", "--save-interval", "15"])
     assert list_checkpoints(out) == []
@@ -345,7 +343,7 @@ def test_11_a_fixed_scale_that_always_overflows_stops_and_nan_is_never_saved(dat
     with torch.no_grad():
         zero.segments[0].master[3] = float("inf")
     header = {"config": {}, "model_args": HF_ARGS, "meta": {"vocab_size": 50}}
-    with pytest.raises(CheckpointError, match="master weights hold inf/NaN"):
+    with pytest.raises(UserError, match="master weights hold inf/NaN"):
         checkpoint.save(str(tmp_path / "nan"), 1, zero, model, GradScaler(), header,
                         "consolidated", 1)
     assert list_checkpoints(tmp_path / "nan") == []

@@ -26,6 +26,7 @@ from test_checkpoint import TINY, assert_same_weights, final_weights, losses
 from test_zero import ACCUM, B, CFG, DATA, LR, SEED, T, gathered_copy, make_model
 from zero3 import ZeRO3
 from beyond.zeropp import ZeROpp, expected_by_link, link_theory
+from configurator import UserError
 
 ALL = ("qwz", "hpz", "qgz")
 WIDE = dict(CFG, n_embd=64, bias=False)  # blocks of ~49k: quantization blocks pad little
@@ -347,13 +348,13 @@ def test_checkpoints_resume_across_zero3_and_zeropp(data_root, tmp_path):
     (["--zero", "3", "--zeropp", "qwz,fast"], "'fast' is not one of"),
     (["--zero", "3", "--qgz-bits", "2"], "--qgz-bits 2: use 4, 8")])
 def test_bad_zeropp_flags_are_one_line(argv, message):
-    with pytest.raises(configurator.ConfigError, match=message):
+    with pytest.raises(UserError, match=message):
         flags.parse_args(argv)
 
 
 def test_a_node_size_that_does_not_divide_the_world_is_one_line():
     cfg = flags.parse_args(["--zero", "3", "--zeropp", "hpz", "--node-size", "3"])
-    with pytest.raises(configurator.ConfigError, match="does not divide the world size 2"):
+    with pytest.raises(UserError, match="does not divide the world size 2"):
         build(cfg, 65, torch.device("cpu"), torch.float32, 0, 2)
 
 
