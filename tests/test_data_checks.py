@@ -105,7 +105,7 @@ BROKEN = {  # case: (file, how it is broken, what the line says)
 
 
 @pytest.mark.parametrize("case", BROKEN)
-def test_2_a_broken_data_folder_is_one_line_naming_the_file_and_the_command(data_root, tmp_path,
+def test_a_broken_data_folder_is_one_line_naming_the_file_and_the_command(data_root, tmp_path,
                                                                             case):
     name, breaks, says = BROKEN[case]
     root = own_data(data_root, tmp_path)
@@ -117,7 +117,7 @@ def test_2_a_broken_data_folder_is_one_line_naming_the_file_and_the_command(data
     assert not list_checkpoints(out) and not (out / "metrics.jsonl").exists()
 
 
-def test_2_a_broken_folder_refuses_a_resume_and_changes_nothing_in_the_run(data_root, tmp_path):
+def test_a_broken_folder_refuses_a_resume_and_changes_nothing_in_the_run(data_root, tmp_path):
     root, out = own_data(data_root, tmp_path), tmp_path / "out"
     main(TINY + ["--data-root", str(root), "--out-dir", str(out), "--max-iters", "2"])
     before = snapshot(out)
@@ -127,7 +127,7 @@ def test_2_a_broken_folder_refuses_a_resume_and_changes_nothing_in_the_run(data_
     assert snapshot(out) == before
 
 
-def test_2_a_built_in_data_set_names_its_own_command(tmp_path):
+def test_a_built_in_data_set_names_its_own_command(tmp_path):
     root = tmp_path / "data"
     (root / "shakespeare_char").mkdir(parents=True)
     (root / "shakespeare_char" / "val.bin").write_bytes(b"\0\0" * 10)  # prepared, it seems
@@ -135,7 +135,7 @@ def test_2_a_built_in_data_set_names_its_own_command(tmp_path):
             "meta.json", f"`python data/prepare.py --dataset shakespeare_char --out-root {root}`")
 
 
-def test_2_the_line_is_printed_as_every_user_error_is(data_root, tmp_path):
+def test_the_line_is_printed_as_every_user_error_is(data_root, tmp_path):
     # before: UserError as a traceback, the right words printed as a crash
     root = own_data(data_root, tmp_path)
     os.remove(root / "tiny" / "meta.json")
@@ -163,7 +163,7 @@ def _each_rank_its_data(main, argv):
             dist.destroy_process_group()
 
 
-def test_2_and_1_every_rank_refuses_what_one_rank_reads(data_root, tmp_path):
+def test_every_rank_refuses_what_one_rank_reads(data_root, tmp_path):
     """Rank 1 alone has broken, then changed, data: every rank stops with rank 1's line (none
     waits in a collective)."""
     for r in (0, 1):
@@ -192,7 +192,7 @@ def test_2_and_1_every_rank_refuses_what_one_rank_reads(data_root, tmp_path):
 # ----------------------------------------------------------------------------------------------
 # 1. a resume on changed data: one line, or --accept-new-data and a row in metrics.jsonl
 
-def test_1_a_resume_on_data_prepared_again_is_one_line_or_accepted_and_logged(data_root,
+def test_a_resume_on_data_prepared_again_is_one_line_or_accepted_and_logged(data_root,
                                                                                 tmp_path):
     root, out = own_data(data_root, tmp_path), tmp_path / "out"
     args = TINY + ["--data-root", str(root), "--out-dir", str(out)]
@@ -217,7 +217,7 @@ def test_1_a_resume_on_data_prepared_again_is_one_line_or_accepted_and_logged(da
     assert len([r for r in rows(out) if r.get("event") == "new_data"]) == 1
 
 
-def test_1_a_resume_on_a_shorter_consistent_train_bin_is_one_line(data_root, tmp_path):
+def test_a_resume_on_a_shorter_consistent_train_bin_is_one_line(data_root, tmp_path):
     # train.bin cut to half its tokens, meta.json's count mended to match: only the
     # checkpoint's identity can tell
     root, out = own_data(data_root, tmp_path), tmp_path / "out"
@@ -228,7 +228,7 @@ def test_1_a_resume_on_a_shorter_consistent_train_bin_is_one_line(data_root, tmp
     refused(args + ["--max-iters", "4", "--resume"], "train.bin 72,000 -> 36,000 bytes")
 
 
-def test_1_an_edited_input_file_is_noticed_on_resume(data_root, tmp_path):
+def test_an_edited_input_file_is_noticed_on_resume(data_root, tmp_path):
     # train.py prepares --input every run: the edited text becomes another train.bin
     notes, out = tmp_path / "notes.txt", tmp_path / "out"
     notes.write_text((TEXT * 30)[:12000])
@@ -240,7 +240,7 @@ def test_1_an_edited_input_file_is_noticed_on_resume(data_root, tmp_path):
     refused(args + ["--max-iters", "4", "--resume"], "the data changed", "train.bin")
 
 
-def test_1_a_checkpoint_from_before_data_identities_resumes_as_before(data_root, tmp_path,
+def test_a_checkpoint_from_before_data_identities_resumes_as_before(data_root, tmp_path,
                                                                      monkeypatch):
     import checkpoint
     save = checkpoint.save
@@ -260,7 +260,7 @@ def test_1_a_checkpoint_from_before_data_identities_resumes_as_before(data_root,
     assert not [r for r in rows(out) if r.get("event") == "new_data"]
 
 
-def test_1_the_saved_identity_is_read_as_data_from_disk():
+def test_the_saved_identity_is_read_as_data_from_disk():
     from data.loader import changed_data
     now = {"vocab": "char:ab", "train.bin": {"bytes": 8, "sha256": "f" * 64},
            "val.bin": {"bytes": 4, "sha256": "e" * 64}}

@@ -343,6 +343,18 @@ def test_every_module_function_the_text_names_exists():
     assert not bad, "\n".join(sorted(set(bad)))
 
 
+def test_every_test_the_docs_name_exists():
+    """`test_file.py::test_name` in the README and docs/ (the fault tables): a test that runs."""
+    bad = []
+    for f in ["README.md", "BENCHMARKS.md"] + tracked("docs/*.md"):
+        for m in re.finditer(r"(test_\w+\.py)::(test_\w+)", read(f)):
+            path = os.path.join(ROOT, "tests", m.group(1))
+            if not os.path.isfile(path) or not re.search(rf"^def {m.group(2)}\(", read(
+                    os.path.join("tests", m.group(1))), re.M):
+                bad.append(f"{f}: {m.group(0)}")
+    assert not bad, "\n".join(bad)
+
+
 def test_zero_2_end_to_end_reads_in_five_files():
     """The README's reading count: ZeRO-2 end to end is train.py's step, zero.py and what it
     imports of the lecture (collectives.py, optim.py), and precision.py's scaler."""

@@ -53,7 +53,7 @@ def snapshot(folder):
 # ----------------------------------------------------------------------------------------------
 # 30.1 a folder holds one run's history
 
-def test_30_1_a_fresh_run_never_eats_an_earlier_run(data_root, tmp_path, capsys):
+def test_a_fresh_run_never_eats_an_earlier_run(data_root, tmp_path, capsys):
     out = tmp_path / "out"
     run(data_root, out, *SCHEDULE, "--max-iters", "4", "--save-interval", "2")
     before = snapshot(out)
@@ -71,7 +71,7 @@ def test_30_1_a_fresh_run_never_eats_an_earlier_run(data_root, tmp_path, capsys)
     assert os.path.basename(list_checkpoints(out / "archive-1")[-1]) == "ckpt-0000005"
 
 
-def test_30_1_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
+def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
     for it in (2, 4, 10, 20):  # 10 and 20: another history's, numbered past the new save
         os.makedirs(tmp_path / f"ckpt-{it:07d}")
     final = str(tmp_path / "ckpt-0000006")
@@ -85,7 +85,7 @@ def test_30_1_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # 30.2 every file read back from the folder checked by type
 
-def test_30_2_odd_files_in_a_run_folder_are_one_line(data_root, tmp_path):
+def test_odd_files_in_a_run_folder_are_one_line(data_root, tmp_path):
     first = tmp_path / "first"
     run(data_root, first, *SCHEDULE, "--max-iters", "2")
     with open(first / "metrics.jsonl", "a") as f:  # rows an editor or another program left
@@ -115,7 +115,7 @@ def test_30_2_odd_files_in_a_run_folder_are_one_line(data_root, tmp_path):
         refused("lock", write(text), r"lock holds no run's identity.*--take-over-lock")
 
 
-def test_30_fuzz_a_seeded_slice():
+def test_fuzz_a_seeded_slice():
     """The first cases of bench/fuzz.py's seed 30, each in a forked process: train.py,
     sample.py, memory.py and export.py with random flags and odd files in the run folder each
     exit 0 or refuse in one line, leave no half-written folder and change no file."""
@@ -132,7 +132,7 @@ def val_losses(out):
     return [r["val_loss"] for r in rundir.read_metrics(out / "metrics.jsonl") if "val_loss" in r]
 
 
-def test_30_4_init_from_a_qlora_checkpoint(data_root, tmp_path, capsys):
+def test_init_from_a_qlora_checkpoint(data_root, tmp_path, capsys):
     qlora = ["--lora", "--quantize", "nf4", "--double-quant", "--lora-targets", "q,v,mlp_fc"]
     run(data_root, tmp_path / "q", *SCHEDULE, *qlora, "--max-iters", "3",
         "--learning-rate", "3e-2")
@@ -194,7 +194,7 @@ def read_all(path):
             reader.tensor(i, key)
 
 
-def test_31_1_every_byte_of_a_header_is_checked_before_any_is_read(tmp_path, monkeypatch):
+def test_every_byte_of_a_header_is_checked_before_any_is_read(tmp_path, monkeypatch):
     opened, safe_open = [], ckpt_reader.safe_open
     monkeypatch.setattr(ckpt_reader, "safe_open", lambda p, **k: opened.append(p) or safe_open(p, **k))
     path = tiny_checkpoint(tmp_path / "shard", "sharded")
@@ -210,7 +210,7 @@ def test_31_1_every_byte_of_a_header_is_checked_before_any_is_read(tmp_path, mon
     Reader(path).weights()
 
 
-def test_31_1_edited_fields_and_other_saves_files_are_refused(tmp_path):
+def test_edited_fields_and_other_saves_files_are_refused(tmp_path):
     import json
     from safetensors.torch import save_file
     history = torch.rand(3, 17)
@@ -242,7 +242,7 @@ def test_31_1_edited_fields_and_other_saves_files_are_refused(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # 31.2 the schedule kept on resume
 
-def test_31_2_a_resume_keeps_the_saved_schedule(data_root, tmp_path, capsys):
+def test_a_resume_keeps_the_saved_schedule(data_root, tmp_path, capsys):
     out = tmp_path / "out"
     run(data_root, out, "--max-iters", "6")  # --lr-decay-iters 6, --warmup-iters 0: derived
     capsys.readouterr()
@@ -266,7 +266,7 @@ def write_lock(out, **owner):
         json.dump(owner, f)
 
 
-def test_31_3_a_lock_names_its_run_and_a_dead_one_is_taken_over(data_root, tmp_path, capsys,
+def test_a_lock_names_its_run_and_a_dead_one_is_taken_over(data_root, tmp_path, capsys,
                                                                  monkeypatch):
     out = tmp_path / "out"
     run(data_root, out, *SCHEDULE, "--max-iters", "2")
@@ -289,7 +289,7 @@ def test_31_3_a_lock_names_its_run_and_a_dead_one_is_taken_over(data_root, tmp_p
     assert not os.path.exists(out / "lock")
 
 
-def test_31_3_the_lock_comes_before_any_work(data_root, tmp_path):
+def test_the_lock_comes_before_any_work(data_root, tmp_path):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         out = tmp_path / "held"
@@ -330,7 +330,7 @@ def _cli(argv, err):
 # ----------------------------------------------------------------------------------------------
 # 31.5 the tracebacks left: a failed adapter write, edited headers, sizes, out of memory
 
-def test_31_5_a_failed_adapter_write_is_one_line_and_the_checkpoint_stays(data_root, tmp_path,
+def test_a_failed_adapter_write_is_one_line_and_the_checkpoint_stays(data_root, tmp_path,
                                                                           monkeypatch):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -343,7 +343,7 @@ def test_31_5_a_failed_adapter_write_is_one_line_and_the_checkpoint_stays(data_r
     Reader(list_checkpoints(out)[-1]).weights()  # intact
 
 
-def test_31_5_headers_that_pass_the_checksum_are_still_checked(data_root, tmp_path):
+def test_headers_that_pass_the_checksum_are_still_checked(data_root, tmp_path):
     from test_validation import rewrite
     out = tmp_path / "fp8"
     fp8 = ["--bf16", "--fp8", "--fp8-scaling", "delayed", *SCHEDULE]
@@ -373,7 +373,7 @@ def test_31_5_headers_that_pass_the_checksum_are_still_checked(data_root, tmp_pa
             run(data_root, out, *fp8, "--max-iters", "3", "--resume")
 
 
-def test_31_5_sizes_are_checked_before_any_work(data_root, tmp_path, monkeypatch, capsys):
+def test_sizes_are_checked_before_any_work(data_root, tmp_path, monkeypatch, capsys):
     with pytest.raises(UserError, match="--bucket-mb 1e\\+308: must be in"):
         parse_args(["--bucket-mb", "1e308"])
     with pytest.raises(UserError, match="--min-loss-scale 1e-300: must be in"):
@@ -409,7 +409,7 @@ def test_31_5_sizes_are_checked_before_any_work(data_root, tmp_path, monkeypatch
     (["--params", "1e15", "--advise"], "--params 1e\\+15"),
     (["--world-size", "0"], "--world-size 0"), (["--vocab", "0"], "--vocab 0"),
     (["--n-layer", "100000"], "--n-layer is 100000"), (["--n-embd", "1000000"], "n-embd")])
-def test_31_6_memory_py_numbers_are_bounded(argv, message):
+def test_memory_py_numbers_are_bounded(argv, message):
     t0 = time.time()
     with pytest.raises(UserError, match=message):
         memory.main(argv)
@@ -425,7 +425,7 @@ def flip_tensor_byte(path):
     open(path, "wb").write(data)
 
 
-def test_31_7_safetensors_we_write_carry_a_crc32_per_tensor(tmp_path):
+def test_safetensors_we_write_carry_a_crc32_per_tensor(tmp_path):
     import lora
     from safetensors.torch import save_file
     args = dict(block_size=16, vocab_size=20, n_layer=1, n_head=2, n_embd=16, bias=True)

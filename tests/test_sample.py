@@ -147,7 +147,7 @@ def test_pickle_with_code_is_refused(ckpt, tmp_path, capsys):
     assert marker.exists()
 
 
-def test_30_3_31_5_numbers_and_sizes_are_checked_before_any_work(ckpt, tmp_path, capsys):
+def test_numbers_and_sizes_are_checked_before_any_work(ckpt, tmp_path, capsys):
     """Issues 30 and 31: samples x tokens against the free memory, before any is allocated; a
     temperature whose logits / T overflow, a seed no generator takes, NaN weights: one line."""
     cases = [(["--num-samples", "100000000"], "lower --num-samples or --max-new-tokens"),

@@ -66,7 +66,7 @@ def resume(data_root, out, *extra):
 # ----------------------------------------------------------------------------------------------
 # 1. the vocabulary itself, not its size
 
-def test_1_another_vocabulary_of_the_same_size_is_refused(data_root, runs, tmp_path):
+def test_another_vocabulary_of_the_same_size_is_refused(data_root, runs, tmp_path):
     other = tmp_path / "data"
     (other).mkdir()
     text = (TEXT * 100)[:40000]
@@ -124,7 +124,7 @@ def rewrite(path, tensors=None, **fields):
     ckpt_reader.write_header(meta, h)
 
 
-def test_2_flipped_tensor_bytes_fail_their_checksum(data_root, runs, tmp_path):
+def test_flipped_tensor_bytes_fail_their_checksum(data_root, runs, tmp_path):
     name = "transformer.wte.weight"
     for run, key in (("cons", "master"), ("shard", "value")):
         out = copy_run(runs, run, tmp_path)
@@ -136,7 +136,7 @@ def test_2_flipped_tensor_bytes_fail_their_checksum(data_root, runs, tmp_path):
             resume(data_root, out)
 
 
-def test_3_a_tensor_shorter_than_its_shape_is_refused(data_root, runs, tmp_path):
+def test_a_tensor_shorter_than_its_shape_is_refused(data_root, runs, tmp_path):
     name = "transformer.h.0.mlp.c_fc.weight"  # 4,096 elements
     for run, key in (("cons", "master"), ("shard", "value")):  # a whole tensor; a shard's piece
         out = copy_run(runs, run, tmp_path)
@@ -157,7 +157,7 @@ def write_lock(out, pid):
         json.dump({"pid": pid, "host": socket.gethostname()}, f)
 
 
-def test_4_one_writer_per_out_dir(data_root, runs, tmp_path, capsys):
+def test_one_writer_per_out_dir(data_root, runs, tmp_path, capsys):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         out = copy_run(runs, "cons", tmp_path)
@@ -183,7 +183,7 @@ def test_4_one_writer_per_out_dir(data_root, runs, tmp_path, capsys):
     assert not os.path.exists(out / "lock") and max(map(str, list_checkpoints(out))).endswith("3")
 
 
-def test_5_metrics_jsonl_survives_a_cut_line_and_a_full_disk(data_root, runs, tmp_path, capsys):
+def test_metrics_jsonl_survives_a_cut_line_and_a_full_disk(data_root, runs, tmp_path, capsys):
     out = copy_run(runs, "cons", tmp_path)
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"iter": 2, "loss": 3.8')  # a write cut short by a crash
@@ -219,7 +219,7 @@ HF_ARGS = dict(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=32, dro
                bias=True)
 
 
-def test_6_hf_configs_are_checked_before_the_model_is_built(tmp_path):
+def test_hf_configs_are_checked_before_the_model_is_built(tmp_path):
     folder = str(tmp_path / "hf")
     hf.save_hf(GPT(GPTConfig(**HF_ARGS)).state_dict(), HF_ARGS, folder)
     good = json.load(open(os.path.join(folder, "config.json")))
@@ -252,7 +252,7 @@ def adapter_file(tmp_path, settings=None, vocab=None):
     return path
 
 
-def test_7_adapter_settings_are_checked_before_apply_lora(tmp_path):
+def test_adapter_settings_are_checked_before_apply_lora(tmp_path):
     ok = {"rank": 4, "alpha": 1.0, "dropout": 0.0, "targets": ["q", "v"]}
     edits = [({"rank": 0}, "rank 0"), ({"targets": ["q", "x"]}, "targets"),
              ({"extra": 1}, "settings .* are not"), ({"alpha": "2"}, "alpha '2'"),
@@ -267,7 +267,7 @@ def test_7_adapter_settings_are_checked_before_apply_lora(tmp_path):
     adapters.load_adapter(base, adapter_file(tmp_path, ok, vocab="char:x"), vocab="char:x")  # fits
 
 
-def test_8_edited_checkpoint_headers_are_one_line(runs, tmp_path):
+def test_edited_checkpoint_headers_are_one_line(runs, tmp_path):
     out = copy_run(runs, "shard", tmp_path)
     path = list_checkpoints(out)[-1]
     good = ckpt_reader.read_header(os.path.join(path, ckpt_reader.HEADER))
@@ -286,7 +286,7 @@ def test_8_edited_checkpoint_headers_are_one_line(runs, tmp_path):
         quick(lambda: Reader(path), UserError, message)
 
 
-def test_9_exports_check_model_args_and_write_only_the_models_names(runs, tmp_path, capsys):
+def test_exports_check_model_args_and_write_only_the_models_names(runs, tmp_path, capsys):
     out = copy_run(runs, "cons", tmp_path)
     path = list_checkpoints(out)[-1]
     good = ckpt_reader.read_header(os.path.join(path, ckpt_reader.HEADER))
@@ -325,12 +325,12 @@ BAD_FLAGS = [("--learning-rate", "-1"), ("--learning-rate", "nan"), ("--learning
 
 
 @pytest.mark.parametrize("flag, value", BAD_FLAGS)
-def test_10_11_flags_out_of_range_are_one_line(flag, value):
+def test_flags_out_of_range_are_one_line(flag, value):
     with pytest.raises(UserError, match=f"^{flag} "):
         parse_args(["--lora", flag, value])
 
 
-def test_11_a_fixed_scale_that_always_overflows_stops_and_nan_is_never_saved(data_root,
+def test_a_fixed_scale_that_always_overflows_stops_and_nan_is_never_saved(data_root,
                                                                               tmp_path):
     out = tmp_path / "fp16"
     with pytest.raises(UserError, match="overflowed at the fixed loss scale 1e\\+09"):
@@ -352,7 +352,7 @@ def test_11_a_fixed_scale_that_always_overflows_stops_and_nan_is_never_saved(dat
 # ----------------------------------------------------------------------------------------------
 # 12. the refusals' wording
 
-def test_12_empty_values_are_spelled_out():
+def test_empty_values_are_spelled_out():
     assert validate.as_flag("--quantize", "") == "no --quantize"
     assert validate.as_flag("--lora", None) == "no --lora"
     header = {"model_args": {}, "shapes": {}, "config": {"lora": True, "quantize": "",
@@ -363,7 +363,7 @@ def test_12_empty_values_are_spelled_out():
         validate.check_compatible(header, {}, None, "ckpt", config)
 
 
-def test_12_every_cli_usage_error_is_one_line(capsys):
+def test_every_cli_usage_error_is_one_line(capsys):
     for cli, argv in ((export, ["ckpt", "--to", "bogus", "out"]),
                       (sample, ["--num-samples", "0"])):
         assert cli.main(argv) == 2
@@ -372,7 +372,7 @@ def test_12_every_cli_usage_error_is_one_line(capsys):
 
 
 @pytest.mark.slow
-def test_12_under_torchrun_one_rank_prints_a_refusal(data_root, runs, tmp_path):
+def test_under_torchrun_one_rank_prints_a_refusal(data_root, runs, tmp_path):
     out = copy_run(runs, "cons", tmp_path)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                         f"--master_port={free_port()}", "train.py"] + TINY +
