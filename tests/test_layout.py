@@ -60,10 +60,10 @@ def size(path):
     return source.count("\n"), len(tokens)
 
 
-def test_sizes_are_printed_and_the_product_weighs_no_more_than_the_lesson(capsys):
-    """Each file's lines and tokens, by folder; the reading order's beside nanoGPT's. What
-    holds: the top level stays a lecture of few files, and machinery/ (the product: file
-    formats, validation, run folders) weighs no more than the lecture it serves."""
+def test_sizes_are_printed_and_the_top_level_stays_few_files(capsys):
+    """Each file's lines and tokens, by folder, and the reading order's beside nanoGPT's:
+    printed so growth is seen (the product beside the lesson it serves), never capped. What
+    holds: the top level stays a lecture of few files."""
     groups = {"lecture": top_level(), **{d: [f for f in tracked() if f.startswith(d + "/")]
                                          for d in FOLDERS}}
     totals = {}
@@ -79,7 +79,6 @@ def test_sizes_are_printed_and_the_product_weighs_no_more_than_the_lesson(capsys
         print(f"reading order {', '.join(READING)}: {reading[0]} lines, {reading[1]} tokens "
               "(nanoGPT's model.py + train.py: 666 lines, 4,120 tokens)")
     assert len(top_level()) <= 15, top_level()
-    assert totals["machinery"][1] <= totals["lecture"][1], totals
 
 
 # ----------------------------------------------------------------------------------------------
