@@ -31,7 +31,8 @@ The reduce-scatter then hands each rank its whole matrices, summed over ranks; t
 orthogonalises and steps them; the all-gather publishes them. The traffic is ZeRO's 2Ψ plus
 the padding (none when N divides a shape's number of matrices); the momentum is
 sharded by whole matrices, as ZeRO-1/2 shard AdamW's moments by elements. Stage 0 owns every
-matrix on every rank. ZeRO-3 shards every matrix for the forward too: zero.py's check refuses.
+matrix on every rank. ZeRO-3 (WholeZeRO3, at the end of this file) deals each unit the same
+way: its all-gather and reduce-scatter only need N equal slices, whatever they hold.
 
 The same layout serves any optimizer whose step reads a tensor whole (not optim.elementwise):
 torch's Adafactor keeps a matrix's row and column statistics, not one per element, and scales
@@ -44,7 +45,9 @@ import math
 
 import torch
 
+from beyond.zeropp import ZeROpp
 from zero import Bucket, ZeRO, declared_blocks, plan_buckets
+from zero3 import ShardedBucket, ZeRO3
 
 # Newton-Schulz quintic iteration (Jordan et al. 2024): five steps map singular values from
 # (0, 1] to about [0.7, 1.2], cheaper and more robust than the exact polar factor (an SVD)
@@ -202,3 +205,37 @@ class WholeZeRO(ZeRO):
         return ([dict(g, params=[m for m in g["params"] if not matrix(m)]) for g in groups]
                 + [dict(g, params=[m for m in g["params"] if matrix(m)], matrices=True)
                    for g in groups])
+
+
+# ----------------------------------------------------------------------------------------------
+# ZeRO-3: the same layout inside each unit
+
+class DealtShardedBucket(DealtBucket, ShardedBucket):
+    """zero3.py's ShardedBucket (the full buffer exists only while gathered) with DealtBucket's
+    layout: every tensor whole inside one rank's slice, so that rank's `shard` holds it whole."""
+
+
+class WholeZeRO3(WholeZeRO, ZeRO3):
+    """ZeRO-3 (zero3.py) for an optimizer whose step reads tensors whole. A unit whose trainable
+    tensors include a dealt one (Muon: a block's matrices; Adafactor: every tensor) deals all
+    of them whole into the ranks' equal slices of its bucket; the others (Muon's root: the
+    embeddings, AdamW's, elementwise) stay cut flat, with no padding. zero3.py's lifecycle is
+    unchanged: its all-gather and reduce-scatter need equal slices, not which elements they
+    hold. So (6) hands each rank whole gradients, (7) steps whole matrices, and the optimizer
+    communicates nothing of its own (no extra gather of momentum, unlike DeepSpeed's stage 3).
+    Its cost is the padding to the longest slice in each dealt unit, moved 3x a micro-step."""
+    STAGES = (3,)
+
+    def _make_buckets(self, model, params):
+        return ZeRO3._make_buckets(self, model, params)  # units, not WholeZeRO's buckets
+
+    def unit_bucket_kind(self, trainable):
+        if any(id(t) in self.dealt for t in trainable):
+            return DealtShardedBucket
+        return ShardedBucket
+
+
+class WholeZeROpp(WholeZeRO3, ZeROpp):
+    """ZeRO++ (beyond/zeropp.py) on WholeZeRO3's layout. qwZ quantizes a shard in blocks, hpZ
+    keeps 1/k of the full buffer, qgZ sends every rank its slice: each works on equal slices
+    of a flat buffer and never asks what they hold, so whole tensors stay whole."""
