@@ -160,3 +160,29 @@ def test_deal_pads_a_unit_to_its_longest_slice():
     _, numel = deal([3 * C2, C2, 4 * C2, 4 * C2], 2)
     assert numel == 14 * C2
     assert deal([3 * C2, C2, 4 * C2, 4 * C2], 4)[1] == 16 * C2
+
+
+def test_a_zero3_muon_run_resumes_exactly_and_at_stage_2_on_one_rank(data_root, tmp_path):
+    """train.py --optimizer muon --zero 3 on 2 ranks: k + save + resume + k == 2k bitwise
+    (losses and weights), the checkpoint holding each rank's whole matrices and their momentum
+    by (name, range); the same checkpoint resumed by one rank at stage 2 on the same global
+    batch ends within the equivalence tolerance (only the summation order differs)."""
+    import shutil
+    import numpy as np
+    from test_checkpoint import TINY, assert_same_weights, final_weights, losses, run
+    base = TINY + ["--data-root", data_root, "--optimizer", "muon", "--lr-decay-iters", "8"]
+    two = base + ["--zero", "3", "--ckpt-format", "sharded"]
+    run(two + ["--max-iters", "8"], tmp_path / "full", 2)
+    run(two + ["--max-iters", "4"], tmp_path / "split", 2)
+    shutil.copytree(tmp_path / "split", tmp_path / "one")
+    run(two + ["--max-iters", "8", "--resume"], tmp_path / "split", 2)
+    full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
+    assert [full[i] for i in range(8)] == [split[i] for i in range(8)]
+    assert_same_weights(final_weights(tmp_path / "full"), final_weights(tmp_path / "split"))
+    one = base + ["--batch-size", "8", "--zero", "2"]  # 1 x 8 == 2 x 4: the same global batch
+    run(one + ["--max-iters", "8", "--resume"], tmp_path / "one", 1)
+    got = losses(tmp_path / "one")
+    np.testing.assert_allclose([got[i] for i in range(4, 8)], [full[i] for i in range(4, 8)],
+                               rtol=1e-4)
+    assert_same_weights(final_weights(tmp_path / "full"), final_weights(tmp_path / "one"),
+                        exact=False)
