@@ -14,6 +14,7 @@ import torch.distributed as dist
 from beyond.muon import WholeZeRO3, deal
 from conftest import make_zero, run_distributed, zero_step
 from data.loader import get_batch
+from machinery.footprint import estimate
 from model import GPT, GPTConfig
 from precision import GradScaler
 from test_muon import CFG
@@ -23,6 +24,7 @@ from zero3 import ShardedBucket, ZeRO3
 B, ACCUM, STEPS, LR, CLIP = 2, 2, 4, 1e-2, 1.0
 ADAFACTOR = functools.partial(torch.optim.Adafactor, lr=1e-2)
 OPTIMIZERS = {"muon": "muon", "adafactor": ADAFACTOR}
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 def make_model(dtype):
@@ -98,6 +100,11 @@ def _parity(rank, world_size):
             model, zero, norms = train(3, rank, world_size, dtype, optimizer)
             assert isinstance(zero, WholeZeRO3)
             units = check_layout(zero, world_size)
+            if optimizer == "muon":  # memory.py's estimate: what the engine holds, padding too
+                est = estimate(GPTConfig(**CFG), world_size, 3, DTYPES[dtype], rank=rank,
+                               optimizer="muon")
+                assert zero.state_bytes() == est["state"], (zero.state_bytes(), est["state"])
+                assert zero.peak_gathered_bytes == est["gathered"]
             got = master_weights(zero, world_size)
             # the traffic: 3x the padded units a micro-step, but the root's skipped re-gather
             E = 4 if dtype == torch.float32 else 2
