@@ -41,6 +41,7 @@ is dealt whole (zero.ZeRO refuses such an optimizer in one line that names Whole
 cost: a tensor larger than the others of its bucket (an embedding) makes a slice that long
 on every rank, padding that the reduce-scatter and all-gather carry too.
 """
+import functools
 import math
 
 import torch
@@ -93,15 +94,17 @@ def plan_whole(shapes, cap, world_size):
     return buckets
 
 
-def deal(numels, world_size):
+def deal(numels, world_size, first=0):
     """Whole tensors dealt to N ranks in one bucket: the largest first, each to the least
     loaded rank (Graham 1969's LPT: its longest slice within 4/3 of the shortest possible),
     every slice as long as the longest, the rest zero padding. Returns (each tensor's offset
     in the bucket, the bucket's numel). L equal matrices go round robin: L/N each, padded to
-    a multiple of N as nanochat pads its stacks."""
+    a multiple of N as nanochat pads its stacks. Ties between ranks go to the first from
+    `first` on: WholeZeRO3 starts each unit one rank later, so that the largest matrix of
+    every block does not land on rank 0 (the Newton-Schulz work spreads over the units)."""
     loads, where = [0] * world_size, [None] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: -numels[i]):  # stable: ties in order
-        r = loads.index(min(loads))
+        r = min(range(world_size), key=lambda r: (loads[r], (r - first) % world_size))
         where[i], loads[r] = (r, loads[r]), loads[r] + numels[i]
     S = max(loads)
     return [r * S + at for r, at in where], S * world_size
@@ -210,9 +213,17 @@ class WholeZeRO(ZeRO):
 # ----------------------------------------------------------------------------------------------
 # ZeRO-3: the same layout inside each unit
 
-class DealtShardedBucket(DealtBucket, ShardedBucket):
+class DealtShardedBucket(ShardedBucket):
     """zero3.py's ShardedBucket (the full buffer exists only while gathered) with DealtBucket's
-    layout: every tensor whole inside one rank's slice, so that rank's `shard` holds it whole."""
+    layout: every tensor whole inside one rank's slice, so that rank's `shard` holds it whole;
+    ties dealt from rank `first` on (deal)."""
+
+    def __init__(self, *args, first=0, **kwargs):
+        self.first = first
+        super().__init__(*args, **kwargs)
+
+    def layout(self, numels, world_size, pad):
+        return deal(numels, world_size, self.first)
 
 
 class WholeZeRO3(WholeZeRO, ZeRO3):
@@ -230,8 +241,9 @@ class WholeZeRO3(WholeZeRO, ZeRO3):
         return ZeRO3._make_buckets(self, model, params)  # units, not WholeZeRO's buckets
 
     def unit_bucket_kind(self, trainable):
+        self.made = getattr(self, "made", -1) + 1  # units made so far: blocks, then the root
         if any(id(t) in self.dealt for t in trainable):
-            return DealtShardedBucket
+            return functools.partial(DealtShardedBucket, first=self.made % self.world_size)
         return ShardedBucket
 
 
@@ -239,3 +251,64 @@ class WholeZeROpp(WholeZeRO3, ZeROpp):
     """ZeRO++ (beyond/zeropp.py) on WholeZeRO3's layout. qwZ quantizes a shard in blocks, hpZ
     keeps 1/k of the full buffer, qgZ sends every rank its slice: each works on equal slices
     of a flat buffer and never asks what they hold, so whole tensors stay whole."""
+
+
+# ----------------------------------------------------------------------------------------------
+# what WholeZeRO3 costs, on a model's own shapes (python -m beyond.muon prints GPT-2 124M's)
+
+def ns_flops(shape):
+    """Multiply-adds of newton_schulz on one (out, in) matrix, m <= n its sides: per step
+    A = X X^T (m^2 n), A @ A (m^3), (bA + cA^2) X (m^2 n)."""
+    m, n = sorted(shape)
+    return NS_STEPS * (2 * m * m * n + m ** 3)
+
+
+def zero3_cost(model, world_size, muon=True):
+    """WholeZeRO3's layout of a model (a meta-device one will do), unit by unit as zero3.py
+    cuts it, root first: each as (real numel, padded numel); and the Newton-Schulz work of
+    each rank (Muon's matrices: ns_flops). With muon the root (embeddings: AdamW's) is cut
+    flat, padded to a multiple of N only; else (Adafactor) it is dealt whole too."""
+    blocks = [list(blk.parameters()) for blk in declared_blocks(model)]
+    in_blocks = {id(p) for params in blocks for p in params}
+    root = [p for p in model.parameters() if id(p) not in in_blocks]
+    mats = block_matrices(model) if muon else set()
+    units, work = [], [0] * world_size
+    for i, params in enumerate([root] + blocks):
+        numels = [p.numel() for p in params]
+        if params is root and muon:
+            units.append((sum(numels), math.ceil(sum(numels) / world_size) * world_size))
+            continue
+        first = (i - 1 if i else len(blocks)) % world_size  # as WholeZeRO3 makes them
+        offsets, numel = deal(numels, world_size, first)
+        units.append((sum(numels), numel))
+        for p, offset in zip(params, offsets):
+            if id(p) in mats:
+                work[offset // (numel // world_size)] += ns_flops(p.shape)
+    return units, work
+
+
+def cost_table(model, sizes=(2, 4, 8)):
+    """Lines of zero3_cost: padding of a block and of the root, the elements moved a
+    micro-step (3x the padded units, but the root's skipped re-gather) against plain ZeRO-3's
+    3Psi, and the slowest rank's Newton-Schulz work against the mean (load balance)."""
+    lines = ["N  optimizer  block padding  root padding  moved / plain ZeRO-3  NS max/mean"]
+    for muon in (True, False):
+        for N in sizes:
+            units, work = zero3_cost(model, N, muon)
+            moved = lambda us: 3 * sum(p for _, p in us) - us[0][1]
+            plain = [(n, math.ceil(n / N) * N) for n, _ in units]
+            (root, root_p), (block, block_p) = units[0], units[1]
+            balance = max(work) / (sum(work) / N) if muon else float("nan")
+            lines.append(f"{N}  {'muon' if muon else 'adafactor':9}  "
+                         f"{block_p / block - 1:12.1%}  {root_p / root - 1:12.1%}  "
+                         f"{moved(units) / moved(plain):20.3f}  {balance:11.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from model import GPT, GPTConfig
+    with torch.device("meta"):  # shapes only: nothing allocated
+        gpt2 = GPT(GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12,
+                             n_embd=768))
+    print("WholeZeRO3 on GPT-2 124M's shapes")
+    print(cost_table(gpt2))

@@ -153,10 +153,11 @@ def whole_units(cfg, build, world_size, rank):
     in_blocks = {id(p) for params in blocks for p in params}
     root = [p for p in model.parameters() if id(p) not in in_blocks]
     out = []
-    for params in [root] + blocks:
+    for i, params in enumerate([root] + blocks):
         numels = [p.numel() for p in params]
-        if any(id(p) in mats for p in params):
-            offsets, numel = deal(numels, world_size)
+        if any(id(p) in mats for p in params):  # ties from rank `first` on, as WholeZeRO3 deals
+            first = (i - 1 if i else len(blocks)) % world_size
+            offsets, numel = deal(numels, world_size, first)
         else:  # zero3.py's flat cut: packed in order, padded to N equal slices
             offsets = [0, *accumulate(numels)][:-1]
             numel = math.ceil(sum(numels) / world_size) * world_size

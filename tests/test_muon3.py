@@ -11,7 +11,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from beyond.muon import WholeZeRO3, deal
+from beyond.muon import WholeZeRO3
 from conftest import make_zero, run_distributed, zero_step
 from data.loader import get_batch
 from machinery.footprint import estimate
@@ -160,13 +160,29 @@ def test_plain_zero3_still_refuses_whole_tensor_optimizers():
             ZeRO3(make_model(torch.float32), 3, optimizer=optimizer)
 
 
-def test_deal_pads_a_unit_to_its_longest_slice():
-    """A GPT block's four matrices (3C x C, C x C, 4C x C, C x 4C): 12C^2 dealt to 2 ranks is
-    4C^2 + 3C^2 | 4C^2 + C^2 -> slices of 7C^2; to 4 ranks slices of 4C^2 (16C^2 moved)."""
-    C2 = 1
-    _, numel = deal([3 * C2, C2, 4 * C2, 4 * C2], 2)
-    assert numel == 14 * C2
-    assert deal([3 * C2, C2, 4 * C2, 4 * C2], 4)[1] == 16 * C2
+def test_the_cost_beyond_muon_states_on_gpt2s_shapes():
+    """beyond/muon.py's docstring and docs/forking.md quote zero3_cost on GPT-2 124M's shapes.
+    A block's 12C^2 of matrices (4C^2, 4C^2, 3C^2, C^2) dealt to 2 ranks: slices of 7C^2 (+2h
+    of gains), to 4 of 4C^2, to 8 of 4C^2 again (four ranks own only gains and biases). Muon's
+    root is cut flat (AdamW's); Adafactor's is dealt: N slices as long as the embedding.
+    Each unit starts its deal one rank later: the Newton-Schulz work balances over blocks."""
+    from beyond.muon import ns_flops, zero3_cost
+    with torch.device("meta"):
+        gpt2 = GPT(GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12,
+                             n_embd=768))
+    C = 768
+    block = 12 * C * C + 13 * C  # matrices, biases and LayerNorms
+    wte = 50304 * C
+    for N, slice_ in ((2, 7 * C * C), (4, 4 * C * C), (8, 4 * C * C)):
+        units, work = zero3_cost(gpt2, N)
+        # every block the same: its longest slice, and the 1-D tensors in the gaps
+        assert all(u[0] == block and slice_ <= u[1] // N < slice_ + 13 * C for u in units[1:])
+        assert units[0][1] - units[0][0] < N  # the root: padding to a multiple of N only
+        assert sum(work) == 12 * sum(ns_flops(s) for s in [(3 * C, C), (C, C), (4 * C, C),
+                                                            (C, 4 * C)])
+        assert max(work) / (sum(work) / N) <= (1.0 if N < 8 else 4 / 3)
+        units, _ = zero3_cost(gpt2, N, muon=False)  # Adafactor: the root dealt whole too
+        assert units[0][1] == N * wte
 
 
 def test_a_zero3_muon_run_resumes_exactly_and_at_stage_2_on_one_rank(data_root, tmp_path):
