@@ -31,18 +31,44 @@ The reduce-scatter then hands each rank its whole matrices, summed over ranks; t
 orthogonalises and steps them; the all-gather publishes them. The traffic is ZeRO's 2Ψ plus
 the padding (none when N divides a shape's number of matrices); the momentum is
 sharded by whole matrices, as ZeRO-1/2 shard AdamW's moments by elements. Stage 0 owns every
-matrix on every rank. ZeRO-3 (WholeZeRO3, at the end of this file) deals each unit the same
-way: its all-gather and reduce-scatter only need N equal slices, whatever they hold.
+matrix on every rank.
+
+ZeRO-3 (WholeZeRO3, at the end of this file) deals each unit the same way: zero3.py's
+all-gather and reduce-scatter need N equal slices, not which elements a slice holds. So
+the lifecycle is unchanged, each rank steps whole matrices, and the optimizer sends nothing
+of its own (DeepSpeed's stage 3 all-gathers Muon's momentum; Moonlight gathers the whole
+matrix on every rank). It is the third of the designs Megatron-LM#5533 lists: tensors kept
+whole in storage, as torchtitan's Owned layout and veScale's RaggedShard. Muon's root (the
+embeddings and tied head, AdamW's) stays cut flat, with no padding. The cost is the
+padding to each unit's longest slice, measured on GPT-2 124M's shapes (python -m
+beyond.muon; tests/test_muon3.py holds the numbers):
+
+  N  optimizer  block padding  root padding  moved / plain ZeRO-3  Newton-Schulz max/mean
+  2  Muon               16.5%            0%                 1.126                    1.00
+  4  Muon               33.1%            0%                 1.253                    1.00
+  8  Muon              166.3%            0%                 2.270                    1.33
+  2  Adafactor          16.5%           96%                 1.353
+  4  Adafactor          33.1%          292%                 1.942
+  8  Adafactor         166.3%          684%                 3.885
+
+A block's four matrices (4h^2, 4h^2, 3h^2, h^2) split 7h^2 | 5h^2 on two ranks, one a rank
+on four; on eight, four ranks hold only gains and biases: a one-block unit is too small to
+deal there (a unit of several blocks, or an owner-based step, would fix it). Each unit
+starts its deal one rank later, so the Newton-Schulz work spreads over the blocks (Graham's
+bound holds within a unit; across units the rotation evens it). Adafactor's lone embedding
+makes every slice of the root as long as itself: that padding is the price stated here.
 
 The same layout serves any optimizer whose step reads a tensor whole (not optim.elementwise):
 torch's Adafactor keeps a matrix's row and column statistics, not one per element, and scales
 each update by norms over the whole tensor, 1-D ones included. There every trainable tensor
-is dealt whole (zero.ZeRO refuses such an optimizer in one line that names WholeZeRO). Its
-cost: a tensor larger than the others of its bucket (an embedding) makes a slice that long
-on every rank, padding that the reduce-scatter and all-gather carry too.
+is dealt whole (zero.ZeRO and zero3.ZeRO3 refuse such an optimizer in one line that names
+WholeZeRO or WholeZeRO3). Its cost: a tensor larger than the others of its bucket (an
+embedding) makes a slice that long on every rank, padding that the reduce-scatter and
+all-gather carry too.
 """
 import functools
 import math
+from itertools import accumulate
 
 import torch
 
@@ -265,26 +291,30 @@ def ns_flops(shape):
 
 def zero3_cost(model, world_size, muon=True):
     """WholeZeRO3's layout of a model (a meta-device one will do), unit by unit as zero3.py
-    cuts it, root first: each as (real numel, padded numel); and the Newton-Schulz work of
-    each rank (Muon's matrices: ns_flops). With muon the root (embeddings: AdamW's) is cut
-    flat, padded to a multiple of N only; else (Adafactor) it is dealt whole too."""
+    cuts it, root first: each as (real numel, padded numel); per rank the Newton-Schulz work
+    (Muon's matrices: ns_flops) and Muon's optimizer state bytes (4 a matrix element, AdamW's
+    8 for the rest: machinery/footprint.py's estimate). With muon the root (embeddings:
+    AdamW's) is cut flat, padded to a multiple of N only; else (Adafactor) it is dealt too."""
     blocks = [list(blk.parameters()) for blk in declared_blocks(model)]
     in_blocks = {id(p) for params in blocks for p in params}
     root = [p for p in model.parameters() if id(p) not in in_blocks]
-    mats = block_matrices(model) if muon else set()
-    units, work = [], [0] * world_size
+    mats, N = block_matrices(model) if muon else set(), world_size
+    units, work, state = [], [0] * N, [0] * N
     for i, params in enumerate([root] + blocks):
         numels = [p.numel() for p in params]
-        if params is root and muon:
-            units.append((sum(numels), math.ceil(sum(numels) / world_size) * world_size))
-            continue
-        first = (i - 1 if i else len(blocks)) % world_size  # as WholeZeRO3 makes them
-        offsets, numel = deal(numels, world_size, first)
+        if params is root and muon:  # zero3.py's flat cut: packed in order
+            offsets, numel = [0, *accumulate(numels)][:-1], math.ceil(sum(numels) / N) * N
+        else:
+            first = (i - 1 if i else len(blocks)) % N  # as WholeZeRO3 makes them
+            offsets, numel = deal(numels, N, first)
         units.append((sum(numels), numel))
-        for p, offset in zip(params, offsets):
-            if id(p) in mats:
-                work[offset // (numel // world_size)] += ns_flops(p.shape)
-    return units, work
+        S = numel // N
+        for p, o, n in zip(params, offsets, numels):
+            for r in range(o // S, (o + n - 1) // S + 1):  # the ranks holding a piece of p
+                state[r] += (4 if id(p) in mats else 8) * (min(o + n, (r + 1) * S) - max(o, r * S))
+            if id(p) in mats:  # dealt: one rank
+                work[o // S] += ns_flops(p.shape)
+    return units, work, state
 
 
 def cost_table(model, sizes=(2, 4, 8)):
@@ -294,7 +324,7 @@ def cost_table(model, sizes=(2, 4, 8)):
     lines = ["N  optimizer  block padding  root padding  moved / plain ZeRO-3  NS max/mean"]
     for muon in (True, False):
         for N in sizes:
-            units, work = zero3_cost(model, N, muon)
+            units, work, _ = zero3_cost(model, N, muon)
             moved = lambda us: 3 * sum(p for _, p in us) - us[0][1]
             plain = [(n, math.ceil(n / N) * N) for n, _ in units]
             (root, root_p), (block, block_p) = units[0], units[1]

@@ -17,7 +17,6 @@ fp32 gradient slice.
 """
 import math
 from dataclasses import replace
-from itertools import accumulate
 
 import optim
 from configurator import grad_accum_for, parse_zeropp
@@ -142,44 +141,18 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
     return out
 
 
-def whole_units(cfg, build, world_size, rank):
-    """ZeRO-3 under --optimizer muon (beyond/muon.py's WholeZeRO3), unit by unit, root first:
-    (the unit's padded numel, the optimizer state bytes this rank owns in it). A block's
-    tensors are dealt whole (deal): Muon's momentum (4 bytes) for its matrices, AdamW's moments
-    (8) for its gains and biases; the root (embeddings: AdamW's) is cut flat into N slices."""
-    from beyond.muon import block_matrices, deal
-    model = shapes_only(cfg, build)
-    mats, blocks = block_matrices(model), [list(blk.parameters()) for blk in model.blocks()]
-    in_blocks = {id(p) for params in blocks for p in params}
-    root = [p for p in model.parameters() if id(p) not in in_blocks]
-    out = []
-    for i, params in enumerate([root] + blocks):
-        numels = [p.numel() for p in params]
-        if any(id(p) in mats for p in params):  # ties from rank `first` on, as WholeZeRO3 deals
-            first = (i - 1 if i else len(blocks)) % world_size
-            offsets, numel = deal(numels, world_size, first)
-        else:  # zero3.py's flat cut: packed in order, padded to N equal slices
-            offsets = [0, *accumulate(numels)][:-1]
-            numel = math.ceil(sum(numels) / world_size) * world_size
-        lo, hi = rank * numel // world_size, (rank + 1) * numel // world_size
-        state = sum((4 if id(p) in mats else 8) * max(0, min(o + n, hi) - max(o, lo))
-                    for p, o, n in zip(params, offsets, numels))
-        out.append((numel, state))
-    return out
-
-
 def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32_grad_accum):
     """Model state under --optimizer muon (beyond/muon.py): Muon's momentum (4 bytes) for each
     block-matrix element, AdamW's moments (8) for the rest; at stages 1-2 WholeZeRO's layout, the
     rest in buckets of bucket_mb, the block matrices as plan_whole() puts them, dealt whole;
-    at stage 3 WholeZeRO3's units (whole_units)."""
-    from beyond.muon import block_matrices, plan_whole
+    at stage 3 WholeZeRO3's units as beyond.muon.zero3_cost lays them out."""
+    from beyond.muon import block_matrices, plan_whole, zero3_cost
     if stage == 3:  # every part 1/N of the padded units: this rank's slices
-        E, units = BYTES[dtype], whole_units(cfg, build, world_size, rank)
-        owned = sum(numel // world_size for numel, _ in units)
+        E = BYTES[dtype]
+        units, _, state = zero3_cost(shapes_only(cfg, build), world_size)
+        owned = sum(numel // world_size for _, numel in units)
         out = {"params": E * owned, "grads": (4 if fp32_grad_accum else E) * owned,
-               "master": 0 if E == 4 else 4 * owned,
-               "optimizer": sum(state for _, state in units)}
+               "master": 0 if E == 4 else 4 * owned, "optimizer": state[rank]}
         out["total"] = sum(out.values())
         return out
     model = shapes_only(cfg, build)
@@ -225,7 +198,8 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     if optimizer == "muon" and params and not lora_rank:  # its own layout and state
         state = muon_state_bytes(cfg, build, stage, N, dtype, bucket_mb, rank, fp32_grad_accum)
         if stage == 3:  # the units padded as dealt: gathered and reduced at that size
-            buckets = [numel for numel, _ in whole_units(cfg, build, N, rank)]
+            from beyond.muon import zero3_cost
+            buckets = [numel for _, numel in zero3_cost(shapes_only(cfg, build), N)[0]]
     else:
         state = model_state_bytes(trainable, stage, N, dtype, buckets, rank, frozen, quantized,
                                   quantize, layout, fp32_grad_accum, optimizer)
