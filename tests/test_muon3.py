@@ -1,13 +1,14 @@
 """Muon and torch's Adafactor at ZeRO-3 (beyond/muon.py's WholeZeRO3): each unit's tensors
 dealt whole into the ranks' equal slices, so each rank steps whole matrices while the forward's
 all-gather and backward's reduce-scatter stay zero3.py's. Held against one process (our stage
-0 on one rank, the global batch, the same micro-steps) at 2 and 3 ranks, with accumulation:
-fp32 to 1e-6; bf16 bitwise equal to WholeZeRO's stage 2 at the same world size (the same
-gradient sums), and within a stated distance of one process (the 16-bit roundings of N
-partial sums differ). The layout: every block matrix whole on exactly one rank; Muon's root
+0 on one rank, the global batch, the same micro-steps) at 2, 3 and 4 ranks, with accumulation:
+fp32 to 1e-6; bf16 bitwise equal to WholeZeRO's stage 2 at 2 ranks (the same gradient
+sums), and within a stated distance of one process (the 16-bit roundings of N partial sums
+differ). The layout: every block matrix whole on exactly one rank; Muon's root
 (embeddings: AdamW's) cut flat without padding; the traffic is 3x the padded units."""
 import functools
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -136,24 +137,21 @@ def _parity(rank, world_size):
             assert diff <= BF16_TOL[optimizer] * update, (optimizer, world_size, diff / update)
 
 
-# bf16 against one process, (theta_K - theta_0) apart in L2, measured at 2 / 3 ranks: Muon
-# 8.7% / 10.8% (its orthogonalised step gives a rounded near-zero direction a whole lr, as
-# Adam's normalised step does: tests/test_zero.py bounds AdamW by 15%), Adafactor 1.6% / 1.3%
+# bf16 against one process, (theta_K - theta_0) apart in L2, measured at 2 / 3 / 4 ranks: Muon
+# 8.7% / 12.4% / 12.3% (its orthogonalised step gives a rounded near-zero direction of the
+# gradient a whole unit of size, as Adam's normalised step gives one a whole lr:
+# tests/test_zero.py bounds AdamW by 15%), Adafactor 1.6% / 1.3% / 3.8%. Deterministic on CPU
 BF16_TOL = {"muon": 0.15, "adafactor": 0.05}
 
 
-def test_zero3_muon_and_adafactor_equal_one_process_2_ranks():
-    run_distributed(_parity, 2)
-
-
-def test_zero3_muon_and_adafactor_equal_one_process_3_ranks():
-    run_distributed(_parity, 3)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_zero3_muon_and_adafactor_equal_one_process(world_size):
+    run_distributed(_parity, world_size)
 
 
 def test_plain_zero3_still_refuses_whole_tensor_optimizers():
     """zero3.ZeRO3 cuts every tensor flat: Muon or Adafactor there is one line naming
     WholeZeRO3 (make_zero and train.py pick WholeZeRO3 for them)."""
-    import pytest
     for optimizer in ("muon", ADAFACTOR):
         with pytest.raises(ValueError, match="ZeRO-3 shards every tensor over the ranks: use "
                            "beyond.muon.WholeZeRO3"):
