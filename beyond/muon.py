@@ -43,13 +43,15 @@ embeddings and tied head, AdamW's) stays cut flat, with no padding. The cost is 
 padding to each unit's longest slice, measured on GPT-2 124M's shapes (python -m
 beyond.muon; tests/test_muon3.py holds the numbers):
 
-  N  optimizer  block padding  root padding  moved / plain ZeRO-3  Newton-Schulz max/mean
-  2  Muon               16.5%            0%                 1.126                    1.00
-  4  Muon               33.1%            0%                 1.253                    1.00
-  8  Muon              166.3%            0%                 2.270                    1.33
-  2  Adafactor          16.5%           96%                 1.353
-  4  Adafactor          33.1%          292%                 1.942
-  8  Adafactor         166.3%          684%                 3.885
+  N  optimizer  block padding  root padding  moved / 3Psi  / plain ZeRO-3  NS max/mean
+  2  Muon               16.5%            0%         1.007          1.126         1.00
+  4  Muon               33.1%            0%         1.121          1.253         1.00
+  8  Muon              166.3%            0%         2.031          2.270         1.33
+  2  Adafactor          16.5%           96%         1.210          1.353
+  4  Adafactor          33.1%          292%         1.737          1.942
+  8  Adafactor         166.3%          684%         3.475          3.885
+
+(plain ZeRO-3 moves 0.894 x 3Psi here: the root, a third of GPT-2 124M, skips its re-gather.)
 
 A block's four matrices (4h^2, 4h^2, 3h^2, h^2) split 7h^2 | 5h^2 on two ranks, one a rank
 on four; on eight, four ranks hold only gains and biases: a one-block unit is too small to
@@ -266,8 +268,12 @@ class WholeZeRO3(WholeZeRO, ZeRO3):
     def _make_buckets(self, model, params):
         return ZeRO3._make_buckets(self, model, params)  # units, not WholeZeRO's buckets
 
+    def __init__(self, model, stage=3, **kwargs):
+        self.made = -1  # units made so far (unit_bucket_kind): the blocks, then the root
+        super().__init__(model, stage, **kwargs)
+
     def unit_bucket_kind(self, trainable):
-        self.made = getattr(self, "made", -1) + 1  # units made so far: blocks, then the root
+        self.made += 1
         if any(id(t) in self.dealt for t in trainable):
             return functools.partial(DealtShardedBucket, first=self.made % self.world_size)
         return ShardedBucket
@@ -318,20 +324,24 @@ def zero3_cost(model, world_size, muon=True):
 
 
 def cost_table(model, sizes=(2, 4, 8)):
-    """Lines of zero3_cost: padding of a block and of the root, the elements moved a
-    micro-step (3x the padded units, but the root's skipped re-gather) against plain ZeRO-3's
-    3Psi, and the slowest rank's Newton-Schulz work against the mean (load balance)."""
-    lines = ["N  optimizer  block padding  root padding  moved / plain ZeRO-3  NS max/mean"]
+    """Lines of zero3_cost: padding of a block and of the root; the elements moved a
+    micro-step (3x the padded units, but the root's skipped re-gather) against 3Psi and
+    against plain ZeRO-3 (which skips that re-gather too); the slowest rank's Newton-Schulz
+    work against the mean (load balance)."""
+    lines = ["N  optimizer  block padding  root padding  moved / 3Psi  / plain ZeRO-3  "
+             "NS max/mean"]
     for muon in (True, False):
         for N in sizes:
             units, work, _ = zero3_cost(model, N, muon)
             moved = lambda us: 3 * sum(p for _, p in us) - us[0][1]
             plain = [(n, math.ceil(n / N) * N) for n, _ in units]
+            psi = sum(n for n, _ in units)
             (root, root_p), (block, block_p) = units[0], units[1]
             balance = max(work) / (sum(work) / N) if muon else float("nan")
             lines.append(f"{N}  {'muon' if muon else 'adafactor':9}  "
                          f"{block_p / block - 1:12.1%}  {root_p / root - 1:12.1%}  "
-                         f"{moved(units) / moved(plain):20.3f}  {balance:11.2f}")
+                         f"{moved(units) / (3 * psi):12.3f}  {moved(units) / moved(plain):14.3f}"
+                         f"  {balance:11.2f}")
     return "\n".join(lines)
 
 

@@ -164,7 +164,7 @@ def test_the_cost_beyond_muon_states_on_gpt2s_shapes():
     of gains), to 4 of 4C^2, to 8 of 4C^2 again (four ranks own only gains and biases). Muon's
     root is cut flat (AdamW's); Adafactor's is dealt: N slices as long as the embedding.
     Each unit starts its deal one rank later: the Newton-Schulz work balances over blocks."""
-    from beyond.muon import ns_flops, zero3_cost
+    from beyond.muon import cost_table, ns_flops, zero3_cost
     with torch.device("meta"):
         gpt2 = GPT(GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12,
                              n_embd=768))
@@ -181,6 +181,15 @@ def test_the_cost_beyond_muon_states_on_gpt2s_shapes():
         assert max(work) / (sum(work) / N) <= (1.0 if N < 8 else 4 / 3)
         units, _, _ = zero3_cost(gpt2, N, muon=False)  # Adafactor: the root dealt whole too
         assert units[0][1] == N * wte
+    # the table the docstring quotes is the one cost_table prints
+    import beyond.muon
+    quoted = {tuple(line.split()[:2]): line.split()[2:] for line in
+              beyond.muon.__doc__.splitlines() if line.startswith(("  2 ", "  4 ", "  8 "))}
+    number = lambda cell: float(cell.rstrip("%"))
+    for line in cost_table(gpt2).splitlines()[1:]:
+        n, name, *cells = line.split()
+        want = quoted[(n, name.capitalize())]
+        assert [number(c) for c in want] == [number(c) for c in cells if c != "nan"], line
 
 
 def test_a_zero3_muon_run_resumes_exactly_and_on_3_to_2_ranks_at_stage_2(data_root, tmp_path):
