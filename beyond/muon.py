@@ -265,12 +265,12 @@ class WholeZeRO3(WholeZeRO, ZeRO3):
     Its cost is the padding to the longest slice in each dealt unit, moved 3x a micro-step."""
     STAGES = (3,)
 
-    def _make_buckets(self, model, params):
-        return ZeRO3._make_buckets(self, model, params)  # units, not WholeZeRO's buckets
-
     def __init__(self, model, stage=3, **kwargs):
         self.made = -1  # units made so far (unit_bucket_kind): the blocks, then the root
         super().__init__(model, stage, **kwargs)
+
+    def _make_buckets(self, model, params):
+        return ZeRO3._make_buckets(self, model, params)  # units, not WholeZeRO's buckets
 
     def unit_bucket_kind(self, trainable):
         self.made += 1
