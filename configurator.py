@@ -223,9 +223,6 @@ def check_config(cfg):
     if cfg.fp8 and cfg.quantize:
         raise UserError("--fp8 needs no --quantize (a quantized base would be quantized "
                         "twice)")
-    if cfg.optimizer == "muon" and cfg.zero == 3:  # it needs whole matrices (beyond/muon.py)
-        raise UserError("--optimizer muon orthogonalises each weight matrix whole; ZeRO-3 "
-                        "shards every matrix over the ranks: use --zero 2 (or 0, 1)")
     if cfg.zeropp:
         try:
             parse_zeropp(cfg.zeropp)

@@ -235,18 +235,19 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
 
 def make_engine(cfg, model, dtype, rank, world_size, grad_accum, source=None):
     """ZeRO stages 0-2 (zero.py), 3 (zero3.py), ZeRO++ (beyond/zeropp.py), or for Muon, whose
-    matrices must be whole, stages 0-2 dealing them whole (beyond/muon.py)."""
+    matrices must be whole, the same stages dealing them whole (beyond/muon.py)."""
     Engine, extra = (ZeRO3, {"prefetch": cfg.prefetch}) if cfg.zero == 3 else (ZeRO, {})
-    if cfg.optimizer == "muon" and cfg.zero < 3:
-        from beyond.muon import WholeZeRO
-        Engine = WholeZeRO
+    muon = cfg.optimizer == "muon"
+    if muon:
+        from beyond.muon import WholeZeRO, WholeZeRO3, WholeZeROpp
+        Engine = WholeZeRO3 if cfg.zero == 3 else WholeZeRO
     node_size = cfg.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % node_size:
         raise UserError(f"--node-size {node_size} does not divide the world size "
                         f"{world_size}")
     if cfg.zeropp:
         from beyond.zeropp import ZeROpp, parse_zeropp
-        Engine = ZeROpp
+        Engine = WholeZeROpp if muon else ZeROpp
         extra.update(zeropp=parse_zeropp(cfg.zeropp), node_size=node_size,
                      qgz_bits=cfg.qgz_bits)
     try:  # a model the engine cannot take (ranks apart, a missing blocks()): one line

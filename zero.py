@@ -379,7 +379,8 @@ class ZeRO:
             return
         if stage == 3:
             raise ValueError(f"{self.optimizer} steps each tensor whole, and ZeRO-3 shards every "
-                             "tensor over the ranks: use stage 0-2 (beyond.muon.WholeZeRO)")
+                             "tensor over the ranks: use beyond.muon.WholeZeRO3, which deals "
+                             "whole tensors")
         raise ValueError(f"{self.optimizer} steps each tensor whole, and zero.ZeRO steps flat "
                          "pieces of buckets: use beyond.muon.WholeZeRO, which deals whole tensors")
 

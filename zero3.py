@@ -102,7 +102,8 @@ class ZeRO3(ZeRO):
         frozen = frozen_tensors(module, keep)
         buckets = []
         if trainable:
-            b = ShardedBucket(trainable, self.rank, self.world_size, self.dtype, self.device)
+            kind = self.unit_bucket_kind(trainable)
+            b = kind(trainable, self.rank, self.world_size, self.dtype, self.device)
             b.grad_shard = torch.zeros(b.hi - b.lo, dtype=self.grad_dtype, device=self.device)
             buckets.append(b)
         for dtype in dict.fromkeys(t.dtype for t in frozen):  # in order of appearance
@@ -114,6 +115,11 @@ class ZeRO3(ZeRO):
         for b in buckets:
             b.unit = unit
         return unit
+
+    def unit_bucket_kind(self, trainable):
+        """The bucket class of a unit's trainable tensors: cut flat into N equal slices here;
+        beyond/muon.py's WholeZeRO3 deals them whole into the slices instead."""
+        return ShardedBucket
 
     def _owned_weights(self, b):
         return b.shard

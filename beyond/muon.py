@@ -31,20 +31,52 @@ The reduce-scatter then hands each rank its whole matrices, summed over ranks; t
 orthogonalises and steps them; the all-gather publishes them. The traffic is ZeRO's 2Ψ plus
 the padding (none when N divides a shape's number of matrices); the momentum is
 sharded by whole matrices, as ZeRO-1/2 shard AdamW's moments by elements. Stage 0 owns every
-matrix on every rank. ZeRO-3 shards every matrix for the forward too: zero.py's check refuses.
+matrix on every rank.
+
+ZeRO-3 (WholeZeRO3, at the end of this file) deals each unit the same way: zero3.py's
+all-gather and reduce-scatter need N equal slices, not which elements a slice holds. So
+the lifecycle is unchanged, each rank steps whole matrices, and the optimizer sends nothing
+of its own (DeepSpeed's stage 3 all-gathers Muon's momentum; Moonlight gathers the whole
+matrix on every rank). It is the third of the designs Megatron-LM#5533 lists: tensors kept
+whole in storage, as torchtitan's Owned layout and veScale's RaggedShard. Muon's root (the
+embeddings and tied head, AdamW's) stays cut flat, with no padding. The cost is the
+padding to each unit's longest slice, measured on GPT-2 124M's shapes (python -m
+beyond.muon; tests/test_muon3.py holds the numbers):
+
+  N  optimizer  block padding  root padding  moved / 3Psi  / plain ZeRO-3  NS max/mean
+  2  Muon               16.5%            0%         1.007          1.126         1.00
+  4  Muon               33.1%            0%         1.121          1.253         1.00
+  8  Muon              166.3%            0%         2.031          2.270         1.33
+  2  Adafactor          16.5%           96%         1.210          1.353
+  4  Adafactor          33.1%          292%         1.737          1.942
+  8  Adafactor         166.3%          684%         3.475          3.885
+
+(plain ZeRO-3 moves 0.894 x 3Psi here: the root, a third of GPT-2 124M, skips its re-gather.)
+
+A block's four matrices (4h^2, 4h^2, 3h^2, h^2) split 7h^2 | 5h^2 on two ranks, one a rank
+on four; on eight, four ranks hold only gains and biases: a one-block unit is too small to
+deal there (a unit of several blocks, or an owner-based step, would fix it). Each unit
+starts its deal one rank later, so the Newton-Schulz work spreads over the blocks (Graham's
+bound holds within a unit; across units the rotation evens it). Adafactor's lone embedding
+makes every slice of the root as long as itself: that padding is the price stated here.
 
 The same layout serves any optimizer whose step reads a tensor whole (not optim.elementwise):
 torch's Adafactor keeps a matrix's row and column statistics, not one per element, and scales
 each update by norms over the whole tensor, 1-D ones included. There every trainable tensor
-is dealt whole (zero.ZeRO refuses such an optimizer in one line that names WholeZeRO). Its
-cost: a tensor larger than the others of its bucket (an embedding) makes a slice that long
-on every rank, padding that the reduce-scatter and all-gather carry too.
+is dealt whole (zero.ZeRO and zero3.ZeRO3 refuse such an optimizer in one line that names
+WholeZeRO or WholeZeRO3). Its cost: a tensor larger than the others of its bucket (an
+embedding) makes a slice that long on every rank, padding that the reduce-scatter and
+all-gather carry too.
 """
+import functools
 import math
+from itertools import accumulate
 
 import torch
 
+from beyond.zeropp import ZeROpp
 from zero import Bucket, ZeRO, declared_blocks, plan_buckets
+from zero3 import ShardedBucket, ZeRO3
 
 # Newton-Schulz quintic iteration (Jordan et al. 2024): five steps map singular values from
 # (0, 1] to about [0.7, 1.2], cheaper and more robust than the exact polar factor (an SVD)
@@ -90,15 +122,17 @@ def plan_whole(shapes, cap, world_size):
     return buckets
 
 
-def deal(numels, world_size):
+def deal(numels, world_size, first=0):
     """Whole tensors dealt to N ranks in one bucket: the largest first, each to the least
     loaded rank (Graham 1969's LPT: its longest slice within 4/3 of the shortest possible),
     every slice as long as the longest, the rest zero padding. Returns (each tensor's offset
     in the bucket, the bucket's numel). L equal matrices go round robin: L/N each, padded to
-    a multiple of N as nanochat pads its stacks."""
+    a multiple of N as nanochat pads its stacks. Ties between ranks go to the first from
+    `first` on: WholeZeRO3 starts each unit one rank later, so that the largest matrix of
+    every block does not land on rank 0 (the Newton-Schulz work spreads over the units)."""
     loads, where = [0] * world_size, [None] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: -numels[i]):  # stable: ties in order
-        r = loads.index(min(loads))
+        r = min(range(world_size), key=lambda r: (loads[r], (r - first) % world_size))
         where[i], loads[r] = (r, loads[r]), loads[r] + numels[i]
     S = max(loads)
     return [r * S + at for r, at in where], S * world_size
@@ -202,3 +236,119 @@ class WholeZeRO(ZeRO):
         return ([dict(g, params=[m for m in g["params"] if not matrix(m)]) for g in groups]
                 + [dict(g, params=[m for m in g["params"] if matrix(m)], matrices=True)
                    for g in groups])
+
+
+# ----------------------------------------------------------------------------------------------
+# ZeRO-3: the same layout inside each unit
+
+class DealtShardedBucket(ShardedBucket):
+    """zero3.py's ShardedBucket (the full buffer exists only while gathered) with DealtBucket's
+    layout: every tensor whole inside one rank's slice, so that rank's `shard` holds it whole;
+    ties dealt from rank `first` on (deal)."""
+
+    def __init__(self, *args, first=0, **kwargs):
+        self.first = first
+        super().__init__(*args, **kwargs)
+
+    def layout(self, numels, world_size, pad):
+        return deal(numels, world_size, self.first)
+
+
+class WholeZeRO3(WholeZeRO, ZeRO3):
+    """ZeRO-3 (zero3.py) for an optimizer whose step reads tensors whole. A unit whose trainable
+    tensors include a dealt one (Muon: a block's matrices; Adafactor: every tensor) deals all
+    of them whole into the ranks' equal slices of its bucket; the others (Muon's root: the
+    embeddings, AdamW's, elementwise) stay cut flat, with no padding. zero3.py's lifecycle is
+    unchanged: its all-gather and reduce-scatter need equal slices, not which elements they
+    hold. So (6) hands each rank whole gradients, (7) steps whole matrices, and the optimizer
+    communicates nothing of its own (no extra gather of momentum, unlike DeepSpeed's stage 3).
+    Its cost is the padding to the longest slice in each dealt unit, moved 3x a micro-step."""
+    STAGES = (3,)
+
+    def __init__(self, model, stage=3, **kwargs):
+        self.made = -1  # units made so far (unit_bucket_kind): the blocks, then the root
+        super().__init__(model, stage, **kwargs)
+
+    def _make_buckets(self, model, params):
+        return ZeRO3._make_buckets(self, model, params)  # units, not WholeZeRO's buckets
+
+    def unit_bucket_kind(self, trainable):
+        self.made += 1
+        if any(id(t) in self.dealt for t in trainable):
+            return functools.partial(DealtShardedBucket, first=self.made % self.world_size)
+        return ShardedBucket
+
+
+class WholeZeROpp(WholeZeRO3, ZeROpp):
+    """ZeRO++ (beyond/zeropp.py) on WholeZeRO3's layout. qwZ quantizes a shard in blocks, hpZ
+    keeps 1/k of the full buffer, qgZ sends every rank its slice: each works on equal slices
+    of a flat buffer and never asks what they hold, so whole tensors stay whole."""
+
+
+# ----------------------------------------------------------------------------------------------
+# what WholeZeRO3 costs, on a model's own shapes (python -m beyond.muon prints GPT-2 124M's)
+
+def ns_flops(shape):
+    """Multiply-adds of newton_schulz on one (out, in) matrix, m <= n its sides: per step
+    A = X X^T (m^2 n), A @ A (m^3), (bA + cA^2) X (m^2 n)."""
+    m, n = sorted(shape)
+    return NS_STEPS * (2 * m * m * n + m ** 3)
+
+
+def zero3_cost(model, world_size, muon=True):
+    """WholeZeRO3's layout of a model (a meta-device one will do), unit by unit as zero3.py
+    cuts it, root first: each as (real numel, padded numel); per rank the Newton-Schulz work
+    (Muon's matrices: ns_flops) and Muon's optimizer state bytes (4 a matrix element, AdamW's
+    8 for the rest: machinery/footprint.py's estimate). With muon the root (embeddings:
+    AdamW's) is cut flat, padded to a multiple of N only; else (Adafactor) it is dealt too."""
+    blocks = [list(blk.parameters()) for blk in declared_blocks(model)]
+    in_blocks = {id(p) for params in blocks for p in params}
+    root = [p for p in model.parameters() if id(p) not in in_blocks]
+    mats, N = block_matrices(model) if muon else set(), world_size
+    units, work, state = [], [0] * N, [0] * N
+    for i, params in enumerate([root] + blocks):
+        numels = [p.numel() for p in params]
+        if params is root and muon:  # zero3.py's flat cut: packed in order
+            offsets, numel = [0, *accumulate(numels)][:-1], math.ceil(sum(numels) / N) * N
+        else:
+            first = (i - 1 if i else len(blocks)) % N  # as WholeZeRO3 makes them
+            offsets, numel = deal(numels, N, first)
+        units.append((sum(numels), numel))
+        S = numel // N
+        for p, o, n in zip(params, offsets, numels):
+            for r in range(o // S, (o + n - 1) // S + 1):  # the ranks holding a piece of p
+                state[r] += (4 if id(p) in mats else 8) * (min(o + n, (r + 1) * S) - max(o, r * S))
+            if id(p) in mats:  # dealt: one rank
+                work[o // S] += ns_flops(p.shape)
+    return units, work, state
+
+
+def cost_table(model, sizes=(2, 4, 8)):
+    """Lines of zero3_cost: padding of a block and of the root; the elements moved a
+    micro-step (3x the padded units, but the root's skipped re-gather) against 3Psi and
+    against plain ZeRO-3 (which skips that re-gather too); the slowest rank's Newton-Schulz
+    work against the mean (load balance)."""
+    lines = ["N  optimizer  block padding  root padding  moved / 3Psi  / plain ZeRO-3  "
+             "NS max/mean"]
+    for muon in (True, False):
+        for N in sizes:
+            units, work, _ = zero3_cost(model, N, muon)
+            moved = lambda us: 3 * sum(p for _, p in us) - us[0][1]
+            plain = [(n, math.ceil(n / N) * N) for n, _ in units]
+            psi = sum(n for n, _ in units)
+            (root, root_p), (block, block_p) = units[0], units[1]
+            balance = max(work) / (sum(work) / N) if muon else float("nan")
+            lines.append(f"{N}  {'muon' if muon else 'adafactor':9}  "
+                         f"{block_p / block - 1:12.1%}  {root_p / root - 1:12.1%}  "
+                         f"{moved(units) / (3 * psi):12.3f}  {moved(units) / moved(plain):14.3f}"
+                         f"  {balance:11.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from model import GPT, GPTConfig
+    with torch.device("meta"):  # shapes only: nothing allocated
+        gpt2 = GPT(GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12,
+                             n_embd=768))
+    print("WholeZeRO3 on GPT-2 124M's shapes")
+    print(cost_table(gpt2))

@@ -144,8 +144,17 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
 def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32_grad_accum):
     """Model state under --optimizer muon (beyond/muon.py): Muon's momentum (4 bytes) for each
     block-matrix element, AdamW's moments (8) for the rest; at stages 1-2 WholeZeRO's layout, the
-    rest in buckets of bucket_mb, the block matrices as plan_whole() puts them, dealt whole."""
-    from beyond.muon import block_matrices, plan_whole
+    rest in buckets of bucket_mb, the block matrices as plan_whole() puts them, dealt whole;
+    at stage 3 WholeZeRO3's units as beyond.muon.zero3_cost lays them out."""
+    from beyond.muon import block_matrices, plan_whole, zero3_cost
+    if stage == 3:  # every part 1/N of the padded units: this rank's slices
+        E = BYTES[dtype]
+        units, _, state = zero3_cost(shapes_only(cfg, build), world_size)
+        owned = sum(numel // world_size for _, numel in units)
+        out = {"params": E * owned, "grads": (4 if fp32_grad_accum else E) * owned,
+               "master": 0 if E == 4 else 4 * owned, "optimizer": state[rank]}
+        out["total"] = sum(out.values())
+        return out
     model = shapes_only(cfg, build)
     mats = block_matrices(model)
     params = list(model.parameters())  # in named_parameters() order, a tied weight once
@@ -188,6 +197,9 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     fp32_grad_accum = fp32_grad_accum and E != 4
     if optimizer == "muon" and params and not lora_rank:  # its own layout and state
         state = muon_state_bytes(cfg, build, stage, N, dtype, bucket_mb, rank, fp32_grad_accum)
+        if stage == 3:  # the units padded as dealt: gathered and reduced at that size
+            from beyond.muon import zero3_cost
+            buckets = [numel for _, numel in zero3_cost(shapes_only(cfg, build), N)[0]]
     else:
         state = model_state_bytes(trainable, stage, N, dtype, buckets, rank, frozen, quantized,
                                   quantize, layout, fp32_grad_accum, optimizer)

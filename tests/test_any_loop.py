@@ -71,19 +71,13 @@ def check_plain_loop(rank, world_size):
     """The loop a forker writes, at every stage, with torch.optim.SGD, AdamW(fused=False) and
     Adafactor: equal to one process with the same optimizer, to 1e-6 (fp32). Adafactor goes to
     beyond/muon.py's WholeZeRO, dealt whole tensors at stages 1-2 (tensors of a shape N a
-    bucket, or all in one; either way every rank owns some), and ZeRO-3, which shards every
-    tensor, refuses it in one line."""
+    bucket, or all in one; either way every rank owns some), and to its WholeZeRO3 at stage 3,
+    each unit's tensors dealt whole."""
     runs = [(name, stage, 1e-4) for name in OPTIMIZERS for stage in (0, 1, 2, 3)]
     for name, stage, bucket_mb in runs + [("adafactor", 1, 1.0), ("adafactor", 2, 1.0)]:
         want = one_process(name, world_size)
         torch.manual_seed(0)
         model = (ToyBlocks if stage == 3 else Toy)()
-        if name == "adafactor" and stage == 3:
-            with pytest.raises(ValueError, match="Adafactor steps each tensor whole, and "
-                               "ZeRO-3 shards every tensor over the ranks: use stage 0-2"):
-                make_zero(model, 3, optimizer=OPTIMIZERS[name], rank=rank,
-                          world_size=world_size)
-            continue
         zero = make_zero(model, stage, optimizer=OPTIMIZERS[name], weight_decay=0.0,
                          rank=rank, world_size=world_size, bucket_mb=bucket_mb)
         if name == "adafactor":  # whole tensors, and which rank owns how many
@@ -120,7 +114,7 @@ def adafactor_run(stage, rank, world_size, steps, path=None, save=None):
     steps; restored from path first, saved in format save after. Returns the master weights."""
     import checkpoint
     torch.manual_seed(0)
-    model = Toy()
+    model = (ToyBlocks if stage == 3 else Toy)()  # the same tensors, by the same names
     zero = make_zero(model, stage, optimizer=OPTIMIZERS["adafactor"], weight_decay=0.0,
                      rank=rank, world_size=world_size, bucket_mb=1.0)
     scaler, header = GradScaler(init_scale=1.0, dynamic=False), \
@@ -141,9 +135,10 @@ def adafactor_run(stage, rank, world_size, steps, path=None, save=None):
 
 def check_adafactor_resume(rank, world_size, tmp):
     """Adafactor's per-tensor statistics (a row and a column mean a matrix, not per element)
-    survive a checkpoint: k + save + resume + k == 2k bitwise, consolidated and sharded."""
+    survive a checkpoint: k + save + resume + k == 2k bitwise, consolidated and sharded, at
+    every stage (ZeRO-3: beyond/muon.py's WholeZeRO3, each unit's tensors dealt whole)."""
     half = STEPS // 2
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         want = adafactor_run(stage, rank, world_size, range(STEPS))
         for fmt in ("consolidated", "sharded"):
             out = f"{tmp}/n{world_size}s{stage}{fmt}"
@@ -157,10 +152,10 @@ def check_adafactor_resume(rank, world_size, tmp):
 
 def test_adafactor_resumes_exactly_and_on_another_world_size(tmp_path):
     run_distributed(check_adafactor_resume, 2, str(tmp_path))
-    want = torch.load(tmp_path / "want.pt")  # 2 ranks, stage 2, STEPS steps
-    for stage in (1, 2):  # the 2-rank checkpoint, resumed by one rank at another stage
+    want = torch.load(tmp_path / "want.pt")  # 2 ranks, stage 3, STEPS steps
+    for stage, other in ((1, 2), (2, 1), (3, 2), (3, 0)):  # resumed by one rank, another stage
         path = f"{tmp_path}/n2s{stage}sharded/ckpt-{STEPS // 2:07d}"
-        got = adafactor_run(3 - stage, 0, 1, range(STEPS // 2, STEPS), path=path)
+        got = adafactor_run(other, 0, 1, range(STEPS // 2, STEPS), path=path)
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=(stage, k))
 
