@@ -1,0 +1,129 @@
+"""ZeRO-Offload (beyond/offload_optimizer.py) against the resident engine, bitwise, on gloo:
+stages 1-3, fp32 and bf16, accumulation 1 and 4 (--fp32-grad-accum too), clipping on, the
+plain and the overlapped copy; the bytes each way per step; an inf in one rank's host slice
+skipping the step on every rank; and train.main resuming offload on <-> off."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_distributed, run_train, zero_step
+from collectives import Traffic
+from data.loader import get_batch
+from model import GPT, GPTConfig
+from precision import GradScaler
+
+CFG = dict(block_size=8, vocab_size=13, n_layer=2, n_head=2, n_embd=10, dropout=0.0, bias=True)
+B, T, STEPS, LR, CLIP, SEED = 2, 8, 3, 1e-2, 0.02, 1234  # CLIP: every step clips
+DATA = np.random.default_rng(0).integers(0, 13, 4000).astype(np.uint16)
+
+
+def engine(model, stage, offload, **kwargs):
+    """The resident engine (offload None) or the offloading one, plain or overlapped."""
+    from zero import ZeRO
+    from zero3 import ZeRO3
+    Engine = ZeRO3 if stage == 3 else ZeRO
+    if offload is not None:
+        from beyond.offload_optimizer import offload_engine
+        Engine = offload_engine(Engine)
+        kwargs["overlap"] = offload == "overlap"
+    return Engine(model, stage, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, bucket_mb=0.002,
+                  **kwargs)
+
+
+def weights(zero):
+    """What a rank holds that a step changes: the master slices and the working weights."""
+    held = [b.shard if zero.stage == 3 else b.flat for b in zero.buckets]
+    return [t.detach().clone() for t in list(zero.master) + held]
+
+
+def train(rank, world_size, stage, dtype, accum, offload, fp32_accum=False):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG)).to(dtype)
+    zero = engine(model, stage, offload, rank=rank, world_size=world_size,
+                  fp32_grad_accum=fp32_accum)
+    scaler = GradScaler(init_scale=1.0, dynamic=False)
+    norms, moved = [], []
+    for step in range(STEPS):
+        zero.traffic = Traffic()
+        for micro in range(accum):
+            x, y = get_batch(DATA, SEED, step, micro, rank, world_size, B, T, accum)
+            zero.backward(scaler.scale(model(x, y)[1] / accum), sync=micro == accum - 1)
+        norms.append(zero_step(zero, scaler, LR, CLIP))
+        moved.append((zero.traffic.d2h, zero.traffic.h2d))
+    return zero, norms, moved
+
+
+def _parity(rank, world_size):
+    cases = [(stage, dtype, accum, False) for stage in (1, 2, 3)
+             for dtype in (torch.float32, torch.bfloat16) for accum in (1, 4)]
+    cases += [(1, torch.bfloat16, 4, True), (2, torch.bfloat16, 4, True)]  # --fp32-grad-accum
+    for stage, dtype, accum, fp32_accum in cases:
+        case = f"stage {stage} {dtype} accum {accum} fp32-accum {fp32_accum}"
+        ref, ref_norms, ref_moved = train(rank, world_size, stage, dtype, accum, None, fp32_accum)
+        assert all(n[0] > CLIP for n in ref_norms), case  # clipping really ran
+        assert ref_moved == [(0, 0)] * STEPS, case  # the resident engine copies nothing
+        for offload in ("overlap", "plain") if accum == 4 else ("overlap",):
+            zero, norms, moved = train(rank, world_size, stage, dtype, accum, offload,
+                                       fp32_accum)
+            assert norms == ref_norms, (case, offload)  # same norm, same skips, every rank
+            for mine, theirs in zip(weights(zero), weights(ref)):
+                assert torch.equal(mine, theirs), (case, offload)
+            # the bytes each way, to the byte: the gradient slice down once, the weights up once
+            formula = zero.pcie_formula()
+            assert moved == [(formula["d2h"], formula["h2d"])] * STEPS, (case, offload)
+            owned = sum(b.hi - b.lo for b in zero.buckets)
+            grad_bytes = 4 if fp32_accum or dtype == torch.float32 else 2
+            assert formula["d2h"] == owned * grad_bytes, case
+            # the device holds no master and no optimizer state; the host does
+            held, host = zero.state_bytes(), zero.host_bytes()
+            assert held["master"] == held["optimizer"] == 0, case
+            stepped = sum(s.hi - s.lo for s in zero.segments)  # AdamW's moments: no padding
+            assert host["master"] == 4 * owned and host["optimizer"] == 8 * stepped, case
+            assert all(t.device.type == "cpu" for s in zero.opt.state.values()
+                       for t in s.values()), case
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_offload_equals_resident_bitwise(world_size):
+    run_distributed(_parity, world_size)
+
+
+def _inf_in_one_host_slice(rank, world_size):
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**CFG)).to(torch.float16)
+        zero = engine(model, stage, "overlap", rank=rank, world_size=world_size)
+        scaler = GradScaler(init_scale=2.0**10, device="cpu")
+        x, y = get_batch(DATA, SEED, 0, 0, rank, world_size, B, T, 1)
+        zero.backward(scaler.scale(model(x, y)[1]))
+        before = weights(zero)
+        grads = zero.master_grads()
+        if rank == world_size - 1:
+            grads[0].view(-1)[0] = float("inf")  # in this rank's host slice only
+        found_inf = scaler.unscale_(grads)
+        assert found_inf.item() == 1.0, stage  # every rank sees it, not only the last
+        zero.clip_grad_norm_(CLIP)
+        zero.step(LR, found_inf)
+        zero.publish()
+        scaler.update(found_inf)
+        for mine, old in zip(weights(zero), before):
+            assert torch.equal(mine, old), stage  # skipped on every rank together
+        assert scaler.get_scale() == 2.0**9, stage
+        # and the next step runs, and moves every rank (no rank waits in a skipped gather)
+        zero.backward(scaler.scale(model(x, y)[1]))
+        _, skipped = zero_step(zero, scaler, LR, CLIP)
+        assert not skipped and not torch.equal(weights(zero)[0], before[0]), stage
+
+
+def test_an_inf_in_one_ranks_host_slice_skips_every_rank():
+    run_distributed(_inf_in_one_host_slice, 2)
+
+
+def test_offload_refuses_stage_0():
+    from configurator import ConfigError, parse_args
+    with pytest.raises(ConfigError, match="--zero 1, 2 or 3"):
+        parse_args(["--zero", "0", "--offload-optimizer"])
+    assert parse_args(["--zero", "2", "--offload-optimizer"]).offload_optimizer == "overlap"
