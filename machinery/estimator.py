@@ -246,7 +246,24 @@ def print_run(a, tc, cfg, psi, gpu):
           f"{e['trainable']:,} trainable; {tc.dtype}, ZeRO-{tc.zero}, {a.world_size} GPU(s), "
           f"micro-batch {batch} x {cfg.block_size} tokens{extras}")
     print_estimate(e, cfg, gpu, tc.optimizer)
+    if tc.offload_optimizer != "none":
+        print(offload_host_line(e["host"], a.world_size, parse_bytes(a.host_mem, "--host-mem")))
     return e
+
+
+def offload_host_line(host, world_size, host_bytes, per_node=8):
+    """--offload-optimizer: what each rank's host memory holds (beyond/offload_optimizer.py),
+    and for the ranks of one host; a ConfigError, one line, when --host-mem cannot hold it."""
+    ranks = min(world_size, per_node)
+    need = ranks * host["total"]
+    if need > host_bytes:
+        raise ConfigError(f"--offload-optimizer: {ranks} rank(s) a host need {need / GB:.2f} GB "
+                          f"of host memory (fp32 master, optimizer state, gradient slice), "
+                          f"--host-mem is {host_bytes / GB:.0f} GB: use more hosts, or no offload")
+    return (f"host memory per rank (--offload-optimizer): {host['total'] / GB:.3f} GB = master "
+            f"{host['master'] / GB:.3f} + optimizer {host['optimizer'] / GB:.3f} + fp32 gradient "
+            f"{host['grads'] / GB:.3f} + staging {host['staging'] / GB:.3f}; {ranks} rank(s) a "
+            f"host: {need / GB:.2f} GB of --host-mem {host_bytes / GB:.0f} GB")
 
 
 def command(world_size, shape_args, stage, dtype, batch, grad_ckpt=False, lora=False,

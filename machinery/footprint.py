@@ -166,7 +166,8 @@ def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32
 def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_ckpt=False,
              lora_rank=0, lora_targets=("q", "v"), quantize=None, psi=None, bucket_mb=25.0, rank=0,
              prefetch=True, fp32_grad_accum=False, device="cuda", optimizer="adamw", build=None,
-             zeropp=(), node_size=0, fp8=False, fp8_history=16, chunked_loss=False):
+             zeropp=(), node_size=0, fp8=False, fp8_history=16, chunked_loss=False,
+             offload=False):
     """Everything one GPU holds, counted on the model cfg describes (model.py's GPT, or
     build(cfg)'s, built shapes-only). psi overrides its parameter count (then cfg only shapes
     the activations). Peak: model state + the larger of the forward/backward working set and the
@@ -191,6 +192,11 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     else:
         state = model_state_bytes(trainable, stage, N, dtype, buckets, rank, frozen, quantized,
                                   quantize, layout, fp32_grad_accum, optimizer)
+    host = offload_host_bytes(state, buckets or [trainable], stage, N, E, fp32_grad_accum,
+                              offload)
+    if offload:  # the master and the optimizer state live on the host (offload_optimizer.py)
+        state = dict(state, master=0, optimizer=0)
+        state["total"] = state["params"] + state["grads"]
     acts = activation_bytes(cfg, batch, seq, dtype, grad_ckpt, lora_rank, lora_targets, device,
                             build, fp8, chunked_loss)
     # --fp8: per linear an amax history and cast counters (fp8.FP8Matmul's buffers), and in a
@@ -217,12 +223,29 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     in_flight = reduce_in_flight_bytes(sizes, stage, N, dtype)
     head = head_working_bytes(cfg, batch, seq, dtype, chunked_loss)
     # the step's fp32 copy of the owned gradient slice (none when the gradients are fp32 already)
-    step = 0 if fp32_grad_accum else state["master"]
+    # (offloaded: it is on the host, allocated once, in `host`)
+    step = 0 if fp32_grad_accum or offload else state["master"]
     peak = state["total"] + fp8_state + max(acts["total"] + gathered + max(head, in_flight + cast),
                                             step)
+    if device == "cpu":  # a CPU run's host is its device: the offloaded bytes are there too
+        peak += host["total"]
     return {"psi": total, "trainable": trainable, "state": state, "activations": acts,
             "gathered": gathered, "head": head, "in_flight": in_flight, "step": step,
-            "fp8_state": fp8_state, "fp8_cast": cast, "peak": peak}
+            "fp8_state": fp8_state, "fp8_cast": cast, "peak": peak, "host": host}
+
+
+def offload_host_bytes(state, buckets, stage, world_size, E, fp32_grad_accum, offload):
+    """--offload-optimizer: the host bytes of one rank, as OffloadOptimizer.host_bytes() counts
+    them: the fp32 master of the owned slice (in fp32 too: a copy), the optimizer state, an fp32
+    gradient slice and, in 16 bits, a staging slice. All zeros without offload."""
+    owned = sum(math.ceil(n / world_size) * world_size for n in buckets) // world_size \
+        if stage >= 1 else sum(buckets)
+    out = {"master": 4 * owned, "optimizer": state["optimizer"], "grads": 4 * owned,
+           "staging": 0 if E == 4 else E * owned}
+    if not offload:
+        out = dict.fromkeys(out, 0)
+    out["total"] = sum(out.values())
+    return out
 
 
 def for_run(tc, cfg, world_size, rank=0, psi=None, batch=None, device="cuda"):
@@ -241,7 +264,8 @@ def for_run(tc, cfg, world_size, rank=0, psi=None, batch=None, device="cuda"):
                     fp32_grad_accum=tc.fp32_grad_accum and accum > 1,
                     zeropp=parse_zeropp(tc.zeropp), node_size=tc.node_size, fp8=tc.fp8,
                     fp8_history=tc.fp8_amax_history, chunked_loss=tc.chunked_loss,
-                    optimizer=tc.optimizer, prefetch=tc.prefetch, device=device)
+                    optimizer=tc.optimizer, prefetch=tc.prefetch, device=device,
+                    offload=tc.offload_optimizer != "none")
 
 
 def reduce_in_flight_bytes(buckets, stage, world_size, dtype):

@@ -127,3 +127,24 @@ def test_offload_refuses_stage_0():
     with pytest.raises(ConfigError, match="--zero 1, 2 or 3"):
         parse_args(["--zero", "0", "--offload-optimizer"])
     assert parse_args(["--zero", "2", "--offload-optimizer"]).offload_optimizer == "overlap"
+
+
+@pytest.mark.parametrize("flags", [["--zero", "1", "--bf16"], ["--zero", "2"],
+                                   ["--zero", "3", "--bf16", "--bucket-mb", "0.01"]])
+def test_memory_py_counts_what_the_offloaded_engine_allocates(flags):
+    """footprint.for_run (memory.py's and the start-up table's one estimator): the device's
+    model state and the host's bytes, each equal to what the engine holds, to the byte."""
+    from configurator import parse_args
+    from machinery import report
+    from machinery.footprint import for_run
+    from precision import DTYPES
+    from train import build
+    cfg = parse_args(["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
+                      "--device", "cpu", "--offload-optimizer", *flags])
+    model, zero, _ = build(cfg, 40, torch.device("cpu"), DTYPES[cfg.dtype])
+    est = for_run(cfg, model.config, 1, device="cpu")
+    assert est["state"] == zero.state_bytes() and est["state"]["master"] == 0
+    assert est["host"] == zero.host_bytes() and est["host"]["optimizer"] > 0
+    table, row = report.model_state_report(zero, 1, est["state"], est["host"]["total"])
+    assert "host (offload)" in table and row["host"] == zero.host_bytes()
+    assert max(len(line) for line in table.splitlines()) <= 80
