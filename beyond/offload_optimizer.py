@@ -73,6 +73,7 @@ class OffloadOptimizer:
                          for m in self.master]
         self.index = {id(b): i for i, b in enumerate(self.buckets)}
         self.down = {}  # bucket index -> the event its gradient copy records (None on a CPU)
+        self.up = {}  # bucket index -> the event of its last weight copy up
         self.stream = torch.cuda.Stream(self.device) if self.pin else None
 
     def _host(self, numel, dtype):
@@ -174,7 +175,9 @@ class OffloadOptimizer:
     def _weights_up(self, i, into=None):
         """Bucket i's new master as working weights on the device: cast on the host into the
         staging slice, copied up on the side stream into `into` (default: a new tensor)."""
-        master = self.master[i]
+        master, last = self.master[i], self.up.pop(i, None)
+        if last is not None:  # the host is to overwrite the staging slice: the copy that read
+            last.synchronize()  # it last must have landed (a publish with no step between)
         src = master if self.host_low[i] is None else self.host_low[i].copy_(master)
         into = torch.empty(src.numel(), dtype=self.dtype, device=self.device) \
             if into is None else into
@@ -189,8 +192,7 @@ class OffloadOptimizer:
             event = torch.cuda.Event()
             event.record(self.stream)
         compute.wait_event(event)  # the all-gather (or forward) after it reads it landed
-        # the staging slice is next written by the host after the next step's copy down,
-        # which queues behind this one on the same stream and is waited for: no overwrite
+        self.up[i] = event
         return into
 
     @torch.no_grad()
