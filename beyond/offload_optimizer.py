@@ -51,6 +51,11 @@ from zero import ZeRO
 from zero3 import ZeRO3
 
 HOST = torch.device("cpu")
+# the rates memory.py --advise predicts with: torch's fused CPU AdamW, fp32, 1 thread, on this
+# repository's AMD EPYC CI host (python -m bench.cpu_adam: 1.1-1.3e9; foreach 0.4e9); a PCIe
+# 4.0 x16 link's usual ~25 GB/s each way of pinned copies (its peak is 32)
+CPU_ADAM_PER_CORE = 1.2e9  # elements per second a core
+PCIE_BYTES_PER_S = 25e9
 
 
 class OffloadOptimizer:

@@ -187,3 +187,22 @@ def test_resume_offload_on_to_off_and_off_to_on_bitwise(data_root, tmp_path):
     assert [r["d2h_bytes"] > 0 for r in steps] == [False] * 4 + [True] * 4
     assert all(r["d2h_bytes"] == r["d2h_theory"] and r["h2d_bytes"] == r["h2d_theory"]
                for r in steps)
+
+
+def test_advise_offloads_a_1_5b_model_onto_one_24gb_gpu_when_the_host_holds_it(capsys):
+    """memory.py --advise: after ZeRO-3 and checkpointing, before LoRA. A 1.5B model (16 bytes a
+    parameter: 24 GB of model state) trains whole on one 24 GB GPU with its 18 bytes a
+    parameter of optimizer side on the host; a host too small for them goes on to LoRA."""
+    import memory
+    from configurator import ConfigError
+    argv = ["--params", "1.5e9", "--world-size", "1", "--gpu-mem", "24GB", "--advise"]
+    cmd = memory.main(argv)
+    out = capsys.readouterr().out
+    assert cmd.endswith("--zero 1 --bf16 --batch-size 7 --grad-ckpt --offload-optimizer"), cmd
+    assert "27.0 GB of host memory" in out and "before LoRA" in out
+    cmd = memory.main(argv + ["--host-mem", "16GB"])
+    assert "--lora" in cmd and "--offload-optimizer" not in cmd
+    assert "the host would need 27 GB, over --host-mem 16 GB" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="--host-mem is 16 GB"):  # memory.py without --advise
+        memory.main(argv[:-1] + ["--zero", "1", "--bf16", "--offload-optimizer",
+                                 "--host-mem", "16GB"])
