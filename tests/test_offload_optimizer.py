@@ -21,10 +21,12 @@ DATA = np.random.default_rng(0).integers(0, 13, 4000).astype(np.uint16)
 
 
 def engine(model, stage, offload, **kwargs):
-    """The resident engine (offload None) or the offloading one, plain or overlapped."""
+    """The resident engine (offload None) or the offloading one, plain or overlapped; Muon's
+    WholeZeRO for --optimizer muon."""
+    from beyond.muon import WholeZeRO
     from zero import ZeRO
     from zero3 import ZeRO3
-    Engine = ZeRO3 if stage == 3 else ZeRO
+    Engine = ZeRO3 if stage == 3 else WholeZeRO if kwargs.get("optimizer") == "muon" else ZeRO
     if offload is not None:
         from beyond.offload_optimizer import offload_engine
         Engine = offload_engine(Engine)
@@ -39,11 +41,11 @@ def weights(zero):
     return [t.detach().clone() for t in list(zero.master) + held]
 
 
-def train(rank, world_size, stage, dtype, accum, offload, fp32_accum=False):
+def train(rank, world_size, stage, dtype, accum, offload, fp32_accum=False, optimizer="adamw"):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG)).to(dtype)
     zero = engine(model, stage, offload, rank=rank, world_size=world_size,
-                  fp32_grad_accum=fp32_accum)
+                  fp32_grad_accum=fp32_accum, optimizer=optimizer)
     scaler = GradScaler(init_scale=1.0, dynamic=False)
     norms, moved = [], []
     for step in range(STEPS):
@@ -84,6 +86,14 @@ def _parity(rank, world_size):
             assert host["master"] == 4 * owned and host["optimizer"] == 8 * stepped, case
             assert all(t.device.type == "cpu" for s in zero.opt.state.values()
                        for t in s.values()), case
+    for stage in (1, 2):  # Muon's whole matrices (beyond/muon.py's WholeZeRO), and SGD
+        for optimizer in ("muon", "sgd"):
+            ref = train(rank, world_size, stage, torch.bfloat16, 1, None, optimizer=optimizer)
+            zero, norms, _ = train(rank, world_size, stage, torch.bfloat16, 1, "overlap",
+                                   optimizer=optimizer)
+            assert norms == ref[1], (stage, optimizer)
+            for mine, theirs in zip(weights(zero), weights(ref[0])):
+                assert torch.equal(mine, theirs), (stage, optimizer)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
