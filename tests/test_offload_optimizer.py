@@ -216,3 +216,21 @@ def test_advise_offloads_a_1_5b_model_onto_one_24gb_gpu_when_the_host_holds_it(c
     with pytest.raises(ConfigError, match="--host-mem is 16 GB"):  # memory.py without --advise
         memory.main(argv[:-1] + ["--zero", "1", "--bf16", "--offload-optimizer",
                                  "--host-mem", "16GB"])
+
+
+def test_an_offloaded_zero2_run_resumes_as_offloaded_zero3_on_3_ranks(data_root, tmp_path):
+    """Resharded: 4 steps of offloaded ZeRO-2 on 2 ranks, resumed as offloaded ZeRO-3 on 3
+    (the same global batch, 2 x 3 = 3 x 2 sequences), ends where 8 resident ZeRO-2 steps on 2
+    ranks end, within fp32's summation-order tolerance."""
+    base = [a for a in TINY if a != "--bf16"] + ["--data-root", data_root]  # fp32
+    run_train(base + ["--zero", "2", "--batch-size", "3", "--max-iters", "8", "--out-dir",
+                      str(tmp_path / "ref")], 2)
+    out = str(tmp_path / "resharded")
+    run_train(base + ["--zero", "2", "--batch-size", "3", "--max-iters", "4",
+                      "--offload-optimizer", "--out-dir", out], 2)
+    run_train(base + ["--zero", "3", "--batch-size", "2", "--max-iters", "8", "--resume",
+                      "--offload-optimizer", "plain", "--out-dir", out], 3)
+    ref, got = losses(tmp_path / "ref"), losses(out)
+    assert [got[i] for i in range(4)] == [ref[i] for i in range(4)]
+    np.testing.assert_allclose([got[i] for i in range(8)], [ref[i] for i in range(8)],
+                               rtol=1e-5)
