@@ -234,3 +234,26 @@ def test_an_offloaded_zero2_run_resumes_as_offloaded_zero3_on_3_ranks(data_root,
     assert [got[i] for i in range(4)] == [ref[i] for i in range(4)]
     np.testing.assert_allclose([got[i] for i in range(8)], [ref[i] for i in range(8)],
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_overlap_copies_gradients_down_during_backward(stage):
+    """overlap: a bucket's slice goes down as its reduction lands, while later buckets are still
+    in backward (bytes already down when the last bucket launches); plain: nothing goes down
+    before master_grads. The same bytes in the end."""
+    seen = {}
+    for mode in ("overlap", "plain"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**dict(CFG, n_layer=4)))  # ZeRO-3: 5 units, 2 in flight
+        zero = engine(model, stage, mode)
+        launches = []
+        reduce = zero._reduce
+        zero._reduce = lambda b: (launches.append(zero.traffic.d2h), reduce(b))
+        x, y = get_batch(DATA, SEED, 0, 0, 0, 1, B, T, 1)
+        zero.backward(model(x, y)[1])
+        assert len(launches) > 3, "too few buckets to see the overlap"  # 2 are in flight
+        after_backward = zero.traffic.d2h
+        zero.master_grads()
+        seen[mode] = (launches[-1], after_backward, zero.traffic.d2h)
+    assert seen["overlap"][0] > 0 and seen["plain"][:2] == (0, 0)
+    assert seen["overlap"][1] == seen["overlap"][2] == seen["plain"][2] > 0
