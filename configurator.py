@@ -235,9 +235,6 @@ def check_config(cfg):
     if cfg.offload_optimizer != "none" and cfg.zero == 0:
         raise ConfigError("--offload-optimizer offloads the slice of the optimizer a rank owns: "
                           "use --zero 1, 2 or 3 (at stage 0 each rank would hold all of it)")
-    if cfg.offload_optimizer != "none" and cfg.optimizer == "muon":
-        raise ConfigError("--offload-optimizer with --optimizer muon is not built yet: use "
-                          "adamw, sgd or lion, or Muon resident")
     if cfg.offload_optimizer != "none" and cfg.zeropp:
         raise ConfigError("--offload-optimizer and --zeropp are not combined here: pick one")
     if cfg.zeropp:

@@ -275,9 +275,12 @@ class OffloadZeRO3(OffloadOptimizer, ZeRO3):
     """ZeRO-3 with the optimizer in host memory."""
 
 
+ENGINES = {ZeRO: OffloadZeRO, ZeRO3: OffloadZeRO3}  # and those made by offload_engine
+
+
 def offload_engine(Engine):
-    """The offloading version of an engine class (ZeRO, ZeRO3, beyond/muon.py's WholeZeRO)."""
-    known = {ZeRO: OffloadZeRO, ZeRO3: OffloadZeRO3}
-    if Engine in known:
-        return known[Engine]
-    return type("Offload" + Engine.__name__, (OffloadOptimizer, Engine), {})
+    """The offloading version of an engine class (ZeRO, ZeRO3, beyond/muon.py's WholeZeRO),
+    made once per class."""
+    if Engine not in ENGINES:
+        ENGINES[Engine] = type("Offload" + Engine.__name__, (OffloadOptimizer, Engine), {})
+    return ENGINES[Engine]

@@ -102,7 +102,7 @@ def frozen_buckets(cfg, dtype, quantize=None, build=None):
 
 def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, frozen_psi=0,
                       quantized_psi=0, quantize=None, frozen_layout=None, fp32_grad_accum=False,
-                      optimizer="adamw", dealt=None):
+                      optimizer="adamw", dealt=None, offload=False):
     """Bytes of model state on one rank, as ZeRO.state_bytes() counts them at start-up.
     psi: trainable parameters (Ψ), in flat buffers of sizes `buckets` (default: one). Stages 1-3
     pad each buffer to a multiple of N, so every rank owns P/N elements (P: the padded total).
@@ -112,7 +112,8 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
     multiple of N (frozen_buckets()), or without a layout simply 1/N of them. fp32_grad_accum:
     the gradient buffer that accumulates micro-steps is fp32 (4 bytes, not 2). optimizer: its
     state bytes per parameter come from optim.STATE_BYTES (AdamW 8, SGD-momentum and Lion 4).
-    dealt: each buffer's numels, dealt whole to ranks (beyond/muon.deal) instead of cut in N."""
+    dealt: each buffer's numels, dealt whole to ranks (beyond/muon.deal) instead of cut in N.
+    offload: the master is a copy in fp32 too (on the host: estimate() moves it there)."""
     if dealt:
         from beyond.muon import deal
     E, N, buckets = BYTES[dtype], world_size, buckets or [psi]
@@ -135,13 +136,15 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
                   else frozen / N)
     out = {"params": E * (owned if stage == 3 else P) + frozen,  # 16-bit (or fp32) working weights
            "grads": G * (owned if stage >= 2 else P),
-           "master": 0 if E == 4 else 4 * owned,  # fp32 weights are their own master: no copy
+           # fp32 weights are their own master: no copy (offloaded: a copy on the host)
+           "master": 0 if E == 4 and not offload else 4 * owned,
            "optimizer": optim.STATE_BYTES[optimizer] * real}  # e.g. AdamW's two fp32 moments
     out["total"] = sum(out.values())
     return out
 
 
-def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32_grad_accum):
+def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32_grad_accum,
+                     offload=False):
     """Model state under --optimizer muon (beyond/muon.py): Muon's momentum (4 bytes) for each
     block-matrix element, AdamW's moments (8) for the rest; at stages 1-2 WholeZeRO's layout, the
     rest in buckets of bucket_mb, the block matrices as plan_whole() puts them, dealt whole."""
@@ -156,10 +159,11 @@ def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32
     mat_buckets = [[math.prod(mat[i]) for i in b] for b in plan_whole(mat, cap, world_size)]
     mat_sizes = [sum(b) for b in mat_buckets]
     parts = [model_state_bytes(sum(rest), stage, world_size, dtype, rest_buckets, rank,
-                               fp32_grad_accum=fp32_grad_accum, optimizer="adamw"),
+                               fp32_grad_accum=fp32_grad_accum, optimizer="adamw",
+                               offload=offload),
              model_state_bytes(sum(mat_sizes), stage, world_size, dtype, mat_sizes,
                                rank, fp32_grad_accum=fp32_grad_accum, optimizer="muon",
-                               dealt=mat_buckets)]
+                               dealt=mat_buckets, offload=offload)]
     return {k: parts[0][k] + parts[1][k] for k in parts[0]}
 
 
@@ -188,12 +192,12 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
             layout = frozen_buckets(cfg, dtype, quantize, build)
     fp32_grad_accum = fp32_grad_accum and E != 4
     if optimizer == "muon" and params and not lora_rank:  # its own layout and state
-        state = muon_state_bytes(cfg, build, stage, N, dtype, bucket_mb, rank, fp32_grad_accum)
+        state = muon_state_bytes(cfg, build, stage, N, dtype, bucket_mb, rank, fp32_grad_accum,
+                                 offload)
     else:
         state = model_state_bytes(trainable, stage, N, dtype, buckets, rank, frozen, quantized,
-                                  quantize, layout, fp32_grad_accum, optimizer)
-    host = offload_host_bytes(state, buckets or [trainable], stage, N, E, fp32_grad_accum,
-                              offload)
+                                  quantize, layout, fp32_grad_accum, optimizer, offload=offload)
+    host = offload_host_bytes(state, E, offload)
     if offload:  # the master and the optimizer state live on the host (offload_optimizer.py)
         state = dict(state, master=0, optimizer=0)
         state["total"] = state["params"] + state["grads"]
@@ -234,14 +238,14 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
             "fp8_state": fp8_state, "fp8_cast": cast, "peak": peak, "host": host}
 
 
-def offload_host_bytes(state, buckets, stage, world_size, E, fp32_grad_accum, offload):
+def offload_host_bytes(state, E, offload):
     """--offload-optimizer: the host bytes of one rank, as OffloadOptimizer.host_bytes() counts
-    them: the fp32 master of the owned slice (in fp32 too: a copy), the optimizer state, an fp32
-    gradient slice and, in 16 bits, a staging slice. All zeros without offload."""
-    owned = sum(math.ceil(n / world_size) * world_size for n in buckets) // world_size \
-        if stage >= 1 else sum(buckets)
-    out = {"master": 4 * owned, "optimizer": state["optimizer"], "grads": 4 * owned,
-           "staging": 0 if E == 4 else E * owned}
+    them: the fp32 master of the owned slice (state's, made with offload: a copy in fp32 too),
+    the optimizer state, an fp32 gradient slice as large as the master, and in 16 bits a
+    staging slice of E bytes an owned element. All zeros without offload."""
+    master = state["master"]  # 4 bytes an owned element
+    out = {"master": master, "optimizer": state["optimizer"], "grads": master,
+           "staging": 0 if E == 4 else master // 4 * E}
     if not offload:
         out = dict.fromkeys(out, 0)
     out["total"] = sum(out.values())

@@ -140,7 +140,10 @@ def test_offload_refuses_stage_0():
 
 
 @pytest.mark.parametrize("flags", [["--zero", "1", "--bf16"], ["--zero", "2"],
-                                   ["--zero", "3", "--bf16", "--bucket-mb", "0.01"]])
+                                   ["--zero", "3", "--bf16", "--bucket-mb", "0.01"],
+                                   ["--zero", "2", "--bf16", "--optimizer", "muon"],
+                                   ["--zero", "1", "--optimizer", "muon"],
+                                   ["--zero", "3", "--optimizer", "sgd"]])
 def test_memory_py_counts_what_the_offloaded_engine_allocates(flags):
     """footprint.for_run (memory.py's and the start-up table's one estimator): the device's
     model state and the host's bytes, each equal to what the engine holds, to the byte."""
