@@ -164,8 +164,10 @@ class TrainConfig:
     offload_optimizer: str = opt("none", "ZeRO-Offload (beyond/offload_optimizer.py): the fp32 "
                                          "master and optimizer state of a rank's slice in host "
                                          "memory, the step on the CPU; overlap copies each "
-                                         "gradient bucket down as it lands, plain after backward",
-                                 choices=("none", "plain", "overlap"), nargs="?",
+                                         "gradient bucket down as it lands, plain after "
+                                         "backward; delayed also steps in a thread during the "
+                                         "next step (the paper's DPU: other arithmetic)",
+                                 choices=("none", "plain", "overlap", "delayed"), nargs="?",
                                  const="overlap")
     compile: bool = opt(False, "torch.compile each block's forward and the loss head")
     chunked_loss: bool = opt(False, "the loss head's fp32 softmax a chunk of rows at a time "

@@ -253,8 +253,8 @@ def make_engine(cfg, model, dtype, rank, world_size, grad_accum, source=None):
                      qgz_bits=cfg.qgz_bits)
     if cfg.offload_optimizer != "none":  # the master and the optimizer on the host
         from beyond.offload_optimizer import offload_engine, host_threads
-        Engine = offload_engine(Engine)
-        extra.update(overlap=cfg.offload_optimizer == "overlap")
+        Engine = offload_engine(Engine, delayed=cfg.offload_optimizer == "delayed")
+        extra.update(overlap=cfg.offload_optimizer != "plain")
         host_threads(model, world_size)
     try:  # a model the engine cannot take (ranks apart, a missing blocks()): one line
         zero = Engine(model, cfg.zero, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),

@@ -38,14 +38,17 @@ tests/test_offload_optimizer.py holds offload on == off bitwise on gloo. On a GP
 partial sum is summed on the CPU in another order than on the device: the clip coefficient
 may then differ from a resident run's in its last bit (docs/offload-optimizer.md).
 
-Not here: the paper's one-step delayed parameter update (Sec. 4.3, DPU), which overlaps the
-CPU step with the next forward and backward but changes the arithmetic.
+--offload-optimizer delayed adds the paper's one-step delayed parameter update (Sec. 4.3, DPU,
+DelayedUpdate below): the CPU step overlaps the next forward and backward, and the
+arithmetic changes (each gradient is taken at weights one update old).
 """
 import os
+import threading
 from contextlib import contextmanager
 
 import torch
 
+import optim
 from collectives import all_gather_params, all_reduce_sum
 from zero import ZeRO
 from zero3 import ZeRO3
@@ -177,13 +180,20 @@ class OffloadOptimizer:
 
     # -- (f) up: the new 16-bit slice to the device, then the stage's own publish -----------
 
+    def _staged(self, i):
+        """Bucket i's new weights on the host, in the working dtype: the master cast into the
+        staging slice (in fp32 the master itself)."""
+        if self.host_low[i] is None:
+            return self.master[i]
+        last = self.up.pop(i, None)
+        if last is not None:  # the host is to overwrite the staging slice: the copy that read
+            last.synchronize()  # it last must have landed (a publish with no step between)
+        return self.host_low[i].copy_(self.master[i])
+
     def _weights_up(self, i, into=None):
         """Bucket i's new master as working weights on the device: cast on the host into the
         staging slice, copied up on the side stream into `into` (default: a new tensor)."""
-        master, last = self.master[i], self.up.pop(i, None)
-        if last is not None:  # the host is to overwrite the staging slice: the copy that read
-            last.synchronize()  # it last must have landed (a publish with no step between)
-        src = master if self.host_low[i] is None else self.host_low[i].copy_(master)
+        src = self._staged(i)
         into = torch.empty(src.numel(), dtype=self.dtype, device=self.device) \
             if into is None else into
         self.traffic.h2d += src.numel() * src.element_size()
@@ -275,12 +285,99 @@ class OffloadZeRO3(OffloadOptimizer, ZeRO3):
     """ZeRO-3 with the optimizer in host memory."""
 
 
+class DelayedUpdate(OffloadOptimizer):
+    """The one-step delayed parameter update (Ren et al. 2021, Sec. 4.3, DPU): the CPU steps
+    gradient t in a thread while the device runs forward and backward t+1 on the weights of
+    step t-1. It changes the arithmetic: gradient t is taken at weights one update old.
+
+      step t   join the thread of step t-1 (in master_grads: the master now has update t-1);
+               snapshot the master as the weights forward t+1 reads; launch the thread that
+               steps gradient t; publish the snapshot
+    The fp32 gradient slice is double-buffered: the next backward's copies go to the spare
+    while the thread reads this one. A save (wait_published() with no buckets) joins first:
+    the checkpoint's master then holds update t, one ahead of the weights last published."""
+
+    def __init__(self, model, stage, **kwargs):
+        super().__init__(model, stage, **kwargs)
+        self.spare_grad = [self._host(m.numel(), torch.float32) for m in self.master]
+        self.snapshot = [self._host(m.numel(), self.dtype) for m in self.master]
+        self.pending = None  # the thread stepping the last gradient
+        self.error = None
+
+    def _join(self):
+        if self.pending is not None:
+            self.pending.join()
+            self.pending = None
+        if self.error is not None:
+            raise self.error
+
+    def master_grads(self):
+        self._join()  # the thread read this step's master.grad views: it is done first
+        return super().master_grads()
+
+    def _take_snapshot(self, i):
+        last = self.up.pop(i, None)
+        if last is not None:  # the last copy up read the snapshot: it must have landed
+            last.synchronize()
+        self.snapshot[i].copy_(self.master[i])
+
+    def _staged(self, i):
+        if self.pending is None:  # no step in flight (a restore's publish): the master itself
+            self._take_snapshot(i)
+        return self.snapshot[i]  # else taken in step(), before the thread began to change it
+
+    @torch.no_grad()
+    def step(self, lr=None, found_inf=None):
+        if self.segments and self.segments[0].master.grad is None:
+            self.master_grads()
+        self._join()
+        for i in range(len(self.master)):  # the weights of update t-1: forward t+1's
+            self._take_snapshot(i)
+        for g in self.opt.param_groups if lr is not None else ():
+            g["lr"] = lr
+        found_inf = None if found_inf is None else found_inf.to(HOST)
+        skip = found_inf is not None and optim.skip_on_host(self.opt) and bool(found_inf.item())
+        self.opt.found_inf = None if optim.skip_on_host(self.opt) else found_inf
+        self.pending = threading.Thread(target=self._host_step, args=(skip,), daemon=True)
+        self.pending.start()
+        self.zero_grad()  # the device's buffers: the next backward starts from zero
+        self.host_grad, self.spare_grad = self.spare_grad, self.host_grad  # the next copies
+        self.unpublished = True
+
+    def _host_step(self, skip):
+        """The thread: the optimizer on the host master (torch's kernels release the GIL)."""
+        try:
+            with torch.no_grad():
+                if not skip:
+                    self.opt.step()
+                for s in self.segments:
+                    s.master.grad = None
+        except BaseException as e:  # raised in the main thread at the next join
+            self.error = e
+
+    def host_bytes(self):
+        """The offloaded bytes, and the second fp32 gradient slice and the weight snapshot."""
+        out = super().host_bytes()
+        out["grads"] += sum(t.numel() * t.element_size() for t in self.spare_grad)
+        out["staging"] += sum(t.numel() * t.element_size() for t in self.snapshot)
+        out["total"] = out["master"] + out["optimizer"] + out["grads"] + out["staging"]
+        return out
+
+    def wait_published(self, indices=None):
+        if indices is None:  # a save or a check reads the master: the thread must be done
+            self._join()
+        super().wait_published(indices)
+
+
 ENGINES = {ZeRO: OffloadZeRO, ZeRO3: OffloadZeRO3}  # and those made by offload_engine
 
 
-def offload_engine(Engine):
+def offload_engine(Engine, delayed=False):
     """The offloading version of an engine class (ZeRO, ZeRO3, beyond/muon.py's WholeZeRO),
-    made once per class."""
-    if Engine not in ENGINES:
-        ENGINES[Engine] = type("Offload" + Engine.__name__, (OffloadOptimizer, Engine), {})
-    return ENGINES[Engine]
+    made once per class; delayed: with DPU (DelayedUpdate)."""
+    key = (Engine, delayed) if delayed else Engine
+    if key not in ENGINES:
+        mixin = DelayedUpdate if delayed else OffloadOptimizer
+        name = ("Delayed" if delayed else "") + "Offload" + Engine.__name__
+        ENGINES[key] = type(name, (mixin, Engine), {})
+    return ENGINES[key]

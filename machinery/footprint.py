@@ -246,6 +246,9 @@ def offload_host_bytes(state, E, offload):
     master = state["master"]  # 4 bytes an owned element
     out = {"master": master, "optimizer": state["optimizer"], "grads": master,
            "staging": 0 if E == 4 else master // 4 * E}
+    if offload == "delayed":  # DPU: a second gradient slice, and a snapshot of the weights
+        out["grads"] += master
+        out["staging"] += master // 4 * E
     if not offload:
         out = dict.fromkeys(out, 0)
     out["total"] = sum(out.values())
@@ -269,7 +272,8 @@ def for_run(tc, cfg, world_size, rank=0, psi=None, batch=None, device="cuda"):
                     zeropp=parse_zeropp(tc.zeropp), node_size=tc.node_size, fp8=tc.fp8,
                     fp8_history=tc.fp8_amax_history, chunked_loss=tc.chunked_loss,
                     optimizer=tc.optimizer, prefetch=tc.prefetch, device=device,
-                    offload=tc.offload_optimizer != "none")
+                    offload={"none": False, "delayed": "delayed"}.get(tc.offload_optimizer,
+                                                                       True))
 
 
 def reduce_in_flight_bytes(buckets, stage, world_size, dtype):

@@ -143,7 +143,8 @@ def test_offload_refuses_stage_0():
                                    ["--zero", "3", "--bf16", "--bucket-mb", "0.01"],
                                    ["--zero", "2", "--bf16", "--optimizer", "muon"],
                                    ["--zero", "1", "--optimizer", "muon"],
-                                   ["--zero", "3", "--optimizer", "sgd"]])
+                                   ["--zero", "3", "--optimizer", "sgd"],
+                                   ["--zero", "2", "--bf16", "--offload-optimizer", "delayed"]])
 def test_memory_py_counts_what_the_offloaded_engine_allocates(flags):
     """footprint.for_run (memory.py's and the start-up table's one estimator): the device's
     model state and the host's bytes, each equal to what the engine holds, to the byte."""
@@ -260,3 +261,66 @@ def test_overlap_copies_gradients_down_during_backward(stage):
         seen[mode] = (launches[-1], after_backward, zero.traffic.d2h)
     assert seen["overlap"][0] > 0 and seen["plain"][:2] == (0, 0)
     assert seen["overlap"][1] == seen["overlap"][2] == seen["plain"][2] > 0
+
+
+def _dpu_reference(steps):
+    """The paper's delayed update in a plain loop: torch's AdamW on an fp32 master applies
+    gradient t-1 after backward t, and forward t+1 runs on what that leaves."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    params = [p for p in model.parameters() if p.requires_grad]  # the tied weight once
+    master = [p.detach().clone() for p in params]
+    groups = [{"params": [m for m, p in zip(master, params) if (p.dim() >= 2) == decays],
+               "weight_decay": 0.1 if decays else 0.0} for decays in (True, False)]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    pending, losses = None, []
+    for step in range(steps):
+        x, y = get_batch(DATA, SEED, step, 0, 0, 1, B, T, 1)
+        loss = model(x, y)[1]
+        loss.backward()
+        losses.append(loss.item())
+        if pending is not None:  # update t-1, stepped while t computed
+            for m, g in zip(master, pending):
+                m.grad = g
+            opt.step()
+        pending = [p.grad.clone() for p in params]
+        model.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(params, master):
+                p.copy_(m)
+    return losses, [p.detach() for p in params]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_delayed_update_equals_the_plain_loop_of_it(stage):
+    """--offload-optimizer delayed (Ren et al. 2021, Sec. 4.3): the CPU steps gradient t in a
+    thread during step t+1. Bitwise the reference loop above; not the undelayed run."""
+    from beyond.offload_optimizer import offload_engine
+    from zero import ZeRO
+    from zero3 import ZeRO3
+    ref_losses, ref_weights = _dpu_reference(5)
+    runs = {}
+    for delayed in (True, False):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**CFG))
+        Engine = offload_engine(ZeRO3 if stage == 3 else ZeRO, delayed=delayed)
+        zero = Engine(model, stage, lr=LR, betas=(0.9, 0.95), weight_decay=0.1,
+                      bucket_mb=0.002)
+        scaler, losses = GradScaler(init_scale=1.0, dynamic=False), []
+        for step in range(5):
+            x, y = get_batch(DATA, SEED, step, 0, 0, 1, B, T, 1)
+            loss = model(x, y)[1]
+            zero.backward(loss)
+            losses.append(loss.item())
+            zero_step(zero, scaler, LR, 0.0)  # no clipping: the reference has none
+        runs[delayed] = losses
+        if delayed and stage == 1:
+            for mine, theirs in zip([p for p in model.parameters()], ref_weights):
+                assert torch.equal(mine.detach(), theirs)
+        if delayed:
+            assert zero.host_bytes()["grads"] == 2 * zero.host_bytes()["master"]
+    assert runs[True] == ref_losses
+    # step 1 still runs on the initial weights (update 0 is being stepped): from there every
+    # loss differs from the undelayed run's
+    assert runs[True][0] == runs[False][0]
+    assert all(a != b for a, b in zip(runs[True][1:], runs[False][1:]))
