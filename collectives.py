@@ -37,6 +37,10 @@ class Traffic:
     bytes_inter: int = 0  # ... and on groups that span nodes
     node_size: int = 0  # ranks per node (0: every rank in one node)
     by: dict = field(default_factory=dict)  # "all_gather/inter" -> bytes, and so on
+    # copies between the device and the host (beyond/offload_optimizer.py): no collective,
+    # not in `bytes`, but the same step's cost, counted beside it
+    d2h: int = 0  # bytes device -> host: the gradient slice
+    h2d: int = 0  # bytes host -> device: the updated 16-bit weight slice
 
     @property
     def elements(self):

@@ -161,6 +161,15 @@ class TrainConfig:
                                check="int >= 1")
     offload_activations: bool = opt(False, "CUDA: keep the tensors saved for backward in "
                                            "pinned host memory (a no-op on a CPU)")
+    # a bare --offload-optimizer is overlap
+    offload_optimizer: str = opt("none", "ZeRO-Offload (beyond/offload_optimizer.py): the fp32 "
+                                         "master and optimizer state of a rank's slice in host "
+                                         "memory, the step on the CPU; overlap copies each "
+                                         "gradient bucket down as it lands, plain after "
+                                         "backward; delayed also steps in a thread during the "
+                                         "next step (the paper's DPU: other arithmetic)",
+                                 choices=("none", "plain", "overlap", "delayed"), nargs="?",
+                                 const="overlap")
     compile: bool = opt(False, "torch.compile each block's forward and the loss head")
     chunked_loss: bool = opt(False, "the loss head's fp32 softmax a chunk of rows at a time "
                                     "(beyond/chunked_loss.py; pays at a 50k vocabulary: "
@@ -223,6 +232,11 @@ def check_config(cfg):
     if cfg.fp8 and cfg.quantize:
         raise UserError("--fp8 needs no --quantize (a quantized base would be quantized "
                         "twice)")
+    if cfg.offload_optimizer != "none" and cfg.zero == 0:
+        raise UserError("--offload-optimizer offloads the slice of the optimizer a rank owns: "
+                        "use --zero 1, 2 or 3 (at stage 0 each rank would hold all of it)")
+    if cfg.offload_optimizer != "none" and cfg.zeropp:
+        raise UserError("--offload-optimizer and --zeropp are not combined here: pick one")
     if cfg.zeropp:
         try:
             parse_zeropp(cfg.zeropp)

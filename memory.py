@@ -29,6 +29,16 @@ def max_batch(fits_at, limit=4096):
     return bisect.bisect_left(range(1, limit + 1), True, key=lambda b: not fits_at(b))
 
 
+def offload_cost(e, world_size, host):
+    """--offload-optimizer's price per step, predicted: the host bytes, the copies each way on
+    PCIe, the CPU's AdamW (rates in beyond/offload_optimizer.py, with their sources)."""
+    from beyond.offload_optimizer import CPU_ADAM_PER_CORE, PCIE_BYTES_PER_S
+    slice_ = e["trainable"] / world_size  # the owned slice, less its padding
+    return (f"{host / GB:.1f} GB of host memory, {2 * slice_ / GB:.1f} GB each way on PCIe "
+            f"(~{2 * slice_ / PCIE_BYTES_PER_S:.2f} s at {PCIE_BYTES_PER_S / GB:.0f} GB/s), "
+            f"{slice_ / CPU_ADAM_PER_CORE:.1f} core-seconds of CPU AdamW a step")
+
+
 def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), batch_tokens=0,
            host_bytes=256e9, chunked_loss=True):
     """The lecture's decision flow, each step checked with estimate(): (lines, command or None).
@@ -58,10 +68,18 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
                      f"{zero2['state']['total'] / GB:.2f} GB (the 16-bit weights whole, "
                      f"{zero2['state']['params'] / GB:.2f} GB): no micro-batch fits")
     best = None  # (run, micro-batch): the cheapest plan that fits
-    for stage, ckpt, r, quant, why in advise_plans(N, fits(one, gpu_bytes), zero2_fits):
+    plans = advise_plans(N, fits(one, gpu_bytes), zero2_fits)
+    for stage, ckpt, r, quant, offload, why in plans:
         if best and (stage, ckpt) != (3, best[0]["grad_ckpt"]):
             break  # a fitting ZeRO-2 competes only with ZeRO-3 at the same checkpointing
-        run = dict(stage=stage, grad_ckpt=ckpt, lora_rank=r, quantize=quant)
+        run = dict(stage=stage, grad_ckpt=ckpt, lora_rank=r, quantize=quant, offload=offload)
+        host = min(N, 8) * est(**run)["host"]["total"]  # the ranks of one host (8 GPUs)
+        if host > host_bytes:
+            lines.append(f"{why}: the host would need {host / GB:.0f} GB, over --host-mem "
+                         f"{host_bytes / GB:.0f} GB")
+            continue
+        if offload:  # its price: host memory, PCIe and the CPU's step (offload_cost)
+            why += "; " + offload_cost(est(**run), N, host)
         b = max_batch(lambda b: fits(est(batch=b, **run), gpu_bytes))
         if batch_tokens:  # --batch-tokens: a micro-batch whose global micro-step divides it
             per_b = cfg.block_size * N
@@ -97,7 +115,7 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
                      f"would gather 12 bytes a parameter on rank 0's host, over half of "
                      f"--host-mem {host_bytes / GB:.0f} GB)")
     return lines, command(N, [*shape_args, *saving], run["stage"], dtype, b, run["grad_ckpt"],
-                          run["lora_rank"] > 0, run["quantize"])
+                          run["lora_rank"] > 0, run["quantize"], offload=run["offload"])
 
 
 def main(argv=None):

@@ -62,6 +62,8 @@ def grad_zero_frac(grads, group=None):
     counts = torch.stack([torch.as_tensor(total - nonzero, dtype=torch.float64, device=device),
                           torch.tensor(float(total), dtype=torch.float64, device=device)])
     if dist.is_initialized():  # ranks holding the same gradients (stage 0) leave it unchanged
+        if dist.get_backend(group) == "nccl":  # host gradients (an offloaded optimizer)
+            counts = counts.to(torch.device("cuda", torch.cuda.current_device()))
         dist.all_reduce(counts, group=group)
     return counts[0] / counts[1].clamp(min=1)
 
@@ -104,7 +106,15 @@ class GradScaler:
         # one fused pass over all gradients, the kernel torch's own scaler runs: for each g, set
         # found_inf if g holds an inf/NaN, then g *= inv_scale. As a Python loop it would be
         # g.isfinite().all() and g.mul_(inv_scale) per tensor: the same, 15x slower on CPU.
-        if grads:
+        if grads and grads[0].device != found_inf.device:
+            # the master gradients in host memory (beyond/offload_optimizer.py): checked where
+            # they are, and the flag then put on the group's device, to be all-reduced there
+            # (a host flag all-reduced on NCCL fails: pytorch#148532)
+            found_host = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_host,
+                                                             inv_scale.to(grads[0].device))
+            found_inf.copy_(found_host)
+        elif grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)  # all skip together

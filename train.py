@@ -235,7 +235,8 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
 
 def make_engine(cfg, model, dtype, rank, world_size, grad_accum, source=None):
     """ZeRO stages 0-2 (zero.py), 3 (zero3.py), ZeRO++ (beyond/zeropp.py), or for Muon, whose
-    matrices must be whole, the same stages dealing them whole (beyond/muon.py)."""
+    matrices must be whole, the same stages dealing them whole (beyond/muon.py); any of them
+    with the optimizer in host memory (beyond/offload_optimizer.py)."""
     Engine, extra = (ZeRO3, {"prefetch": cfg.prefetch}) if cfg.zero == 3 else (ZeRO, {})
     muon = cfg.optimizer == "muon"
     if muon:
@@ -250,6 +251,11 @@ def make_engine(cfg, model, dtype, rank, world_size, grad_accum, source=None):
         Engine = WholeZeROpp if muon else ZeROpp
         extra.update(zeropp=parse_zeropp(cfg.zeropp), node_size=node_size,
                      qgz_bits=cfg.qgz_bits)
+    if cfg.offload_optimizer != "none":  # the master and the optimizer on the host
+        from beyond.offload_optimizer import offload_engine, host_threads
+        Engine = offload_engine(Engine, delayed=cfg.offload_optimizer == "delayed")
+        extra.update(overlap=cfg.offload_optimizer != "plain")
+        host_threads(model, world_size)
     try:  # a model the engine cannot take (ranks apart, a missing blocks()): one line
         zero = Engine(model, cfg.zero, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
                       weight_decay=cfg.weight_decay, bucket_mb=cfg.bucket_mb, rank=rank,

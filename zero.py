@@ -347,7 +347,7 @@ class ZeRO:
         # the fp32 master slice. In fp32 the parameters are the master (no copy): the slice is a
         # view of the flat buffer. In 16 bits it is a separate fp32 tensor (Micikevicius et al.
         # 2018): an update below ~2^-8 of a weight rounds away in bf16 and would be lost.
-        self.master = [self._owned_weights(b).float() for b in self.buckets]  # (2) master
+        self.master = [self._new_master(b) for b in self.buckets]  # (2) master
         for b, master in zip(self.buckets, self.master):
             b.make_segments(self.names, master)
         self.segments = [s for b in self.buckets for s in b.segments]
@@ -431,6 +431,11 @@ class ZeRO:
 
     def _owned_weights(self, b):
         return b.flat[b.lo:b.hi]
+
+    def _new_master(self, b):
+        """(2) This rank's fp32 master slice of bucket b, on the weights' device: in fp32 a view
+        of the weights, else an fp32 copy (beyond/offload_optimizer.py puts it on the host)."""
+        return self._owned_weights(b).float()
 
     # -- backward: bucketed, asynchronous gradient reduction ---------------------------------
 

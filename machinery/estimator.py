@@ -66,15 +66,18 @@ def breakdown(est):
 
 
 def advise_plans(N, one_fits, zero2_fits):
-    """--advise's plans, in the order tried: (ZeRO stage, grad_ckpt, LoRA rank, quantize, why).
+    """--advise's plans, in the order tried: (ZeRO stage, grad_ckpt, LoRA rank, quantize,
+    offload, why). After ZeRO-3 and checkpointing, before LoRA: ZeRO-Offload, which trains
+    every weight still (beyond/offload_optimizer.py; ZeRO-1 on one GPU: nothing to shard).
     zero2_fits: can ZeRO-2's model state fit at all (with full checkpointing, batch 1)? Where
     one GPU does not hold batch 1, each amount of checkpointing is tried on ZeRO-2, then on
     ZeRO-3 (the least traffic first); the lecture's flowchart would jump to ZeRO-3 at once."""
     from beyond.activation_dial import Policy  # selective, every K-th block
     if one_fits:
-        return [(2, False, 0, None, f"yes: ZeRO-2 on {N} GPUs (the traffic of data "
+        return [(2, False, 0, None, False, f"yes: ZeRO-2 on {N} GPUs (the traffic of data "
                  "parallelism, less memory) and a larger micro-batch")] if N > 1 else \
-            [(0, False, 0, None, "yes: one GPU has nothing to shard; a larger micro-batch")]
+            [(0, False, 0, None, False, "yes: one GPU has nothing to shard; a larger "
+              "micro-batch")]
     stages = {2: f"ZeRO-2 on {N} GPUs: gradients and optimizer state sharded, the 16-bit "
                  "weights whole (the traffic of data parallelism)",
               3: f"ZeRO-3 on {N} GPUs shards the weights too (1.5x the traffic)"}
@@ -85,12 +88,17 @@ def advise_plans(N, one_fits, zero2_fits):
               (Policy("full", 2), "activation checkpointing of every 2nd block: it keeps only "
                "its input"), (True, "activation checkpointing: each block keeps only its input")]
     name = lambda z: f"ZeRO-{z} " if len(stages) > 1 else ""  # which stage, where two are tried
-    plans = [(z, ckpt, 0, None, f"{name(z)}+ {why}" if ckpt else stages[z])
+    plans = [(z, ckpt, 0, None, False, f"{name(z)}+ {why}" if ckpt else stages[z])
              for ckpt, why in levels for z in stages if z or ckpt]
     z, sharded = (3, " (ZeRO-3 still shards it)") if N > 1 else (0, "")
-    return plans + [(z, True, 8, None, "+ LoRA on q,v, r=8: only the adapters train, no "
+    offload = (max(z, 1), True, 0, None, True, "+ ZeRO-Offload (--offload-optimizer; after "
+               "ZeRO-3 and checkpointing, before LoRA: every weight still trains): the fp32 "
+               "master and the optimizer state in host memory, 12 of 16 bytes a parameter, "
+               "the step on the CPU (Ren et al. 2021)")
+    return plans + [offload,
+                    (z, True, 8, None, False, "+ LoRA on q,v, r=8: only the adapters train, no "
                      f"gradients or optimizer state for the base{sharded}"),
-                    (z, True, 8, "nf4", "+ QLoRA: the frozen base weights in 4-bit NF4")]
+                    (z, True, 8, "nf4", False, "+ QLoRA: the frozen base weights in 4-bit NF4")]
 
 
 def fmt(n):
@@ -246,11 +254,28 @@ def print_run(a, tc, cfg, psi, gpu):
           f"{e['trainable']:,} trainable; {tc.dtype}, ZeRO-{tc.zero}, {a.world_size} GPU(s), "
           f"micro-batch {batch} x {cfg.block_size} tokens{extras}")
     print_estimate(e, cfg, gpu, tc.optimizer)
+    if tc.offload_optimizer != "none":
+        print(offload_host_line(e["host"], a.world_size, parse_bytes(a.host_mem, "--host-mem")))
     return e
 
 
+def offload_host_line(host, world_size, host_bytes, per_node=8):
+    """--offload-optimizer: what each rank's host memory holds (beyond/offload_optimizer.py),
+    and for the ranks of one host; a ConfigError, one line, when --host-mem cannot hold it."""
+    ranks = min(world_size, per_node)
+    need = ranks * host["total"]
+    if need > host_bytes:
+        raise ConfigError(f"--offload-optimizer: {ranks} rank(s) a host need {need / GB:.2f} GB "
+                          f"of host memory (fp32 master, optimizer state, gradient slice), "
+                          f"--host-mem is {host_bytes / GB:.0f} GB: use more hosts, or no offload")
+    return (f"host memory per rank (--offload-optimizer): {host['total'] / GB:.3f} GB = master "
+            f"{host['master'] / GB:.3f} + optimizer {host['optimizer'] / GB:.3f} + fp32 gradient "
+            f"{host['grads'] / GB:.3f} + staging {host['staging'] / GB:.3f}; {ranks} rank(s) a "
+            f"host: {need / GB:.2f} GB of --host-mem {host_bytes / GB:.0f} GB")
+
+
 def command(world_size, shape_args, stage, dtype, batch, grad_ckpt=False, lora=False,
-            quantize=None, per_node=8):
+            quantize=None, per_node=8, offload=False):
     """The train.py launch line; beyond one node, run it on each node with its own --node_rank."""
     from beyond.activation_dial import policy  # --grad-ckpt's flags
     N = world_size
@@ -261,5 +286,6 @@ def command(world_size, shape_args, stage, dtype, batch, grad_ckpt=False, lora=F
     flags = [f"--zero {stage}" if stage > 0 else "", f"--{dtype}" if dtype != "fp32" else "",
              f"--batch-size {batch}", policy(grad_ckpt).flags(),
              "--lora --lora-rank 8 --lora-targets q,v" if lora else "",
-             f"--quantize {quantize}" if quantize else ""]
+             f"--quantize {quantize}" if quantize else "",
+             "--offload-optimizer" if offload else ""]
     return " ".join([launch, "train.py", *shape_args] + [f for f in flags if f])

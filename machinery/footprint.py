@@ -102,7 +102,7 @@ def frozen_buckets(cfg, dtype, quantize=None, build=None):
 
 def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, frozen_psi=0,
                       quantized_psi=0, quantize=None, frozen_layout=None, fp32_grad_accum=False,
-                      optimizer="adamw", dealt=None):
+                      optimizer="adamw", dealt=None, offload=False):
     """Bytes of model state on one rank, as ZeRO.state_bytes() counts them at start-up.
     psi: trainable parameters (Ψ), in flat buffers of sizes `buckets` (default: one). Stages 1-3
     pad each buffer to a multiple of N, so every rank owns P/N elements (P: the padded total).
@@ -112,7 +112,8 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
     multiple of N (frozen_buckets()), or without a layout simply 1/N of them. fp32_grad_accum:
     the gradient buffer that accumulates micro-steps is fp32 (4 bytes, not 2). optimizer: its
     state bytes per parameter come from optim.STATE_BYTES (AdamW 8, SGD-momentum and Lion 4).
-    dealt: each buffer's numels, dealt whole to ranks (beyond/muon.deal) instead of cut in N."""
+    dealt: each buffer's numels, dealt whole to ranks (beyond/muon.deal) instead of cut in N.
+    offload: the master is a copy in fp32 too (on the host: estimate() moves it there)."""
     if dealt:
         from beyond.muon import deal
     E, N, buckets = BYTES[dtype], world_size, buckets or [psi]
@@ -135,13 +136,15 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
                   else frozen / N)
     out = {"params": E * (owned if stage == 3 else P) + frozen,  # 16-bit (or fp32) working weights
            "grads": G * (owned if stage >= 2 else P),
-           "master": 0 if E == 4 else 4 * owned,  # fp32 weights are their own master: no copy
+           # fp32 weights are their own master: no copy (offloaded: a copy on the host)
+           "master": 0 if E == 4 and not offload else 4 * owned,
            "optimizer": optim.STATE_BYTES[optimizer] * real}  # e.g. AdamW's two fp32 moments
     out["total"] = sum(out.values())
     return out
 
 
-def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32_grad_accum):
+def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32_grad_accum,
+                     offload=False):
     """Model state under --optimizer muon (beyond/muon.py): Muon's momentum (4 bytes) for each
     block-matrix element, AdamW's moments (8) for the rest; at stages 1-2 WholeZeRO's layout, the
     rest in buckets of bucket_mb, the block matrices as plan_whole() puts them, dealt whole;
@@ -152,7 +155,8 @@ def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32
         units, _, state = zero3_cost(shapes_only(cfg, build), world_size)
         owned = sum(numel // world_size for _, numel in units)
         out = {"params": E * owned, "grads": (4 if fp32_grad_accum else E) * owned,
-               "master": 0 if E == 4 else 4 * owned, "optimizer": state[rank]}
+               # fp32 weights are their own master (offloaded: a copy on the host)
+               "master": 0 if E == 4 and not offload else 4 * owned, "optimizer": state[rank]}
         out["total"] = sum(out.values())
         return out
     model = shapes_only(cfg, build)
@@ -165,17 +169,19 @@ def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32
     mat_buckets = [[math.prod(mat[i]) for i in b] for b in plan_whole(mat, cap, world_size)]
     mat_sizes = [sum(b) for b in mat_buckets]
     parts = [model_state_bytes(sum(rest), stage, world_size, dtype, rest_buckets, rank,
-                               fp32_grad_accum=fp32_grad_accum, optimizer="adamw"),
+                               fp32_grad_accum=fp32_grad_accum, optimizer="adamw",
+                               offload=offload),
              model_state_bytes(sum(mat_sizes), stage, world_size, dtype, mat_sizes,
                                rank, fp32_grad_accum=fp32_grad_accum, optimizer="muon",
-                               dealt=mat_buckets)]
+                               dealt=mat_buckets, offload=offload)]
     return {k: parts[0][k] + parts[1][k] for k in parts[0]}
 
 
 def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_ckpt=False,
              lora_rank=0, lora_targets=("q", "v"), quantize=None, psi=None, bucket_mb=25.0, rank=0,
              prefetch=True, fp32_grad_accum=False, device="cuda", optimizer="adamw", build=None,
-             zeropp=(), node_size=0, fp8=False, fp8_history=16, chunked_loss=False):
+             zeropp=(), node_size=0, fp8=False, fp8_history=16, chunked_loss=False,
+             offload=False):
     """Everything one GPU holds, counted on the model cfg describes (model.py's GPT, or
     build(cfg)'s, built shapes-only). psi overrides its parameter count (then cfg only shapes
     the activations). Peak: model state + the larger of the forward/backward working set and the
@@ -196,13 +202,18 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
             layout = frozen_buckets(cfg, dtype, quantize, build)
     fp32_grad_accum = fp32_grad_accum and E != 4
     if optimizer == "muon" and params and not lora_rank:  # its own layout and state
-        state = muon_state_bytes(cfg, build, stage, N, dtype, bucket_mb, rank, fp32_grad_accum)
+        state = muon_state_bytes(cfg, build, stage, N, dtype, bucket_mb, rank, fp32_grad_accum,
+                                 offload)
         if stage == 3:  # the units padded as dealt: gathered and reduced at that size
             from beyond.muon import zero3_cost
             buckets = [numel for _, numel in zero3_cost(shapes_only(cfg, build), N)[0]]
     else:
         state = model_state_bytes(trainable, stage, N, dtype, buckets, rank, frozen, quantized,
-                                  quantize, layout, fp32_grad_accum, optimizer)
+                                  quantize, layout, fp32_grad_accum, optimizer, offload=offload)
+    host = offload_host_bytes(state, E, offload)
+    if offload:  # the master and the optimizer state live on the host (offload_optimizer.py)
+        state = dict(state, master=0, optimizer=0)
+        state["total"] = state["params"] + state["grads"]
     acts = activation_bytes(cfg, batch, seq, dtype, grad_ckpt, lora_rank, lora_targets, device,
                             build, fp8, chunked_loss)
     # --fp8: per linear an amax history and cast counters (fp8.FP8Matmul's buffers), and in a
@@ -229,12 +240,32 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     in_flight = reduce_in_flight_bytes(sizes, stage, N, dtype)
     head = head_working_bytes(cfg, batch, seq, dtype, chunked_loss)
     # the step's fp32 copy of the owned gradient slice (none when the gradients are fp32 already)
-    step = 0 if fp32_grad_accum else state["master"]
+    # (offloaded: it is on the host, allocated once, in `host`)
+    step = 0 if fp32_grad_accum or offload else state["master"]
     peak = state["total"] + fp8_state + max(acts["total"] + gathered + max(head, in_flight + cast),
                                             step)
+    if device == "cpu":  # a CPU run's host is its device: the offloaded bytes are there too
+        peak += host["total"]
     return {"psi": total, "trainable": trainable, "state": state, "activations": acts,
             "gathered": gathered, "head": head, "in_flight": in_flight, "step": step,
-            "fp8_state": fp8_state, "fp8_cast": cast, "peak": peak}
+            "fp8_state": fp8_state, "fp8_cast": cast, "peak": peak, "host": host}
+
+
+def offload_host_bytes(state, E, offload):
+    """--offload-optimizer: the host bytes of one rank, as OffloadOptimizer.host_bytes() counts
+    them: the fp32 master of the owned slice (state's, made with offload: a copy in fp32 too),
+    the optimizer state, an fp32 gradient slice as large as the master, and in 16 bits a
+    staging slice of E bytes an owned element. All zeros without offload."""
+    master = state["master"]  # 4 bytes an owned element
+    out = {"master": master, "optimizer": state["optimizer"], "grads": master,
+           "staging": 0 if E == 4 else master // 4 * E}
+    if offload == "delayed":  # DPU: a second gradient slice, and a snapshot of the weights
+        out["grads"] += master
+        out["staging"] += master // 4 * E
+    if not offload:
+        out = dict.fromkeys(out, 0)
+    out["total"] = sum(out.values())
+    return out
 
 
 def for_run(tc, cfg, world_size, rank=0, psi=None, batch=None, device="cuda"):
@@ -253,7 +284,9 @@ def for_run(tc, cfg, world_size, rank=0, psi=None, batch=None, device="cuda"):
                     fp32_grad_accum=tc.fp32_grad_accum and accum > 1,
                     zeropp=parse_zeropp(tc.zeropp), node_size=tc.node_size, fp8=tc.fp8,
                     fp8_history=tc.fp8_amax_history, chunked_loss=tc.chunked_loss,
-                    optimizer=tc.optimizer, prefetch=tc.prefetch, device=device)
+                    optimizer=tc.optimizer, prefetch=tc.prefetch, device=device,
+                    offload={"none": False, "delayed": "delayed"}.get(tc.offload_optimizer,
+                                                                       True))
 
 
 def reduce_in_flight_bytes(buckets, stage, world_size, dtype):

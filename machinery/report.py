@@ -27,7 +27,7 @@ from zero import traffic_formula, zero_formula
 # ----------------------------------------------------------------------------------------------
 # 1. the start-up table
 
-def model_state_report(zero, world_size, estimate=None):
+def model_state_report(zero, world_size, estimate=None, host_estimate=None):
     """What each rank holds (ZeRO.state_bytes(), gathered from every rank: a collective)
     beside memory.py's estimate of this rank's (footprint's state dict; None: not shown) and
     the ZeRO paper's formula: (a table that fits 80 columns, a metrics.jsonl row)."""
@@ -50,16 +50,30 @@ def model_state_report(zero, world_size, estimate=None):
              + (f"{'memory.py':>10}  " if estimate else "") + f"{'ZeRO paper':>10}"]
     lines += [(f"  {name:16}{mib(ours)}" + (mib(guess) if estimate else "") + mib(p)
                + note).rstrip() for name, ours, guess, p, note in pairs]
+    host = zero.host_bytes() if hasattr(zero, "host_bytes") else None
+    if host:  # --offload-optimizer: the master and the optimizer state are on the host
+        lines.append(f"  {'host (offload)':16}{mib(host['total'])}"
+                     + (mib(host_estimate) if host_estimate is not None else "")
+                     + f"master, {zero.optimizer} state, grad, staging")
     row = {"event": "model_state", "psi": zero.psi, "stage": zero.stage,
            "world_size": world_size, "per_rank": per_rank, "formula": paper,
-           "estimate": estimate, "optimizer": zero.optimizer}
+           "estimate": estimate, "optimizer": zero.optimizer, "host": host}
     return "\n".join(lines), row
 
 
 def start(cfg, model, zero, metrics, print0):
     """The run's first rows: the start-up table (printed and logged with the whole
     configuration), then, once the first micro-step has run, its activations."""
-    line, row = model_state_report(zero, zero.world_size, estimated_state(cfg, model, zero))
+    host = None
+    if cfg.offload_optimizer != "none":  # the estimate of the host's bytes, beside them
+        from machinery.footprint import for_run
+        try:
+            host = for_run(cfg, model.config, zero.world_size, zero.rank,
+                           device=zero.device.type)["host"]["total"]
+        except ValueError:  # a model memory.py cannot count, as estimated_state
+            pass
+    line, row = model_state_report(zero, zero.world_size, estimated_state(cfg, model, zero),
+                                   host)
     print0(line)
     metrics.log({**row, "dtype": cfg.dtype, "config": asdict(cfg)})
     meter_first_forward(model, cfg, print0, metrics)
@@ -171,7 +185,10 @@ class StepLog:
             theory = link_theory(zero, cfg.zeropp, cfg.qgz_bits, self.grad_accum)
         formula = traffic_formula(zero.psi, cfg.zero, zero.world_size, self.grad_accum,
                                   zero.frozen_numel)
-        return {"comm_elements": t.elements, "comm_bytes": t.bytes,
+        pcie = zero.pcie_formula() if hasattr(zero, "pcie_formula") else {"d2h": 0, "h2d": 0}
+        return {"d2h_bytes": t.d2h, "h2d_bytes": t.h2d,  # --offload-optimizer's copies
+                "d2h_theory": pcie["d2h"], "h2d_theory": pcie["h2d"],
+                "comm_elements": t.elements, "comm_bytes": t.bytes,
                 "comm_theory_elements": formula,
                 "comm_bytes_intra": t.bytes_intra, "comm_bytes_inter": t.bytes_inter,
                 "comm_theory_bytes_intra": theory["intra"],
@@ -187,6 +204,10 @@ class StepLog:
             + f", ETA {int(eta // 60)}m{int(eta % 60):02d}s"
             + (f", inf/NaN gradient: step skipped (loss scale now {row['loss_scale']:g})"
                if row["skipped"] else ""))
+        if first and row["d2h_theory"]:  # --offload-optimizer: the copies, once
+            say(f"host copies per step and rank: {row['d2h_bytes']:,} B device->host (gradient "
+                f"slice; theory {row['d2h_theory']:,}), {row['h2d_bytes']:,} B host->device "
+                f"(weight slice; theory {row['h2d_theory']:,})")
         if not first or self.zero.world_size == 1:
             return
         # the lecture's numbers, measured, beside the paper's: once

@@ -153,3 +153,57 @@ def test_offload_under_compile_on_cuda(stage):
         if offload:
             assert model.offload.host_bytes > 0 and model.offload.in_flight_bytes == 0
     torch.testing.assert_close(losses[2:], losses[:2], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_optimizer_on_cuda(stage, dtype):
+    """--offload-optimizer on a GPU (beyond/offload_optimizer.py): the master and AdamW's moments
+    pinned on the host, the device holding no optimizer side; the copies on a side stream fenced
+    by events, plain and overlapped alike; the inf/NaN flag and the norm reduced on the device.
+    The same run as the resident engine's: the norm's host sum may differ in its last bits."""
+    from beyond.offload_optimizer import offload_engine
+    from zero import ZeRO
+    from zero3 import ZeRO3
+    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16")
+    cfg = GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=64)
+    x = torch.randint(0, 64, (4, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    runs = {}
+    for mode in (None, "plain", "overlap"):
+        torch.manual_seed(0)
+        model = GPT(cfg).to("cuda", dtype)
+        Engine = ZeRO3 if stage == 3 else ZeRO
+        kwargs = {} if mode is None else {"overlap": mode == "overlap"}
+        Engine = Engine if mode is None else offload_engine(Engine)
+        zero = Engine(model, stage, lr=1e-2, bucket_mb=0.05, **kwargs)
+        scaler = GradScaler(init_scale=2.0**12, dynamic=dtype == torch.float16, device="cuda")
+        norms = []
+        for step in range(3):
+            for micro in range(2):
+                loss = model(x[:, :-1], x[:, 1:])[1] / 2
+                zero.backward(scaler.scale(loss), sync=micro == 1)
+            norms.append(zero_step(zero, scaler, 1e-2, 0.05)[0])
+        runs[mode] = (norms, [m.detach().cpu() for m in zero.master])
+        if mode is not None:
+            assert all(m.is_pinned() and m.device.type == "cpu" for m in zero.master)
+            assert all(t.device.type == "cpu" for s in zero.opt.state.values()
+                       for t in s.values())
+            assert zero.state_bytes()["master"] == zero.state_bytes()["optimizer"] == 0
+            assert zero.traffic.d2h > 0 and zero.traffic.h2d > 0
+            # an inf in the host slice: found on the host, flagged on the device, skipped
+            zero.backward(scaler.scale(model(x[:, :-1], x[:, 1:])[1]))
+            before = [m.clone() for m in zero.master]
+            grads = zero.master_grads()
+            grads[0].view(-1)[0] = float("inf")
+            found_inf = scaler.unscale_(grads)
+            assert found_inf.device.type == "cuda" and found_inf.item() == 1.0
+            zero.clip_grad_norm_(0.05)
+            zero.step(1e-2, found_inf)
+            zero.publish()
+            assert all(torch.equal(m, b) for m, b in zip(zero.master, before))
+    for mode in ("plain", "overlap"):
+        torch.testing.assert_close(runs[mode][0], runs[None][0], rtol=1e-5, atol=0)
+        for mine, ref in zip(runs[mode][1], runs[None][1]):
+            torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-6)
+    assert runs["plain"][1][0].equal(runs["overlap"][1][0])  # one arithmetic, two schedules

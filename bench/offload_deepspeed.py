@@ -1,0 +1,154 @@
+"""
+ZeRO-Offload against DeepSpeed's own, on the CPU: ZeRO-2 with the optimizer in host memory,
+2 gloo ranks, fp32, the same MLP (64 -> 256 -> 64), batches and schedule, clipping 1.0.
+DeepSpeed's side is ZeRO-2 with "offload_optimizer": {"device": "cpu"}, which builds its
+DeepSpeedCPUAdam; ours is beyond/offload_optimizer.py's OffloadZeRO with torch's fused AdamW.
+
+    python -m bench.offload_deepspeed --ds-path DIR           # DIR: where deepspeed is installed
+    python -m bench.offload_deepspeed --ds-path DIR --steps 40 --rounds 5
+
+DeepSpeed is not a requirement of this repository: install it apart, for example with
+`pip install --target DIR --no-deps deepspeed hjson ninja py-cpuinfo pydantic psutil msgpack
+einops` (it builds its CPU Adam and shared-memory ops the first time, minutes). Each round
+runs both sides, in alternating order, as torchrun processes. Printed: the largest loss
+difference per step, and ms per step ours / DeepSpeed (the median over steps after 3 of
+warm-up, the median over rounds).
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+if __package__ in (None, ""):  # run as a script: import from the repository root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WIDTH, HIDDEN, BATCH, LR, CLIP, WARM = 64, 256, 16, 1e-2, 1.0, 3
+
+
+def mlp():
+    import torch
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, HIDDEN), torch.nn.GELU(),
+                               torch.nn.Linear(HIDDEN, WIDTH))
+
+
+def batches(steps, rank, world_size):
+    """Each step's (x, y) slice of this rank: the same global batch on both sides."""
+    import torch
+    g = torch.Generator().manual_seed(1)
+    per = BATCH // world_size
+    for _ in range(steps):
+        x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+        yield x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+def ours(steps):
+    import torch
+    import torch.distributed as dist
+    from beyond.offload_optimizer import OffloadZeRO
+    from precision import GradScaler
+    from train import update
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = mlp()
+    zero = OffloadZeRO(model, 2, lr=LR, betas=(0.9, 0.95), weight_decay=0.0, rank=rank,
+                       world_size=world_size)
+    scaler = GradScaler(init_scale=1.0, dynamic=False)
+    losses, ms = [], []
+    for x, y in batches(steps, rank, world_size):
+        t = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        zero.backward(loss)
+        update(zero, scaler, LR, CLIP)
+        zero.wait_published()
+        ms.append((time.perf_counter() - t) * 1000)
+        losses.append(loss.item())
+    return losses, ms
+
+
+def deepspeed_side(steps):
+    import deepspeed
+    import torch
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = mlp()
+    cfg = {"train_micro_batch_size_per_gpu": BATCH // int(os.environ["WORLD_SIZE"]),
+           "gradient_clipping": CLIP, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95],
+                                                      "eps": 1e-8, "weight_decay": 0.0}},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=cfg)
+    losses, ms = [], []
+    for x, y in batches(steps, engine.global_rank, engine.world_size):
+        t = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        ms.append((time.perf_counter() - t) * 1000)
+        losses.append(loss.item())
+    return losses, ms
+
+
+def worker(side, steps, out):
+    import torch
+    torch.set_num_threads(1)
+    losses, ms = (ours if side == "ours" else deepspeed_side)(steps)
+    if int(os.environ.get("RANK", 0)) == 0:
+        with open(out, "w") as f:
+            json.dump({"losses": losses, "ms": ms}, f)
+
+
+def run_side(side, steps, ds_path, port):
+    out = tempfile.mktemp(suffix=".json")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               PYTHONPATH=os.pathsep.join([ROOT, ds_path]),
+               PATH=os.pathsep.join([os.path.join(ds_path, "bin"), os.environ["PATH"]]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={port}", os.path.abspath(__file__), "--worker", side,
+           "--steps", str(steps), "--out", out]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    if r.returncode:
+        raise SystemExit(f"{side} failed:\n{r.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def main(argv=None):
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m bench.offload_deepspeed",
+                                description=__doc__.strip().split("\n\n")[0])
+    p.add_argument("--ds-path", default="", help="the folder deepspeed is installed in")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--worker", choices=("ours", "deepspeed"), help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        return worker(a.worker, a.steps, a.out)
+    import socket
+    ratios, diffs = [], None
+    for i in range(a.rounds):
+        runs = {}
+        for side in ("ours", "deepspeed") if i % 2 == 0 else ("deepspeed", "ours"):
+            with socket.socket() as s:  # a free port for this pair of ranks
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            runs[side] = run_side(side, a.steps, a.ds_path, port)
+        diffs = [abs(o - d) for o, d in zip(runs["ours"]["losses"], runs["deepspeed"]["losses"])]
+        ms = {k: statistics.median(v["ms"][WARM:]) for k, v in runs.items()}
+        ratios.append(ms["ours"] / ms["deepspeed"])
+        print(f"round {i + 1}: ours {ms['ours']:.2f} ms a step, DeepSpeed {ms['deepspeed']:.2f}"
+              f" ms: {ratios[-1]:.2f}")
+    print("loss, ours and DeepSpeed's, per step:")
+    for step, (o, d) in enumerate(zip(runs["ours"]["losses"], runs["deepspeed"]["losses"])):
+        print(f"  {step:>3}  {o:.16f}  {d:.16f}  {abs(o - d):.1e}")
+    print(f"largest loss difference {max(diffs):.2e}; ms per step ours / DeepSpeed: median "
+          f"{statistics.median(ratios):.2f} over {a.rounds} rounds")
+
+
+if __name__ == "__main__":
+    main()
