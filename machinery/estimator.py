@@ -261,13 +261,13 @@ def print_run(a, tc, cfg, psi, gpu):
 
 def offload_host_line(host, world_size, host_bytes, per_node=8):
     """--offload-optimizer: what each rank's host memory holds (beyond/offload_optimizer.py),
-    and for the ranks of one host; a ConfigError, one line, when --host-mem cannot hold it."""
+    and for the ranks of one host; a UserError, one line, when --host-mem cannot hold it."""
     ranks = min(world_size, per_node)
     need = ranks * host["total"]
     if need > host_bytes:
-        raise ConfigError(f"--offload-optimizer: {ranks} rank(s) a host need {need / GB:.2f} GB "
-                          f"of host memory (fp32 master, optimizer state, gradient slice), "
-                          f"--host-mem is {host_bytes / GB:.0f} GB: use more hosts, or no offload")
+        raise UserError(f"--offload-optimizer: {ranks} rank(s) a host need {need / GB:.2f} GB "
+                        f"of host memory (fp32 master, optimizer state, gradient slice), "
+                        f"--host-mem is {host_bytes / GB:.0f} GB: use more hosts, or no offload")
     return (f"host memory per rank (--offload-optimizer): {host['total'] / GB:.3f} GB = master "
             f"{host['master'] / GB:.3f} + optimizer {host['optimizer'] / GB:.3f} + fp32 gradient "
             f"{host['grads'] / GB:.3f} + staging {host['staging'] / GB:.3f}; {ranks} rank(s) a "

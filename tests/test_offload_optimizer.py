@@ -133,8 +133,8 @@ def test_an_inf_in_one_ranks_host_slice_skips_every_rank():
 
 
 def test_offload_refuses_stage_0():
-    from configurator import ConfigError, parse_args
-    with pytest.raises(ConfigError, match="--zero 1, 2 or 3"):
+    from configurator import UserError, parse_args
+    with pytest.raises(UserError, match="--zero 1, 2 or 3"):
         parse_args(["--zero", "0", "--offload-optimizer"])
     assert parse_args(["--zero", "2", "--offload-optimizer"]).offload_optimizer == "overlap"
 
@@ -208,7 +208,7 @@ def test_advise_offloads_a_1_5b_model_onto_one_24gb_gpu_when_the_host_holds_it(c
     parameter: 24 GB of model state) trains whole on one 24 GB GPU with its 18 bytes a
     parameter of optimizer side on the host; a host too small for them goes on to LoRA."""
     import memory
-    from configurator import ConfigError
+    from configurator import UserError
     argv = ["--params", "1.5e9", "--world-size", "1", "--gpu-mem", "24GB", "--advise"]
     cmd = memory.main(argv)
     out = capsys.readouterr().out
@@ -217,7 +217,7 @@ def test_advise_offloads_a_1_5b_model_onto_one_24gb_gpu_when_the_host_holds_it(c
     cmd = memory.main(argv + ["--host-mem", "16GB"])
     assert "--lora" in cmd and "--offload-optimizer" not in cmd
     assert "the host would need 27 GB, over --host-mem 16 GB" in capsys.readouterr().out
-    with pytest.raises(ConfigError, match="--host-mem is 16 GB"):  # memory.py without --advise
+    with pytest.raises(UserError, match="--host-mem is 16 GB"):  # memory.py without --advise
         memory.main(argv[:-1] + ["--zero", "1", "--bf16", "--offload-optimizer",
                                  "--host-mem", "16GB"])
 
