@@ -1,8 +1,8 @@
 """
 GPT-2 124M on one GPU in bf16: ms/iter, MFU and peak memory of our training (ZeRO stage 0,
-stage 3, --grad-ckpt, --compile, each set up by train.build) beside a plain PyTorch loop of the
-same model (fp32 weights under bf16 autocast, fused AdamW), compiled and not. Sized for a few
-minutes of GPU time: 6 configurations of 70 steps (by FLOPs, well under 0.1 s each on an
+stage 3, --grad-ckpt, --offload-optimizer at stages 1 and 3, --compile, each set up by
+train.build) beside a plain PyTorch loop of the same model (fp32 weights under bf16 autocast,
+fused AdamW), compiled and not. Sized for a few minutes of GPU time: 8 configurations of 70 steps (by FLOPs, well under 0.1 s each on an
 H100-class GPU) and two compilations.
 
     python -m bench.gpu                              # config/gpt2_124m.py's shape, 12 x 1024
@@ -42,6 +42,8 @@ CONFIGS = {
     "s0": "ours: ZeRO-0 (bf16 weights, fp32 master)",
     "s3": "ours: ZeRO-3",
     "s0+ckpt": "ours: ZeRO-0 + --grad-ckpt",
+    "s1+offload": "ours: ZeRO-1 + --offload-optimizer (fp32 master and AdamW on the host)",
+    "s3+offload": "ours: ZeRO-3 + --offload-optimizer",
     "s0+compile": "ours: ZeRO-0 + --compile",
     "s0+fp8+compile": "ours: ZeRO-0 + --compile --fp8 (dynamic scaling; MFU of bf16's peak)",
 }
@@ -71,7 +73,9 @@ def make_run(key, cfg, data, device, vocab):
         net = torch.compile(model) if key == "plain+compile" else model
         return PlainRun(net, adamw(model, cfg), cfg, data, device, torch.bfloat16)
     ckpt = "full" if key == "s0+ckpt" else "none"
-    run_cfg = replace(cfg, zero=3 if key == "s3" else 0, grad_ckpt=ckpt,
+    stage = 3 if key.startswith("s3") else 1 if key.startswith("s1") else 0
+    run_cfg = replace(cfg, zero=stage, grad_ckpt=ckpt,
+                      offload_optimizer="overlap" if "offload" in key else "none",
                       compile=key.endswith("compile") and key != "plain+compile",
                       fp8="fp8" in key)  # dynamic scaling: no history for fp8.end_step
     return OurRun(run_cfg, data, vocab, device)
