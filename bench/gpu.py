@@ -2,8 +2,8 @@
 GPT-2 124M on one GPU in bf16: ms/iter, MFU and peak memory of our training (ZeRO stage 0,
 stage 3, --grad-ckpt, --offload-optimizer at stages 1 and 3, --compile, each set up by
 train.build) beside a plain PyTorch loop of the same model (fp32 weights under bf16 autocast,
-fused AdamW), compiled and not. Sized for a few minutes of GPU time: 8 configurations of 70 steps (by FLOPs, well under 0.1 s each on an
-H100-class GPU) and two compilations.
+fused AdamW), compiled and not. Sized for a few minutes of GPU time: 8 configurations of 70
+steps (by FLOPs, well under 0.1 s each on an H100-class GPU) and two compilations.
 
     python -m bench.gpu                              # config/gpt2_124m.py's shape, 12 x 1024
     python -m bench.gpu --configs plain,s0 --steps 10
