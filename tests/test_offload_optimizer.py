@@ -96,7 +96,7 @@ def _parity(rank, world_size):
                 assert torch.equal(mine, theirs), (stage, optimizer)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_offload_equals_resident_bitwise(world_size):
     run_distributed(_parity, world_size)
 
