@@ -233,17 +233,24 @@ def rank_pid(out_dir, local_rank):
     return None
 
 
+def resumes_exactly(args, tmp_path, nproc):
+    """8 steps straight (tmp_path/full) and 4 + save + --resume to 8 (tmp_path/split): the same
+    losses and final weights, bitwise. Returns the straight run's losses."""
+    run(args + ["--max-iters", "8"], tmp_path / "full", nproc)
+    run(args + ["--max-iters", "4"], tmp_path / "split", nproc)
+    run(args + ["--max-iters", "8", "--resume"], tmp_path / "split", nproc)
+    full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
+    assert [full[i] for i in range(8)] == [split[i] for i in range(8)]
+    assert_same_weights(final_weights(tmp_path / "full"), final_weights(tmp_path / "split"))
+    return full
+
+
 def test_lora_run_resumes_exactly(data_root, tmp_path):
     """LoRA under ZeRO-3 (adapters and the frozen nf4 base both sharded: saved from gathered tensors,
     restored into the shards): k + resume + k == 2k, bitwise."""
     args = TINY + ["--data-root", data_root, "--lora", "--quantize", "nf4", "--lora-targets", "q,v,mlp_fc",
                    "--learning-rate", "1e-2", "--zero", "3"]
-    run(args + ["--max-iters", "8"], tmp_path / "full", 2)
-    run(args + ["--max-iters", "4"], tmp_path / "split", 2)
-    run(args + ["--max-iters", "8", "--resume"], tmp_path / "split", 2)
-    full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
-    assert [full[i] for i in range(8)] == [split[i] for i in range(8)]
-    assert_same_weights(final_weights(tmp_path / "full"), final_weights(tmp_path / "split"))
+    resumes_exactly(args, tmp_path, 2)
     full, split = (tmp_path / run / "adapter" / "adapter_model.safetensors"
                    for run in ("full", "split"))
     assert open(full, "rb").read() == open(split, "rb").read()

@@ -198,16 +198,12 @@ def test_a_zero3_muon_run_resumes_exactly_and_on_3_to_2_ranks_at_stage_2(data_ro
     by (name, range). A ZeRO-3 run of 3 ranks, resumed by 2 ranks at ZeRO-2 on the same global
     batch, ends within the equivalence tolerance of the 2-rank run (only summation differs)."""
     import numpy as np
-    from test_checkpoint import TINY, assert_same_weights, final_weights, losses, run
+    from test_checkpoint import (TINY, assert_same_weights, final_weights, losses,
+                                 resumes_exactly, run)
     base = TINY + ["--data-root", data_root, "--optimizer", "muon", "--lr-decay-iters", "8",
                    "--ckpt-format", "sharded"]
     two = base + ["--zero", "3", "--batch-size", "6"]  # 2 x 6 == 3 x 4
-    run(two + ["--max-iters", "8"], tmp_path / "full", 2)
-    run(two + ["--max-iters", "4"], tmp_path / "split", 2)
-    run(two + ["--max-iters", "8", "--resume"], tmp_path / "split", 2)
-    full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
-    assert [full[i] for i in range(8)] == [split[i] for i in range(8)]
-    assert_same_weights(final_weights(tmp_path / "full"), final_weights(tmp_path / "split"))
+    full = resumes_exactly(two, tmp_path, 2)
     run(base + ["--zero", "3", "--batch-size", "4", "--max-iters", "4"], tmp_path / "three", 3)
     run(base + ["--zero", "2", "--batch-size", "6", "--max-iters", "8", "--resume"],
         tmp_path / "three", 2)
