@@ -16,6 +16,7 @@ Two rules come with a handle: wait() before reading the output, and know that th
 the input and output alive until wait() (NCCL stashes them) -- so a caller that launches many
 and waits late holds all of their buffers at once (zero.py bounds that: MAX_IN_FLIGHT).
 """
+import time
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -72,7 +73,8 @@ def all_reduce_grads(flat, traffic, world_size, group=None):
         return None
     traffic.count("all_reduce", 2 * flat.numel(), 2 * flat.numel() * flat.element_size(), group)
     # SUM and an explicit division elsewhere, never ReduceOp.AVG (not supported on gloo)
-    return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return work if recorder is None else recorder.launched("all_reduce", flat, work)
 
 
 def reduce_scatter_grads(shard, flat, traffic, world_size, group=None):
@@ -82,7 +84,8 @@ def reduce_scatter_grads(shard, flat, traffic, world_size, group=None):
     traffic.count("reduce_scatter", flat.numel(), flat.numel() * flat.element_size(), group)
     # gloo has no native reduce-scatter: it runs an all-reduce and keeps one slice, so on CPU
     # this half costs what a whole all-reduce costs. NCCL's ring does only the reduce half.
-    return _reduce_scatter(shard, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    work = _reduce_scatter(shard, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return work if recorder is None else recorder.launched("reduce_scatter", flat, work)
 
 
 def all_gather_params(flat, shard, traffic, world_size, group=None):
@@ -90,7 +93,8 @@ def all_gather_params(flat, shard, traffic, world_size, group=None):
         flat.copy_(shard)
         return None
     traffic.count("all_gather", flat.numel(), flat.numel() * flat.element_size(), group)
-    return _all_gather(flat, shard, group=group, async_op=True)
+    work = _all_gather(flat, shard, group=group, async_op=True)
+    return work if recorder is None else recorder.launched("all_gather", flat, work)
 
 
 def all_gather_object(obj, world_size):
@@ -109,7 +113,8 @@ def all_to_all(out, inp, traffic, group_size, group=None):
         out.copy_(inp)
         return None
     traffic.count("all_to_all", inp.numel(), inp.numel() * inp.element_size(), group)
-    return dist.all_to_all_single(out, inp, group=group, async_op=True)
+    work = dist.all_to_all_single(out, inp, group=group, async_op=True)
+    return work if recorder is None else recorder.launched("all_to_all", inp, work)
 
 
 def all_reduce_sum(x, world_size, group=None):
@@ -145,3 +150,51 @@ def gather_group(group, device, world_size):
         backend = "nccl" if device.type == "cuda" else dist.get_backend(group)
         _gather_groups[key] = dist.new_group(ranks=ranks, backend=backend)
     return _gather_groups[key]
+
+
+# ----------------------------------------------------------------------------------------------
+# The collective log (train.py --trace; machinery/timeline.py writes and reads it). Off, the
+# recorder is None and a collective pays one test of it: nothing recorded, no clock read, no
+# host sync. On, every collective above is one event -- its op, bytes, the step and micro-step
+# the caller set, and three host clock times: launched, wait() entered, wait() returned. The
+# time inside wait() is communication the compute did not hide (exposed); launched to returned
+# bounds the collective itself. Marks (a block's forward or backward ending) put compute
+# beside it.
+
+recorder = None  # a Recorder while tracing
+
+
+class Recorder:
+    def __init__(self):
+        self.events, self.step, self.micro, self.seq = [], 0, 0, 0
+
+    def mark(self, what, **info):
+        self.events.append(dict(kind="mark", what=what, step=self.step, micro=self.micro,
+                                t=time.perf_counter(), **info))
+
+    def launched(self, op, tensor, work):
+        event = dict(kind="collective", op=op, step=self.step, micro=self.micro, seq=self.seq,
+                     numel=tensor.numel(), bytes=tensor.numel() * tensor.element_size(),
+                     launch=time.perf_counter(), wait=None, done=None)
+        self.seq += 1
+        self.events.append(event)
+        return work if work is None else Logged(work, event)
+
+
+class Logged:
+    """A work handle that notes when it was waited for (the first wait; later ones return)."""
+
+    def __init__(self, work, event):
+        self.work, self.event = work, event
+
+    def wait(self, *args, **kwargs):
+        first = self.event["wait"] is None
+        if first:
+            self.event["wait"] = time.perf_counter()
+        out = self.work.wait(*args, **kwargs)
+        if first:
+            self.event["done"] = time.perf_counter()
+        return out
+
+    def __getattr__(self, name):  # is_completed(), get_future(): the backend's own
+        return getattr(self.work, name)
