@@ -180,6 +180,10 @@ class TrainConfig:
                              check=">= 0")
     seed: int = opt(1337, "the batch at step t depends only on (seed, t)")
     nan_at: int = opt(-1, "a lesson in skipped steps: make the last rank's loss NaN at this step")
+    trace: str = opt("", "a timeline into this folder: a torch.profiler trace per rank and the "
+                         "collective log of --trace-steps steps after 2 warm-up steps, each "
+                         "step's exposed communication and overlap (docs/debugging.md)")
+    trace_steps: int = opt(3, "how many steps --trace records", check="int >= 1")
 
 
 SCHEDULE = ("learning_rate", "min_lr", "warmup_iters", "lr_decay_iters")  # train.get_lr's

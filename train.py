@@ -30,7 +30,7 @@ import checkpoint
 from configurator import SCHEDULE, UserError, TrainConfig, grad_accum_for, parse_args
 from data.loader import Batches, changed_data, data_identity, estimate_loss, load_data
 from lora import apply_lora
-from machinery import lifecycle, report  # the run's guards; its numbers, measured
+from machinery import lifecycle, report, timeline  # the run's guards; its numbers, measured
 from model import GPT, GPTConfig
 from precision import DTYPES, GradScaler, grad_zero_frac, resolve_dtype, set_tf32
 from quant import quantize_base
@@ -340,6 +340,7 @@ def main(argv=None):
     stop = lifecycle.stop_on_signals()  # SIGTERM / Ctrl-C: finish the step, save, exit
     log = report.StepLog(cfg, model, zero, scaler, metrics, print0, grad_accum, start_it)
     batches = Batches(train, cfg, rank, world_size, grad_accum, device, start_it)
+    tracer = timeline.start(cfg, model, rank, device, metrics, print0, start_it)  # --trace
 
     it, stopped = start_it, False
     while True:
@@ -360,11 +361,15 @@ def main(argv=None):
             from beyond import fp8
             fp8.measure(model, logging)
 
+        if tracer:
+            tracer.begin(it)
         # ---- the training step (above): the lecture, in its order --------------------------
         loss_sum, found_inf, grad_norm, zero_frac = train_step(
             model, zero, scaler, cfg, batches.next, grad_accum, lr,
             grad_zero_frac if logging else None)  # fp16 underflow: zeros, on logged steps
         # ---- everything after this is logging and saving -----------------------------------
+        if tracer:
+            tracer.end(it)
 
         if logging:  # the only steps that wait for the device
             log.log(it, lr, loss_sum, found_inf, grad_norm, zero_frac)

@@ -7,6 +7,11 @@ On gloo a collective runs on the host beside the compute, so these are host time
 the wait is a stream wait and the host times bound the exposure from above (the profiler's
 trace, written beside the log, holds the device's own)."""
 import json
+import os
+
+import torch
+
+import collectives
 
 
 def write(events, path, rank):
@@ -42,3 +47,81 @@ def per_step(events):
     for s in out.values():
         s["overlap"] = 1 - s["exposed_s"] / s["comm_s"] if s["comm_s"] > 0 else 0.0
     return out
+
+
+WARMUP = 2  # steps before the window: the first pays allocations, compile, the fork's costs
+
+
+class Tracer:
+    """train.py --trace DIR: steps start+2 .. start+2+n-1 recorded. Outside the window it
+    does nothing; inside, every collective goes to collectives.recorder, torch.profiler runs,
+    and on CUDA the allocator records its history. Each traced step prints and logs its
+    exposed communication and overlap; the window's end writes, per rank, trace_rank{r}.json
+    (Chrome trace: chrome://tracing or ui.perfetto.dev), collectives_rank{r}.jsonl and, on
+    CUDA, memory_rank{r}.pickle (pytorch.org/memory_viz)."""
+
+    def __init__(self, cfg, model, rank, device, metrics, print0, start_it):
+        self.dir, self.rank, self.device = cfg.trace, rank, device
+        self.metrics, self.print0 = metrics, print0
+        self.first = start_it + WARMUP
+        self.last = min(self.first + cfg.trace_steps, cfg.max_iters) - 1  # the run may end first
+        self.model, self.rec, self.prof, self.hooks, self.t0 = model, None, None, [], 0.0
+        os.makedirs(self.dir, exist_ok=True)
+
+    def begin(self, it):
+        if not self.first <= it <= self.last:
+            return
+        if it == self.first:
+            self._start()
+        self.rec.step, self.rec.micro, self.rec.seq = it, -1, 0
+        self.rec.mark("step_begin")
+
+    def end(self, it):
+        if self.rec is None or it != self.rec.step:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the step's kernels in its own span (a traced step syncs)
+        self.rec.mark("step_end")
+        events = [e for e in self.rec.events if e["step"] == it]
+        s = per_step(events).get(it, dict(exposed_s=0.0, comm_s=0.0, overlap=0.0))
+        step_s = events[-1]["t"] - events[0]["t"]
+        self.print0(f"trace step {it}: {1e3 * step_s:.1f} ms, communication "
+                    f"{1e3 * s['comm_s']:.1f} ms launched-to-landed, {1e3 * s['exposed_s']:.1f} ms "
+                    f"exposed (waited for), overlap {100 * s['overlap']:.0f}%")
+        self.metrics.log({"iter": it, "event": "trace", "step_ms": 1e3 * step_s,
+                          "comm_ms": 1e3 * s["comm_s"], "exposed_comm_ms": 1e3 * s["exposed_s"],
+                          "overlap": s["overlap"]})
+        if it == self.last:
+            self._stop()
+
+    def _start(self):
+        self.rec = collectives.recorder = collectives.Recorder()
+        self.hooks.append(self.model.register_forward_pre_hook(self._micro))
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.memory._record_memory_history(max_entries=100000)
+        self.prof = torch.profiler.profile(activities=activities)
+        self.prof.__enter__()
+
+    def _micro(self, module, args):
+        self.rec.micro += 1
+
+    def _stop(self):
+        self.prof.__exit__(None, None, None)
+        self.prof.export_chrome_trace(os.path.join(self.dir, f"trace_rank{self.rank}.json"))
+        if self.device.type == "cuda":
+            torch.cuda.memory._dump_snapshot(os.path.join(self.dir, f"memory_rank{self.rank}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+        write(self.rec.events, os.path.join(self.dir, f"collectives_rank{self.rank}.jsonl"),
+              self.rank)
+        for h in self.hooks:
+            h.remove()
+        self.hooks, self.rec, collectives.recorder = [], None, None
+        self.print0(f"trace: {self.dir}/trace_rank*.json and collectives_rank*.jsonl "
+                    f"(python -m bench.plots --timeline {self.dir})")
+
+
+def start(cfg, model, rank, device, metrics, print0, start_it):
+    """train.py's one call: a Tracer under --trace, else None (the loop tests it, nothing else)."""
+    return Tracer(cfg, model, rank, device, metrics, print0, start_it) if cfg.trace else None
