@@ -7,6 +7,7 @@ figures/memory.png (the bytes each rank holds, stacked by kind, per dtype), traf
     python -m bench.costs --save costs.json              # measure and keep the results ...
     python -m bench.plots --costs costs.json             # ... then (re)draw them
     python -m bench.plots --costs costs.json --runs out-a out-b   # your own runs' loss curves
+    python -m bench.plots --timeline out/trace           # a train.py --trace run's timeline
 
 Without --runs the loss curves come from short train.py runs of every stage on the costs run's
 ranks (the same seed and batches: ZeRO changes nothing, so the curves lie on one another).
@@ -174,12 +175,86 @@ def plot_costs(args, world_size, results):
         print(f"wrote {path}")
 
 
+OP_COLORS = {"reduce_scatter": "tab:orange", "all_reduce": "tab:red", "all_gather": "tab:blue",
+             "all_to_all": "tab:purple"}
+
+
+def timeline_chart(plt, logs, title):
+    """One traced step per rank (the window's last: warm): a compute lane (the host not waiting
+    on a collective) and a communication lane (each collective launched to landed, its waited
+    part dark: exposed)."""
+    from machinery import timeline
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 1.1 * len(logs)))
+    step = max(e["step"] for e in logs[0])
+    t0 = min(e.get("t", e.get("launch")) for e in logs[0] if e["step"] == step)
+    ticks = []
+    for rank, events in enumerate(logs):
+        events = [e for e in events if e["step"] == step]
+        marks = {e["what"]: e["t"] for e in events if e["kind"] == "mark"}
+        ops = [e for e in events if e["kind"] == "collective" and e["done"] is not None]
+        y_comp, y_comm = 2 * rank + 1, 2 * rank
+        busy, t = [], marks["step_begin"]
+        for e in sorted(ops, key=lambda e: e["wait"]):
+            if e["wait"] > t:
+                busy.append((t - t0, e["wait"] - t))
+            t = max(t, e["done"])
+        busy.append((t - t0, marks["step_end"] - t))
+        ax.broken_barh([(1e3 * a, 1e3 * w) for a, w in busy], (y_comp - 0.35, 0.7),
+                       color="tab:green")
+        for e in ops:
+            c = OP_COLORS[e["op"]]
+            ax.broken_barh([(1e3 * (e["launch"] - t0), 1e3 * (e["done"] - e["launch"]))],
+                           (y_comm - 0.35, 0.7), facecolor=c, alpha=0.35, edgecolor=c)
+            ax.broken_barh([(1e3 * (e["wait"] - t0), 1e3 * (e["done"] - e["wait"]))],
+                           (y_comm - 0.35, 0.7), facecolor=c)
+        ticks += [(y_comm, f"rank {rank} comm"), (y_comp, f"rank {rank} compute")]
+        s = timeline.per_step(events)[step]
+        ax.text(1e3 * (marks["step_end"] - t0), y_comp, f"  overlap {100 * s['overlap']:.0f}%",
+                va="center", fontsize=7)
+    ax.set_xlim(right=ax.get_xlim()[1] * 1.12)  # room for the overlap labels
+    ax.set_yticks([y for y, _ in ticks], [n for _, n in ticks])
+    ax.set_xlabel(f"ms since step {step} began (host clock)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color="tab:green", label="compute")] + \
+        [plt.Rectangle((0, 0), 1, 1, color=c, label=op) for op, c in OP_COLORS.items()
+         if any(e.get("op") == op for events in logs for e in events)]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
+    ax.set_title(title + " (pale: in flight; dark: waited for, exposed)", fontsize=9)
+    return fig
+
+
+def plot_timeline(folder, out, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from machinery import timeline
+    paths = sorted(f for f in os.listdir(folder) if f.startswith("collectives_rank"))
+    logs = [timeline.read(os.path.join(folder, f)) for f in
+            sorted(paths, key=lambda f: int(f[len("collectives_rank"):-len(".jsonl")]))]
+    fig = timeline_chart(plt, logs, title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close("all")
+    print(f"wrote {out}")
+
+
 def main(argv=None):
     p = parser("plots", __doc__, writes=False)
-    p.add_argument("--costs", metavar="FILE", required=True,
+    p.add_argument("--costs", metavar="FILE",
                    help="the results of python -m bench.costs --save FILE")
+    p.add_argument("--timeline", metavar="DIR", help="a train.py --trace DIR run: one compute "
+                   "and one communication lane per rank, into --plot-dir/--name")
+    p.add_argument("--name", default="timeline.png", help="--timeline: the picture's file name")
+    p.add_argument("--title", default="train.py --trace", help="--timeline: its title")
     add_plot_flags(p, switch=False)
     args = p.parse_args(argv)
+    if args.timeline:
+        if not os.path.isfile(os.path.join(args.timeline, "collectives_rank0.jsonl")):
+            p.error(f"--timeline {args.timeline}: no collectives_rank0.jsonl in it "
+                    "(train.py --trace DIR writes them)")
+        return plot_timeline(args.timeline, os.path.join(args.plot_dir, args.name), args.title)
+    if not args.costs:
+        p.error("give --costs FILE or --timeline DIR")
     if not os.path.isfile(args.costs):
         p.error(f"--costs {args.costs}: no such file (python -m bench.costs --save FILE)")
     check_plot_flags(p, args, switch=False)
