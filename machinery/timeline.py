@@ -96,7 +96,7 @@ class Tracer:
 
     def _start(self):
         self.rec = collectives.recorder = collectives.Recorder()
-        self.hooks.append(self.model.register_forward_pre_hook(self._micro))
+        self.hooks.append(self.model.register_forward_pre_hook(self._micro, prepend=True))
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -3,6 +3,8 @@ reduce-scatters launched during backward, at most two in flight; ZeRO-3's next b
 while this one runs, and its weights freed after. gloo checks the order, not the speed: it runs
 a reduce-scatter as an all-reduce. Each test runs once on the engine and once on a
 deliberately serialized one, and asserts that the serialized one breaks the order."""
+import json
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ import zero as zero_module
 from conftest import make_zero, run_distributed
 from data.loader import get_batch
 from machinery import timeline
+from test_train import TINY, run
 from test_zero import B, DATA, LR, SEED, T, make_model
 
 
@@ -78,3 +81,28 @@ def test_zero3_prefetches_the_next_block_and_frees_the_last():
     run_distributed(_zero3_prefetch, 2, True)
     with pytest.raises(Exception, match="not launched before"):  # the serialized engine
         run_distributed(_zero3_prefetch, 2, False)
+
+
+def test_train_trace_writes_the_log_the_profile_and_the_overlap(data_root, tmp_path):
+    """train.py --trace on 2 gloo ranks at ZeRO-3: steps 2-3 traced (2 warm-up steps), a
+    Chrome trace and a collective log per rank, and metrics.jsonl's trace rows whose exposed
+    communication is the log's own sum; the recorder is off again after the window."""
+    out, trace = tmp_path / "run", tmp_path / "run" / "trace"
+    args = TINY + ["--data-root", data_root, "--dataset", "tiny", "--max-iters", "5",
+                   "--eval-interval", "100", "--zero", "3", "--bucket-mb", "0.002",
+                   "--trace", str(trace), "--trace-steps", "2"]
+    rows = run(args, out, nproc=2)
+    traced = [r for r in rows if r.get("event") == "trace"]
+    assert [r["iter"] for r in traced] == [2, 3]
+    for rank in (0, 1):
+        assert json.load(open(trace / f"trace_rank{rank}.json"))["traceEvents"]
+    log = timeline.read(trace / "collectives_rank0.jsonl")
+    ops = [e for e in log if e["kind"] == "collective"]
+    assert {e["step"] for e in ops} == {2, 3} and {"all_gather", "reduce_scatter"} <= {
+        e["op"] for e in ops}
+    assert all(e["micro"] >= 0 and e["bytes"] > 0 for e in ops)
+    for r in traced:
+        mine = timeline.per_step(log)[r["iter"]]
+        assert abs(r["exposed_comm_ms"] - 1e3 * mine["exposed_s"]) < 1e-6
+        assert 0 <= r["overlap"] <= 1
+    assert collectives.recorder is None
