@@ -5,7 +5,7 @@ train.build) beside a plain PyTorch loop of the same model (fp32 weights under b
 fused AdamW), compiled and not. Sized for a few minutes of GPU time: 8 configurations of 70
 steps (by FLOPs, well under 0.1 s each on an H100-class GPU) and two compilations.
 
-    python -m bench.gpu                              # config/gpt2_124m.py's shape, 12 x 1024
+    python -m bench.gpu                              # config/gpt2_124m.py's shape, 16 x 1024 a step
     python -m bench.gpu --configs plain,s0 --steps 10
     python -m bench.gpu --configs s0+compile,s0+fp8+compile    # bf16 vs --fp8 (Ada, Hopper+)
     python -m bench.gpu --tiny --no-write            # the same code on a tiny model, on a CPU

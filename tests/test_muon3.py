@@ -140,8 +140,11 @@ def _parity(rank, world_size):
 # bf16 against one process, (theta_K - theta_0) apart in L2, measured at 2 / 3 / 4 ranks: Muon
 # 8.7% / 12.4% / 12.3% (its orthogonalised step gives a rounded near-zero direction of the
 # gradient a whole unit of size, as Adam's normalised step gives one a whole lr:
-# tests/test_zero.py bounds AdamW by 15%), Adafactor 1.6% / 1.3% / 3.8%. Deterministic on CPU
-BF16_TOL = {"muon": 0.15, "adafactor": 0.05}
+# tests/test_zero.py bounds AdamW by 15%), Adafactor 1.6% / 1.3% / 3.8%, on a CPU with bf16
+# dot products (avx512_bf16). Deterministic on one CPU, not across CPUs: on an AVX2-only CPU,
+# whose bf16 matmuls are emulated and round elsewhere, Muon 8.4% / 10.6% / 12.1% and Adafactor
+# 1.7% / 1.6% / 7.0%. The bound covers both.
+BF16_TOL = {"muon": 0.15, "adafactor": 0.10}
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
