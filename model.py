@@ -278,7 +278,9 @@ class GPT(nn.Module):
                 logits = logits / temperature
                 if top_k is not None:
                     v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits[logits < v[:, [-1]]] = -float("inf")
+                    # masked_fill_, not logits[mask] = ...: a boolean index_put counts the
+                    # mask on the host, one sync per generated token on a GPU
+                    logits.masked_fill_(logits < v[:, [-1]], -float("inf"))
                 probs = F.softmax(logits, dim=-1)
                 idx_next = torch.multinomial(probs, num_samples=1, generator=generator)
             idx = torch.cat((idx, idx_next), dim=1)

@@ -268,3 +268,33 @@ def test_fused_loss_head_in_bf16_equals_the_chunked_one(monkeypatch):
     torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out[1][1], out[0][1], rtol=0, atol=1e-4)  # bf16 gradients
     assert not out[1][1][..., 100:].any()
+
+
+def test_top_k_sampling_masks_without_a_boolean_index(monkeypatch):
+    """generate's top-k cut is masked_fill_: a boolean-mask assignment (index_put) syncs the host
+    once per token on a GPU. Same tokens as the boolean form for one seed."""
+    torch.manual_seed(0)
+    model = tiny().eval()
+    idx = torch.zeros(2, 1, dtype=torch.long)
+    bool_keys = []
+    setitem = torch.Tensor.__setitem__
+
+    def recording(self, key, value):
+        if isinstance(key, torch.Tensor) and key.dtype == torch.bool:
+            bool_keys.append(key.shape)
+        return setitem(self, key, value)
+
+    monkeypatch.setattr(torch.Tensor, "__setitem__", recording)
+    gen = torch.Generator().manual_seed(1)
+    out = model.generate(idx, 6, temperature=0.8, top_k=5, generator=gen)
+    assert bool_keys == []
+    monkeypatch.undo()
+    # the reference: the boolean form, step by step with the same generator
+    gen, ref = torch.Generator().manual_seed(1), idx
+    with torch.no_grad():
+        for _ in range(6):
+            logits = model(ref)[0][:, -1, :] / 0.8
+            v, _ = torch.topk(logits, 5)
+            logits[logits < v[:, [-1]]] = -float("inf")
+            ref = torch.cat((ref, torch.multinomial(F.softmax(logits, -1), 1, generator=gen)), 1)
+    assert torch.equal(out, ref)
