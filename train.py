@@ -30,7 +30,7 @@ import checkpoint
 from configurator import SCHEDULE, UserError, TrainConfig, grad_accum_for, parse_args
 from data.loader import Batches, changed_data, data_identity, estimate_loss, load_data
 from lora import apply_lora
-from machinery import lifecycle, report, timeline  # the run's guards; its numbers, measured
+from machinery import lifecycle, report  # the run's guards; its numbers, measured
 from model import GPT, GPTConfig
 from precision import DTYPES, GradScaler, grad_zero_frac, resolve_dtype, set_tf32
 from quant import quantize_base
@@ -340,7 +340,10 @@ def main(argv=None):
     stop = lifecycle.stop_on_signals()  # SIGTERM / Ctrl-C: finish the step, save, exit
     log = report.StepLog(cfg, model, zero, scaler, metrics, print0, grad_accum, start_it)
     batches = Batches(train, cfg, rank, world_size, grad_accum, device, start_it)
-    tracer = timeline.start(cfg, model, rank, device, metrics, print0, start_it)  # --trace
+    tracer = None
+    if cfg.trace:  # a timeline of a few steps (docs/debugging.md)
+        from machinery import timeline
+        tracer = timeline.Tracer(cfg, model, rank, device, metrics, print0, start_it)
 
     it, stopped = start_it, False
     while True:

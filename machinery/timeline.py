@@ -111,7 +111,8 @@ class Tracer:
         self.prof.__exit__(None, None, None)
         self.prof.export_chrome_trace(os.path.join(self.dir, f"trace_rank{self.rank}.json"))
         if self.device.type == "cuda":
-            torch.cuda.memory._dump_snapshot(os.path.join(self.dir, f"memory_rank{self.rank}.pickle"))
+            path = os.path.join(self.dir, f"memory_rank{self.rank}.pickle")
+            torch.cuda.memory._dump_snapshot(path)
             torch.cuda.memory._record_memory_history(enabled=None)
         write(self.rec.events, os.path.join(self.dir, f"collectives_rank{self.rank}.jsonl"),
               self.rank)
@@ -121,7 +122,3 @@ class Tracer:
         self.print0(f"trace: {self.dir}/trace_rank*.json and collectives_rank*.jsonl "
                     f"(python -m bench.plots --timeline {self.dir})")
 
-
-def start(cfg, model, rank, device, metrics, print0, start_it):
-    """train.py's one call: a Tracer under --trace, else None (the loop tests it, nothing else)."""
-    return Tracer(cfg, model, rank, device, metrics, print0, start_it) if cfg.trace else None
