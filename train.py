@@ -341,7 +341,7 @@ def main(argv=None):
     log = report.StepLog(cfg, model, zero, scaler, metrics, print0, grad_accum, start_it)
     batches = Batches(train, cfg, rank, world_size, grad_accum, device, start_it)
     tracer = None
-    if cfg.trace:  # --trace DIR: the collective log, the profiler's trace (docs/debugging.md)
+    if cfg.trace:  # a timeline of a few steps (docs/debugging.md)
         from machinery import timeline
         tracer = timeline.Tracer(cfg, model, rank, device, metrics, print0, start_it)
 

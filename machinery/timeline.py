@@ -111,8 +111,8 @@ class Tracer:
         self.prof.__exit__(None, None, None)
         self.prof.export_chrome_trace(os.path.join(self.dir, f"trace_rank{self.rank}.json"))
         if self.device.type == "cuda":
-            snapshot = os.path.join(self.dir, f"memory_rank{self.rank}.pickle")
-            torch.cuda.memory._dump_snapshot(snapshot)
+            path = os.path.join(self.dir, f"memory_rank{self.rank}.pickle")
+            torch.cuda.memory._dump_snapshot(path)
             torch.cuda.memory._record_memory_history(enabled=None)
         write(self.rec.events, os.path.join(self.dir, f"collectives_rank{self.rank}.jsonl"),
               self.rank)
@@ -121,3 +121,4 @@ class Tracer:
         self.hooks, self.rec, collectives.recorder = [], None, None
         self.print0(f"trace: {self.dir}/trace_rank*.json and collectives_rank*.jsonl "
                     f"(python -m bench.plots --timeline {self.dir})")
+
