@@ -25,11 +25,11 @@ def read(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def max_in_flight(collectives):
+def max_in_flight(events):
     """The most collectives launched and not yet waited for at any launch."""
     most = 0
-    for e in collectives:
-        alive = [o for o in collectives if o["launch"] <= e["launch"] and
+    for e in events:
+        alive = [o for o in events if o["launch"] <= e["launch"] and
                  (o["wait"] is None or o["wait"] > e["launch"])]
         most = max(most, len(alive))
     return most
@@ -65,7 +65,7 @@ class Tracer:
         self.metrics, self.print0 = metrics, print0
         self.first = start_it + WARMUP
         self.last = min(self.first + cfg.trace_steps, cfg.max_iters) - 1  # the run may end first
-        self.model, self.rec, self.prof, self.hooks, self.t0 = model, None, None, [], 0.0
+        self.model, self.rec, self.prof, self.hooks = model, None, None, []
         os.makedirs(self.dir, exist_ok=True)
 
     def begin(self, it):
@@ -121,4 +121,3 @@ class Tracer:
         self.hooks, self.rec, collectives.recorder = [], None, None
         self.print0(f"trace: {self.dir}/trace_rank*.json and collectives_rank*.jsonl "
                     f"(python -m bench.plots --timeline {self.dir})")
-
