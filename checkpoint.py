@@ -46,28 +46,17 @@ import numpy as np
 import torch
 
 from collectives import Traffic, all_gather_object, all_gather_params
-from machinery import ckpt_reader, lifecycle, rundir, validate
+from precision import GradScaler
+from machinery import ckpt_reader, declared, lifecycle, rundir, validate
 from machinery.ckpt_reader import CheckpointFiles, newest_checkpoint  # checked
+# what files keep of the model: its declarations, or the defaults (docs/forking.md)
+from machinery.declared import model_args, stored_shapes
 from machinery.rundir import list_checkpoints
 from configurator import UserError
 
 
 # ----------------------------------------------------------------------------------------------
 # a piece: what each rank owns of the model state, by (tensor name, element range)
-
-def stored_shapes(model):
-    """{name: shape} of every tensor as files hold it: the model's own declaration (GPT's
-    leaves out the zero rows its vocabulary is padded with), else each tensor's shape, the
-    tied one under its first name."""
-    if hasattr(model, "stored_shapes"):
-        return model.stored_shapes()
-    shapes, seen = {}, set()
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            shapes[name] = list(t.shape)
-    return shapes
-
 
 def stored(shapes, name, lo, hi):
     """[lo, hi) of a flattened tensor, cut to what the checkpoint stores of it."""
@@ -250,12 +239,16 @@ def optimizer_header(zero):
             "opt_step": max((c for c in every if c is not None), default=0)}
 
 
-def save(out_dir, it, zero, model, scaler, header, fmt, keep_last):
-    """Write OUT_DIR/ckpt-IT on every rank (a collective). header: run flags, model config,
-    tokenizer metadata, fp8's state. fmt: "consolidated" (1 file, gathered by rank 0) or
-    "sharded" (1 file a rank). Keeps the newest keep_last complete checkpoints. On a write
-    error every rank raises UserError and nothing changes in out_dir."""
+def save(out_dir, it, zero, model, scaler=None, header=None, fmt="consolidated", keep_last=2):
+    """Write OUT_DIR/ckpt-IT on every rank (a collective). header: run flags ("config"), the
+    model config ("model_args"), tokenizer metadata ("meta"), fp8's state; what it leaves out
+    is {}, and model_args the model's own (model_args()). scaler: None saves a fixed scale of 1
+    (no scaler). fmt: "consolidated" (1 file, gathered by rank 0) or "sharded" (1 file a rank).
+    Keeps the newest keep_last complete checkpoints. On a write error every rank raises
+    UserError and nothing changes in out_dir."""
     rank, world_size = zero.rank, zero.world_size
+    header = {"config": {}, "meta": {}, "model_args": model_args(model), **(header or {})}
+    scaler = GradScaler(init_scale=1.0, dynamic=False) if scaler is None else scaler
     final = os.path.join(out_dir, f"ckpt-{it:07d}")
     # the collectives first (gathers, metadata), then the writes: a rank whose write fails
     # cannot leave the others waiting in a collective
@@ -382,11 +375,16 @@ def _read_owned(reader, zero, shapes):
 
 
 @torch.no_grad()
-def restore(path, zero, model, scaler, config, model_args, vocab_meta):
+def restore(path, zero, model, scaler=None, config=None, model_args=None, vocab_meta=None):
     """Load a checkpoint into a freshly built run (any stage, any world size). Every rank reads
     only what it owns. Returns (iteration to continue from, a note to print or None, the
-    header). The scaler is restored only when the precision is the same as when it was saved."""
+    header). Checked first: the model (model_args: default the model's own; {} checks the
+    tensors alone), the vocabulary (vocab_meta, if given), the optimizer (config's, else the
+    engine's; "adamw" is torch.optim.AdamW's "AdamW") and config's LoRA flags. The scaler is
+    restored only when the precision is the same as when it was saved (scaler None: not)."""
     shapes, error = stored_shapes(model), None
+    config = {"optimizer": zero.optimizer, **(config or {})}
+    model_args = declared.model_args(model) if model_args is None else model_args
     try:
         reader = Reader(path)
         h = reader.header
@@ -413,9 +411,10 @@ def restore(path, zero, model, scaler, config, model_args, vocab_meta):
     zero.publish()
     note = None
     old = (h["config"].get("dtype"), h["config"].get("loss_scale"))
-    if old == (config.get("dtype"), config.get("loss_scale")):
+    same_precision = old == (config.get("dtype"), config.get("loss_scale"))
+    if scaler is not None and same_precision:
         scaler.load_state_dict(h["scaler"])
-    else:
+    elif scaler is not None:
         note = (f"{path} was saved with --dtype {old[0]} --loss-scale {old[1]}: this run's "
                 f"--dtype {config.get('dtype')} starts a fresh loss scaler")
     if rng is not None:  # the same ranks again: dropout continues exactly

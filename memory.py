@@ -9,7 +9,8 @@ The arithmetic is footprint.py's (model state, exact) and activations.py's (save
 per module kind), both counted on the model the flags describe and held to measurement by
 tests/test_memory.py. Not estimated: the CUDA context and allocator fragmentation: --advise
 keeps HEADROOM of the GPU free for them. --advise walks the lecture's decision flow and ends in
-a train.py command that runs what it estimated. Sizes are decimal: 1 GB = 1e9 bytes.
+a train.py command that runs what it estimated. Sizes are decimal: 1 GB = 1e9 bytes. A fork's
+model (model.GPT edited) is counted by its own formulas: docs/forking.md, "memory.py for a fork".
 """
 import bisect
 import sys

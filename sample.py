@@ -28,6 +28,7 @@ from data.prepare import get_codec
 from lora import merge_lora
 from machinery import pretrained
 from machinery.adapters import load_adapter
+from machinery.declared import generate
 from machinery.validate import vocab_id
 from precision import resolve_dtype
 
@@ -105,8 +106,9 @@ def sample(args):
     x = torch.tensor([ids], dtype=torch.long, device=device).expand(args.num_samples, -1)  # (S, T)
     # torch.multinomial draws on the logits' device, and a CPU generator cannot drive a CUDA draw
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    y = model.generate(x, args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k or None, generator=gen)  # (S, T + max_new_tokens)
+    # the model's generate(), or model.py's loop over forward's logits (a fork's: declared.py)
+    y = generate(model, x, args.max_new_tokens, temperature=args.temperature,
+                 top_k=args.top_k or None, generator=gen)  # (S, T + max_new_tokens)
     for row in y.tolist():
         print(decode(row), "-" * 40, sep="\n")
 

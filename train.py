@@ -31,7 +31,7 @@ from configurator import SCHEDULE, UserError, TrainConfig, grad_accum_for, parse
 from data.loader import Batches, changed_data, data_identity, estimate_loss, load_data
 from lora import apply_lora
 from machinery import lifecycle, report  # the run's guards; its numbers, measured
-from model import GPT, GPTConfig
+from model import GPT
 from precision import DTYPES, GradScaler, grad_zero_frac, resolve_dtype, set_tf32
 from quant import quantize_base
 from zero import ZeRO
@@ -145,13 +145,10 @@ def update(zero, scaler, lr, grad_clip, on_grads=None):
 # the set-up
 
 def model_config(cfg, vocab_size):
-    """The GPTConfig of a run's flags (a UserError when the shape does not divide)."""
-    try:
-        return GPTConfig(arch=GPT.ARCH, block_size=cfg.block_size, vocab_size=vocab_size,
-                         n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                         dropout=cfg.dropout, bias=cfg.bias)
-    except ValueError as e:
-        raise UserError(str(e))
+    """The model's config of a run's flags: a GPTConfig (a fork's CONFIG), each field named
+    like a flag set by it, vocab_size the data's (a UserError when the shape does not divide)."""
+    from machinery.declared import config_of_flags  # a fork's config too (docs/forking.md)
+    return config_of_flags(GPT, cfg, vocab_size)
 
 
 def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
@@ -169,10 +166,12 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
                                    cfg.lora)
         source = pretrained.hf_weights(init_hf)  # the file's, read a tensor at a time
     else:
+        from machinery import declared  # what the model declares, or a default
         model = GPT(model_config(cfg, vocab_size))
+        declared.check_model(model, cfg)  # it keeps what the flags set on it
         if init_weights is not None:
             try:
-                model.load_weights(init_weights)
+                declared.load_weights(model, init_weights)
             except ValueError as e:
                 raise UserError(f"--init-from does not fit this model: {e}")
         # an adapter file names its base: the weights before LoRA and quantization
@@ -311,18 +310,17 @@ def main(argv=None):
     gptconf = model_config(cfg, meta["vocab_size"])
     # weights of another run (either format), checked against this model; a LoRA run's as
     # it trained are loaded into the built run (pretrained.init_trained)
-    weights = init and pretrained.init_weights(init, cfg, asdict(gptconf), meta, print0)
+    weights = init and pretrained.init_weights(init, cfg, checkpoint.model_args(GPT, gptconf),
+                                               meta, print0)
     model, zero, scaler = build(cfg, meta["vocab_size"], device, dtype, rank, world_size,
                                 grad_accum, weights, init_hf)
     if init and weights is None:  # a LoRA run's checkpoint, taken as it trained
         pretrained.init_trained(init, cfg, zero, model)
-    print0(f"model: {model.num_params(non_embedding=False):,} parameters, "
-           f"{zero.psi:,} trainable")
+    print0(f"model: {report.num_params(model):,} parameters, {zero.psi:,} trainable")
 
     # resume: read and check everything before touching any file of the run
-    start_it, ckpt, note, new_data = resume(cfg, zero, model, scaler, gptconf, meta, data_id,
-                                            print0)
-    header = {"config": asdict(cfg), "model_args": asdict(gptconf), "meta": meta,
+    start_it, ckpt, note, new_data = resume(cfg, zero, model, scaler, meta, data_id, print0)
+    header = {"config": asdict(cfg), "model_args": checkpoint.model_args(model), "meta": meta,
               "base_id": model.base_id,  # what an adapter of this run loads onto
               "data": data_id}  # train.bin's and val.bin's sizes and sha256, the vocabulary
     if start_it >= cfg.max_iters:
@@ -395,7 +393,7 @@ def main(argv=None):
     lifecycle.finish(model, zero, world_size)  # out_dir's lock released, the ranks leave together
 
 
-def resume(cfg, zero, model, scaler, gptconf, meta, data_id, print0):
+def resume(cfg, zero, model, scaler, meta, data_id, print0):
     """--resume: rank 0's newest checkpoint, for every rank (each listing its own disk could
     differ), restored exactly (checkpoint.restore), its schedule kept, on the data it trained
     on (or --accept-new-data). Returns (the iteration to go on from, the checkpoint or None, a
@@ -406,7 +404,7 @@ def resume(cfg, zero, model, scaler, gptconf, meta, data_id, print0):
             print0(f"--resume: no checkpoint in {cfg.out_dir} yet, starting fresh")
         return 0, None, None, None
     start_it, note, saved = checkpoint.restore(path, zero, model, scaler, asdict(cfg),
-                                               asdict(gptconf), meta)
+                                               checkpoint.model_args(model), meta)
     # the batch of step t is the run's only on the bytes it trained on: every rank compares
     # the files it reads with the header's (a checkpoint older than that has none)
     changed, new_data = changed_data(saved.get("data"), data_id, path, zero.world_size), None

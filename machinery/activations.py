@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from lora import LoRALinear, apply_lora
+from machinery.declared import config_for
 import model as model_py
 from model import GPT, MLP, CausalSelfAttention, LayerNorm
 from quant import QuantLinear
@@ -32,10 +33,14 @@ def shapes_model(cfg, build=None, lora_rank=0, lora_targets=(), fp8=False):
     with the same arguments (memory.py --advise prices one model some twenty times): read it,
     never change it."""
     build = build or model_py.GPT  # model.GPT when called: a fork's edit of it is walked
+    cfg = config_for(build, cfg)  # its own config class (a fork's CONFIG), from cfg's fields
     key = (repr(cfg), build, lora_rank, repr(lora_targets), fp8)
     if key not in _MODELS:
         with torch.device("meta"), meta_init():
-            model = build(cfg)
+            try:  # a model that cannot be built from the flags: one line, not a traceback
+                model = build(cfg)
+            except (TypeError, AttributeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"memory.py cannot build {build.__name__} from {cfg}: {e}")
             if lora_rank:
                 apply_lora(model, lora_rank, targets=lora_targets)
             if fp8:  # the block linears' products in FP8 (fp8.py)
@@ -78,9 +83,31 @@ def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_
     if grad_ckpt and grad_ckpt != "none":
         from beyond.activation_dial import policy
         plan = policy(grad_ckpt)
-    outside, blocks = SAVED[type(model)](model, flow, plan)
+    try:  # a formula that does not fit the model (GPT's on a fork's class): one line
+        outside, blocks = root_formula(model)(model, flow, plan)
+    except (AttributeError, KeyError, TypeError, IndexError) as e:
+        kind = type(model).__name__
+        raise ValueError(f"memory.py's activation formula for {kind} failed "
+                         f"({type(e).__name__}: {e}): declare {kind}.SAVED (docs/forking.md)")
     return {"layer": blocks[-1], "outside": outside, "per_layer": sum(blocks[-1].values()),
             "total": sum(sum(t.values()) for t in blocks) + sum(outside.values())}
+
+
+def formula(kind, table):
+    """The formula for a module kind: the one its class declares (kind.SAVED, kind.KEPT: a
+    fork's own, set in its own file with nothing imported from here), else table's entry."""
+    own = getattr(kind, "SAVED" if table is SAVED else "KEPT", None)
+    return own if callable(own) else table.get(kind)
+
+
+def root_formula(model):
+    """The whole model's formula, (model, flow, grad_ckpt) -> (terms outside the blocks, one
+    dict per block): GPT's gpt(), or the class's own SAVED; else a ValueError, one line."""
+    rule, name = formula(type(model), SAVED), type(model).__name__
+    if rule is None:
+        raise ValueError(f"memory.py counts activations by formulas: {name} declares none; "
+                         f"set {name}.SAVED (docs/forking.md, \"memory.py for a fork\")")
+    return rule
 
 
 class NoCheckpoint:
@@ -110,20 +137,38 @@ class Flow:
     def values(self, width, E=None):  # bytes of one (b, s, width) activation
         return (self.E if E is None else E) * self.b * self.s * width
 
+    # a fork's formulas call these: nothing to import from here (model.py cannot: this file
+    # imports it)
+    def walk(self, name, module, kept=False):  # a module by its formula (KEPT's if kept)
+        return walk(name, module, self, KEPT if kept else SAVED)
+
+    def linear(self, name, m):  # what a Linear (LoRA, quantized, FP8) keeps: linear()
+        return linear(name, m, self)
+
+    def kept_linear(self, name, m):  # selective: a Linear's matmul output: kept_linear()
+        return kept_linear(name, m, self)
+
+    def blocks(self, model, grad_ckpt, width, prefix):  # the blocks' terms: walk_blocks()
+        return walk_blocks(model, self, grad_ckpt, width, prefix)
+
+    @staticmethod
+    def trainable(module):  # does module own a parameter that trains?
+        return trainable(module)
+
 
 def walk(name, module, flow, table=None):
     """{term: bytes} that module saves, by its entry in table (SAVED, or KEPT for a selectively
     checkpointed block); a module without one is walked child by child (in registration order:
     forward order, as model.py writes its blocks)."""
     table = SAVED if table is None else table
-    rule = table.get(type(module))
+    rule = formula(type(module), table)
     if rule is not None:
         return rule(name, module, flow)
     children = list(module.named_children())
     if not children:
-        which = "SAVED" if table is SAVED else "KEPT"
-        raise ValueError(f"activations.py has no formula for {type(module).__name__} ({name}): "
-                         f"add an entry {which}[{type(module).__name__}] saying what it saves")
+        which, kind = "SAVED" if table is SAVED else "KEPT", type(module).__name__
+        raise ValueError(f"memory.py has no formula for {kind} ({name}): set {kind}.{which} "
+                         "to a function saying what it saves (docs/forking.md)")
     terms = {}
     for child_name, child in children:
         terms.update(walk(f"{name}.{child_name}" if name else child_name, child, flow, table))
@@ -194,6 +239,23 @@ def mlp(name, m, flow):
     return terms
 
 
+def walk_blocks(model, flow, grad_ckpt, width, prefix):
+    """One dict of terms per block of model.blocks(), in forward order, each block's input
+    `width` wide: a checkpointed block (grad_ckpt, an activation_dial.Policy, says which)
+    keeps its input, and under `selective` what KEPT lists; any other, what it saves."""
+    blocks = []
+    for i, block in enumerate(model.blocks()):
+        if grad_ckpt.applies(i):  # the checkpoint keeps the block's input; the rest: recomputed
+            terms = {"block input (kept by the checkpoint)": flow.values(width)}
+            if grad_ckpt.kind == "selective":  # ... but for the matmuls' and attention's outputs
+                terms.update(walk(f"{prefix}.{i}", block, flow, KEPT))
+            blocks.append(terms)
+            flow.live = flow.live or any(p.requires_grad for p in block.parameters())
+        else:
+            blocks.append(walk(f"{prefix}.{i}", block, flow))
+    return blocks
+
+
 def gpt(model, flow, grad_ckpt):
     """The whole model, in its forward's order: (terms outside the blocks, one dict per block).
     The embeddings keep their int64 ids when they train; a checkpointed block (grad_ckpt, an
@@ -207,16 +269,7 @@ def gpt(model, flow, grad_ckpt):
     f.live = trainable(t.wte) or trainable(t.wpe)
     if cfg.dropout > 0 and f.live:
         outside["embedding dropout mask"] = f.values(cfg.n_embd, 1)
-    blocks = []
-    for i, block in enumerate(model.blocks()):
-        if grad_ckpt.applies(i):  # the checkpoint keeps the block's input; the rest: recomputed
-            terms = {"block input (kept by the checkpoint)": f.values(cfg.n_embd)}
-            if grad_ckpt.kind == "selective":  # ... but for the matmuls' and attention's outputs
-                terms.update(walk(f"h.{i}", block, f, KEPT))
-            blocks.append(terms)
-            f.live = f.live or any(p.requires_grad for p in block.parameters())
-        else:
-            blocks.append(walk(f"h.{i}", block, f))
+    blocks = walk_blocks(model, f, grad_ckpt, cfg.n_embd, "h")
     outside.update(walk("ln_f", t.ln_f, f))
     if trainable(model.lm_head):
         outside["lm_head input"] = f.values(cfg.n_embd)
@@ -230,9 +283,10 @@ def gpt(model, flow, grad_ckpt):
     return outside, blocks
 
 
-# What each kind of module saves for backward. A fork with other layers adds its own entries
-# (tests/test_fork.py does, for a Llama-style model); walk() names a missing one.
+# What each kind of module saves for backward: model.py's and torch's kinds. A fork's own
+# kinds carry theirs (kind.SAVED, formula()); walk() names a missing one.
 SAVED = {GPT: gpt, LayerNorm: layer_norm, CausalSelfAttention: attention, MLP: mlp,
+         nn.LayerNorm: layer_norm,  # F.layer_norm as model.py's LayerNorm: the same saves
          nn.Linear: linear, QuantLinear: linear, LoRALinear: linear}  # FP8Linear: shapes_model
 
 
@@ -262,8 +316,9 @@ def kept_mlp(name, m, flow):
             **kept_linear(f"{name}.c_proj", m.c_proj, flow)}
 
 
-# What a selectively checkpointed block keeps, per module kind (a fork adds its own entries)
+# What a selectively checkpointed block keeps, per module kind (a fork's: kind.KEPT)
 KEPT = {LayerNorm: lambda name, m, flow: {}, CausalSelfAttention: kept_attention, MLP: kept_mlp,
+        nn.LayerNorm: lambda name, m, flow: {},
         nn.Linear: kept_linear, QuantLinear: kept_linear, LoRALinear: kept_linear}
 
 
@@ -272,7 +327,8 @@ def head_working_bytes(cfg, batch, seq, dtype, chunked_loss=False):
     the 16-bit gradient of the logits (b*s*padded vocab), and then either one chunk's fp32
     softmax and its scaled copy (beyond/chunked_loss.py) or, for model.py's plain head, the
     fp32 copy of the logits and two fp32 gradients of all of them: 12 bytes a logit more."""
-    grad = BYTES[dtype] * batch * seq * cfg.padded_vocab
+    # the logits are as wide as the head: model.py's padded vocabulary, else a fork's own
+    grad = BYTES[dtype] * batch * seq * getattr(cfg, "padded_vocab", cfg.vocab_size)
     if not chunked_loss:
         return grad + 3 * 4 * batch * seq * cfg.vocab_size
     from beyond.chunked_loss import chunk_rows

@@ -5,9 +5,9 @@ shape, the estimate printed term by term. The arithmetic itself is footprint.py'
 import math
 from dataclasses import asdict
 
-import optim
 from configurator import UserError, config_from, load_preset, make_parser
-from machinery.footprint import for_run
+from machinery.declared import config_for
+from machinery.footprint import estimate, for_run, state_bytes_per_param
 from machinery.validate import BOUNDS, check_model_args, check_optimizer
 import model as model_py  # model.GPT when called: a fork's edit of it is estimated
 from model import GPTConfig
@@ -41,7 +41,7 @@ def save_flags(trainable, optimizer, host_bytes):
     """A consolidated save assembles every fp32 master and optimizer state tensor in rank 0's
     host memory before writing ((4 + K) bytes a parameter: 12 for AdamW); past half of the
     host's memory, each rank writes its own shard instead."""
-    held = (4 + optim.STATE_BYTES[optimizer]) * trainable
+    held = (4 + state_bytes_per_param(optimizer)) * trainable
     return ["--ckpt-format sharded"] if held > host_bytes / 2 else []
 
 
@@ -175,11 +175,13 @@ def model_from_flags(a, tc, psi):
     shape = {k: getattr(a, k) or getattr(base, k) for k in ("n_layer", "n_embd", "n_head")}
     bias = bool(a.bias) if psi else tc.bias
     try:
-        cfg = GPTConfig(arch=model_py.GPT.ARCH, block_size=block, vocab_size=vocab,  # a fork's
-                        bias=bias, dropout=0.0 if psi else tc.dropout, **shape)
-        check_model_args(asdict(cfg))  # validate.BOUNDS: 10^5 layers is no model to estimate
+        cfg = GPTConfig(arch=getattr(model_py.GPT, "ARCH", GPTConfig.arch), block_size=block,
+                        vocab_size=vocab, bias=bias, dropout=0.0 if psi else tc.dropout, **shape)
+        cfg = config_for(model_py.GPT, cfg)  # a fork's own config class (its CONFIG)
+        check_model_args(asdict(cfg), type(cfg))  # validate.BOUNDS: 10^5 layers is no model
     except ValueError as e:  # e.g. a width its heads do not divide
         raise UserError(str(e).replace("model_args ", "--").replace("_", "-"))
+    check_countable(tc, cfg, a.world_size, psi, a.advise)
     preset = a.config and not psi
     flags = [f"--config {a.config}"] if preset else []
     for k, v in {**shape, "block_size": block}.items():
@@ -191,6 +193,19 @@ def model_from_flags(a, tc, psi):
     elif not preset and vocab != 65:  # the estimate's vocabulary, not the 65 characters'
         flags.append("--dataset shakespeare" if vocab == 50257 else "--dataset YOUR_DATA")
     return cfg, flags + (["--bias"] if bias and not preset else [])
+
+
+def check_countable(tc, cfg, world_size, psi, advise):
+    """memory.py counts the model itself: its blocks() and each module kind's formula
+    (activations.py's, or a fork's own SAVED and KEPT). One that it cannot count is one line,
+    before any table: what to declare."""
+    from beyond.activation_dial import Policy
+    try:
+        for_run(tc, cfg, world_size, psi=psi, batch=1)
+        if advise:  # --advise tries selective checkpointing: the KEPT formulas
+            estimate(cfg, psi=psi, grad_ckpt=Policy("selective"))
+    except ValueError as e:
+        raise UserError(str(e))
 
 
 def dataset_note(flags, vocab, cmd, params):
@@ -249,8 +264,9 @@ def print_run(a, tc, cfg, psi, gpu):
     extras = ((f", {ckpt.flags()}" if ckpt else "") + (f", LoRA r={r} on {tc.lora_targets}"
               if r else "") + (f", {tc.quantize} base" if tc.quantize else "")
               + (", --fp8" if tc.fp8 else ""))
-    print(f"GPT: {e['psi']:,} parameters (L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}, "
-          f"vocab {cfg.vocab_size}, block {cfg.block_size}{', bias' if cfg.bias else ''}), "
+    bias = ", bias" if getattr(cfg, "bias", False) else ""
+    print(f"{model_py.GPT.__name__}: {e['psi']:,} parameters (L={cfg.n_layer}, h={cfg.n_embd}, "
+          f"a={cfg.n_head}, vocab {cfg.vocab_size}, block {cfg.block_size}{bias}), "
           f"{e['trainable']:,} trainable; {tc.dtype}, ZeRO-{tc.zero}, {a.world_size} GPU(s), "
           f"micro-batch {batch} x {cfg.block_size} tokens{extras}")
     print_estimate(e, cfg, gpu, tc.optimizer)

@@ -11,14 +11,13 @@ import os
 import torch
 import torch.nn as nn
 
-from checkpoint import Reader, check_compatible
+from checkpoint import Reader, check_compatible, stored_shapes
 from lora import apply_lora, merge_lora, parse_targets
 from safetensors.torch import save_file
 
-from machinery import adapters, hf
+from machinery import adapters, declared, hf
 from machinery.validate import check_adapter, vocab_id
 import model as model_py
-from model import GPTConfig
 from precision import DTYPES
 from quant import QuantizedWeight, quantize_base
 from configurator import UserError
@@ -36,7 +35,10 @@ def rebuild(reader, weights=None):
     h = reader.header
     model_args, cfg = reader.model_args(), h["config"]
     weights = reader.weights() if weights is None else weights
-    model = model_py.GPT(GPTConfig(**model_args))  # a fork's, if model.py was edited
+    try:  # a fork's, if model.py was edited: its own config class (declared.py)
+        model = declared.build(model_py.GPT, model_args)
+    except ValueError as e:
+        raise UserError(f"{reader.path}: {e}")
     if cfg.get("lora"):
         try:
             settings = dict(rank=cfg["lora_rank"], alpha=cfg["lora_alpha"],
@@ -50,9 +52,9 @@ def rebuild(reader, weights=None):
             if cfg["quantize"] not in ("int8", "nf4"):
                 raise UserError(f"{reader.path}: --quantize {cfg['quantize']!r} is not ours")
             quantize_base(model, cfg["quantize"], bool(cfg.get("double_quant")))
-    check_compatible(h, model_args, None, reader.path, None, model.stored_shapes())
+    check_compatible(h, model_args, None, reader.path, None, stored_shapes(model))
     try:
-        model.load_weights(weights)
+        declared.load_weights(model, weights)
     except ValueError as e:
         raise UserError(f"{reader.path} does not fit its own model config: {e}")
     return model
@@ -85,7 +87,7 @@ def export(ckpt, to, out, dtype=None, merge=False):
     if to == "hf":  # before the checkpoint is read: config.json is transformers' GPT2Config
         hf.library("transformers", "export.py --to hf")
     model_args = reader.model_args()
-    arch, ours = model_args.get("arch"), model_py.GPT.ARCH  # ours: a fork's, if model.py is
+    arch, ours = model_args.get("arch"), getattr(model_py.GPT, "ARCH", None)  # a fork's, if
     if to == "hf" and arch != "gpt2":  # hf.py writes GPT-2's layout (Conv1D, tied head, wpe)
         raise UserError(f"{ckpt} holds a {arch!r} model: the export writes GPT-2's "
                         "architecture only ('gpt2'); --to safetensors writes any model")
@@ -102,7 +104,7 @@ def export(ckpt, to, out, dtype=None, merge=False):
         merge_lora(model)  # W0 + B·A·alpha/r, in fp32
     sd = {k: v for k, v in model.state_dict().items() if "lora_" not in k}
     if to == "safetensors":
-        shapes = model.stored_shapes()  # the tied weight once, the vocabulary's own rows
+        shapes = stored_shapes(model)  # the tied weight once, the vocabulary's own rows
         return write_weights({k: sd[k][:shapes[k][0]] for k in shapes if k in sd}, model_args, out)
     hf.save_hf(sd, model_args, out, DTYPES[dtype or "fp32"])
     lines = [f"wrote {out}: config.json + model.safetensors ({dtype or 'fp32'}, "
@@ -125,7 +127,7 @@ def merged_weights(reader):
     model = rebuild(reader)
     dequantize_base(model)
     merge_lora(model)
-    sd, shapes = model.state_dict(), model.stored_shapes()
+    sd, shapes = model.state_dict(), stored_shapes(model)
     return {k: sd[k][:shapes[k][0]] for k in shapes if "lora_" not in k}
 
 

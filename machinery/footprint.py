@@ -18,6 +18,8 @@ fp32 gradient slice.
 import math
 from dataclasses import replace
 
+import torch
+
 import optim
 from configurator import grad_accum_for, parse_zeropp
 from lora import parse_targets
@@ -138,9 +140,34 @@ def model_state_bytes(psi, stage, world_size, dtype, buckets=None, rank=0, froze
            "grads": G * (owned if stage >= 2 else P),
            # fp32 weights are their own master: no copy (offloaded: a copy on the host)
            "master": 0 if E == 4 and not offload else 4 * owned,
-           "optimizer": optim.STATE_BYTES[optimizer] * real}  # e.g. AdamW's two fp32 moments
+           "optimizer": state_bytes_per_param(optimizer) * real}  # AdamW's two fp32 moments
     out["total"] = sum(out.values())
     return out
+
+
+def state_bytes_per_param(optimizer):
+    """Bytes of optimizer state per trainable parameter: optim.STATE_BYTES for our names (in any
+    case: torch.optim.AdamW is "AdamW"); for an optimizer class or a function of the param
+    groups, measured: one step on a 1-D fp32 parameter, its state tensors' bytes an element.
+    Exact for an elementwise optimizer; one that factors a matrix's statistics (Adafactor)
+    keeps less for matrices. A ValueError, one line, for what cannot be counted."""
+    if isinstance(optimizer, str):
+        if optimizer.lower() not in optim.STATE_BYTES:
+            raise ValueError(f"optimizer {optimizer!r}: memory.py knows "
+                             f"{', '.join(optim.STATE_BYTES)}, or an optimizer class")
+        return optim.STATE_BYTES[optimizer.lower()]
+    p = torch.nn.Parameter(torch.zeros(64))
+    try:
+        opt = optimizer([p])
+        p.grad = torch.ones(64)
+        opt.step()
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"memory.py counts an optimizer's state by one step on a parameter of "
+                         f"its own, which {optimizer!r} refused ({e}): pass a name, or "
+                         "functools.partial(cls, lr=...)")
+    state = [t for t in opt.state[p].values() if torch.is_tensor(t) and t.dim() > 0]
+    per = sum(t.numel() * t.element_size() for t in state) / p.numel()
+    return int(per) if per.is_integer() else per
 
 
 def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32_grad_accum,
@@ -188,7 +215,10 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     optimizer step's fp32 copy of this rank's gradient slice (16-bit only). The working set: the
     activations, under ZeRO-3 the gathered root + 1 block (+ 1 more with prefetch), and the
     larger transient of backward: the loss head's, or the gradient reductions in flight."""
-    seq, L, h, E, N = seq or cfg.block_size, cfg.n_layer, cfg.n_embd, BYTES[dtype], world_size
+    seq, E, N = seq or cfg.block_size, BYTES[dtype], world_size
+    # the shape's sizes where a formula needs them (--fp8, a bare --params): a fork's config
+    # may name its own
+    L, h = getattr(cfg, "n_layer", 0), getattr(cfg, "n_embd", 0)
     params = None if psi else param_numels(cfg, build)
     total = psi or sum(n for _, n in params)
     buckets = bucket_sizes(params, stage, dtype, bucket_mb) if params else None
@@ -279,7 +309,8 @@ def for_run(tc, cfg, world_size, rank=0, psi=None, batch=None, device="cuda"):
     if tc.grad_ckpt != "none":  # a technique from after the lecture: asked for by the flag
         from beyond.activation_dial import Policy
         ckpt = Policy(tc.grad_ckpt, tc.grad_ckpt_every)
-    return estimate(cfg, world_size, tc.zero, tc.dtype, batch, cfg.block_size, ckpt, r,
+    return estimate(cfg, world_size, tc.zero, tc.dtype, batch,
+                    getattr(cfg, "block_size", tc.block_size), ckpt, r,
                     parse_targets(tc.lora_targets), tc.quantize or None, psi, tc.bucket_mb, rank,
                     fp32_grad_accum=tc.fp32_grad_accum and accum > 1,
                     zeropp=parse_zeropp(tc.zeropp), node_size=tc.node_size, fp8=tc.fp8,

@@ -15,16 +15,15 @@ data must be GPT-2 BPE. The GPT is built on the meta device and filled tensor by
 working dtype, so loading never holds an fp32 copy of a 16-bit model (load_hf says how much).
 """
 import os
-from dataclasses import asdict
 
 import torch
 
 from checkpoint import Reader, check_compatible, list_checkpoints, stored, stored_shapes
 from configurator import UserError
-from machinery import adapters, hf, validate
+from machinery import adapters, declared, hf, validate
 from machinery.ckpt_reader import HEADER, OLD
 import model as model_py
-from model import GPT, GPTConfig
+from model import GPT
 
 # the model flags a Hugging Face config.json sets (block_size too, which may be smaller)
 SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "bias", "block_size")
@@ -77,7 +76,7 @@ def init_trained(reader, cfg, zero, model):
     """The LoRA run's tensors init_weights left for after the build, into this run's ZeRO on
     any stage and world size: the adapters (fp32 masters) and the frozen base as stored. Not
     its optimizer, scaler, RNG or iteration: a new run. The adapter file names its base."""
-    check_compatible(reader.header, asdict(model.config), None, cfg.init_from,
+    check_compatible(reader.header, declared.model_args(model), None, cfg.init_from,
                      {k: getattr(cfg, k) for k in validate.SETTINGS}, stored_shapes(model))
     shapes = reader.header["shapes"]
     for s in zero.segments:
@@ -236,10 +235,9 @@ def weights_to_sample(ckpt, init_from, out_dir):
 def model_of(ckpt):
     """The GPT a loaded checkpoint describes, holding its weights; its sizes are checked
     before anything is built (a header may claim 10^5 layers), its weights are finite."""
-    try:
-        validate.check_model_args(ckpt["model_args"])
-        model = model_py.GPT(GPTConfig(**ckpt["model_args"]))  # a fork's, if edited
-        model.load_weights(ckpt["model"])  # strict: every name and shape must match model.py
+    try:  # model.GPT: a fork's, if model.py was edited, with its own config (declared.py)
+        model = declared.build(model_py.GPT, ckpt["model_args"])
+        declared.load_weights(model, ckpt["model"])  # strict: every name and shape must match
     except (TypeError, ValueError, RuntimeError) as e:
         raise UserError("checkpoint does not fit model.py: " + " ".join(str(e).split()))
     bad = next((k for k, t in model.state_dict().items() if not t.isfinite().all()), None)
@@ -267,11 +265,13 @@ def check_sample_size(model, prompt_tokens, args, device):
     sample's token ids (twice: torch.cat copies them each step), one forward's activations
     over the context and the logits of its last position."""
     from machinery.lifecycle import free_bytes
-    c, e = model.config, next(model.parameters()).element_size()
+    e = next(model.parameters()).element_size()
+    # GPT's sizes; a fork's config may lack some (no bound on its context: all of it)
+    c = {k: getattr(model.config, k, 0) for k in ("block_size", "n_embd", "n_head", "vocab_size")}
     tokens = prompt_tokens + args.max_new_tokens
-    T = min(tokens, c.block_size)
-    need = args.num_samples * (16 * tokens + T * (12 * c.n_embd + c.n_head * T) * e
-                               + 8 * c.vocab_size)
+    T = min(tokens, c["block_size"] or tokens)
+    need = args.num_samples * (16 * tokens + T * (12 * c["n_embd"] + c["n_head"] * T) * e
+                               + 8 * c["vocab_size"])
     free = free_bytes(device)
     if free is not None and need > free:
         raise UserError(f"--num-samples {args.num_samples} x {tokens:,} tokens needs about "

@@ -22,6 +22,9 @@ import torch.distributed as dist
 
 from collectives import all_reduce_sum
 from machinery import meter
+# the model's count and MFU, or the defaults for a fork that declares neither (declared.py);
+# train.py prints num_params from here
+from machinery.declared import estimate_mfu, num_params
 from zero import traffic_formula, zero_formula
 
 # ----------------------------------------------------------------------------------------------
@@ -142,6 +145,9 @@ class StepLog:
         device = zero.device
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         self.peak = cfg.peak_tflops * 1e12 or peak_flops(gpu, zero.dtype)
+        if self.peak and estimate_mfu(model, 1.0, self.peak) is None:  # a fork's: say why
+            print0(f"MFU not shown: {type(model).__name__} declares no flops_per_token() "
+                   "(docs/forking.md)")
         self.t, self.since, self.mfu, self.warm = time.time(), start_it, None, False
 
     def pause(self, seconds):
@@ -157,7 +163,7 @@ class StepLog:
         cfg, zero, N = self.cfg, self.zero, self.zero.world_size
         dt, cuda = (time.time() - self.t) / (it + 1 - self.since), zero.device.type == "cuda"
         tps = cfg.batch_size * self.grad_accum * N * cfg.block_size / dt
-        mfu = self.model.estimate_mfu(tps / N, self.peak) if self.warm else None
+        mfu = estimate_mfu(self.model, tps / N, self.peak) if self.warm else None
         if mfu is not None:  # a running average, as nanoGPT keeps it
             self.mfu = mfu if self.mfu is None else 0.9 * self.mfu + 0.1 * mfu
         first, self.warm = not self.warm, True

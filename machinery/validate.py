@@ -64,14 +64,18 @@ def vocab_id(meta):
 # ----------------------------------------------------------------------------------------------
 # model shapes
 
-def check_model_args(args):
-    """GPTConfig keyword arguments from a file: the right keys and types, within BOUNDS."""
+def check_model_args(args, config=GPTConfig):
+    """A model config's keyword arguments from a file: within BOUNDS where it names those sizes,
+    and, given the dataclass the model is built from (config), only its fields, which build it.
+    config=None (a checkpoint's header, before a model is known): the bounds alone; the keys are
+    the model's to judge (a fork's config has fields GPTConfig lacks)."""
     if not isinstance(args, dict):
         raise ValueError(f"model_args is {type(args).__name__}, not a dict")
-    known = {f.name for f in fields(GPTConfig)}
+    known = {f.name for f in fields(config)} if config is not None else set(args)
     extra = sorted(set(args) - known)
     if extra:
-        raise ValueError(f"model_args has an unknown key {extra[0]!r}")
+        raise ValueError(f"model_args has an unknown key {extra[0]!r}: {config.__name__} has "
+                         "no such field")
     for name, limit in BOUNDS.items():
         value = args.get(name, 1)
         if not is_int(value) or not 1 <= value <= limit:
@@ -79,8 +83,10 @@ def check_model_args(args):
     if not is_number(args.get("dropout", 0.0)) or not isinstance(args.get("bias", True), bool):
         raise ValueError(f"model_args dropout {args.get('dropout')!r} / bias "
                          f"{args.get('bias')!r}: want a number and true / false")
+    if config is None:
+        return
     try:
-        GPTConfig(**args)
+        config(**args)
     except (TypeError, ValueError) as e:
         raise ValueError(f"model_args: {e}")
 
@@ -186,7 +192,8 @@ def check_header(h):
                              "kind and a list of sizes")
     if not isinstance(h.get("frozen"), list) or not set(h["frozen"]) <= set(shapes):
         raise ValueError("frozen names tensors the checkpoint does not hold")
-    check_model_args(h["model_args"])  # check_shapes_fit comes where a model is built from it
+    check_model_args(h["model_args"], None)  # its keys and check_shapes_fit: where a model
+    # is built from it (declared.build), or resumes it (check_compatible)
     files = h.get("files")
     if not names(files) or not files or not all(map(FILE.fullmatch, files)) \
             or len(set(files)) != len(files):
@@ -319,6 +326,8 @@ def check_compatible(header, model_args, vocab_meta, path, config=None, shapes=N
     theirs = header.get("model_args", {})
     diff = [f"{k} {theirs.get(k)} vs {v}" for k, v in model_args.items()
             if k != "dropout" and theirs.get(k) != v]
+    if model_args:  # a field this model's config lacks (model_args {}: the tensors alone)
+        diff += [f"{k} {theirs[k]} vs none" for k in theirs if k not in model_args]
     if diff:
         raise ValueError(f"{path} is for another model ({', '.join(diff)} here): "
                          f"use the same model flags or another --out-dir")
@@ -327,8 +336,9 @@ def check_compatible(header, model_args, vocab_meta, path, config=None, shapes=N
         raise ValueError(f"{path} was trained on another vocabulary ({old_vocab}, the data is "
                          f"{new_vocab}): the same ids would mean other tokens; use its data set")
     saved = header.get("config", {})
-    if config is not None and header.get("optimizer") != config.get("optimizer",
-                                                                     header.get("optimizer")):
+    # the optimizer as named to this run: --optimizer adamw, or torch.optim.AdamW's "AdamW"
+    mine = (config or {}).get("optimizer")
+    if mine is not None and str(header.get("optimizer")).lower() != str(mine).lower():
         raise ValueError(f"{path} was trained with --optimizer {header.get('optimizer')}, this run "
                          f"has --optimizer {config.get('optimizer')}: its state would not carry "
                          f"over; pass --optimizer {header.get('optimizer')} to resume it, or use "

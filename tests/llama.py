@@ -1,8 +1,10 @@
 """A fork of model.py, as a forker would write one: a Llama-style model (RMSNorm, SwiGLU, rotary
-position embeddings, no learned positions, an untied head, Llama's module names). It declares
-what the engine reads -- ARCH, LINEARS, blocks(), head(), stored_shapes() (GPT's) -- and adds
-its module kinds to activations.SAVED (what each saves) and KEPT (what a selectively
-checkpointed block keeps), and nothing of the engine changes (tests/test_fork.py drives it)."""
+position embeddings, no learned positions, an untied head, Llama's names). It subclasses GPT
+for its checkpoint shapes, FLOPs and generate (tests/tinyfork.py is a fork that does not), and
+declares what the engine reads -- ARCH, LINEARS, blocks(), head(), stored_shapes() (GPT's) --
+and its module kinds' activation formulas on the classes themselves (SAVED: what each saves;
+KEPT: what a selectively checkpointed block keeps), importing nothing of the estimator. Nothing
+of the engine changes (tests/test_fork.py drives it)."""
 import math
 
 import torch
@@ -10,7 +12,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from machinery import activations
 from beyond.chunked_loss import cross_entropy
 from model import GPT
 
@@ -131,17 +132,17 @@ class Llama(GPT):
         return logits[..., :V], cross_entropy(logits, targets, V)
 
 
-# -- what each of its module kinds saves for backward (activations.py's table) -------------------
+# -- memory.py: what each of its module kinds saves for backward --------------------------------
 
 def rms_norm(name, m, f):
     """pow keeps x in fp32 (x itself in fp32, a cast copy else), rsqrt its output r (fp32, one
     per row), x * r keeps both, (x * r) * g keeps x * r in the working dtype when g trains."""
-    if not (f.live or activations.trainable(m)):
+    if not (f.live or f.trainable(m)):
         return {}
     f.live = True
     terms = {f"{name} input (fp32)": f.values(m.weight.numel(), 4),
              f"{name} rsqrt (fp32)": f.values(1, 4)}
-    if activations.trainable(m):
+    if f.trainable(m):
         terms[f"{name} normalized"] = f.values(m.weight.numel())
     return terms
 
@@ -149,7 +150,7 @@ def rms_norm(name, m, f):
 def attention(name, m, f):
     """qkv_proj, RoPE (its cos and sin buffers, kept whole by the products), SDPA: the rotated
     q and k, v (a view of qkv_proj's output: all of it), the logsumexp, the output."""
-    terms = activations.linear(f"{name}.qkv_proj", m.qkv_proj, f)
+    terms = f.linear(f"{name}.qkv_proj", m.qkv_proj)
     attended = f.live
     if attended:
         C = m.n_embd
@@ -158,7 +159,7 @@ def attention(name, m, f):
         terms[f"{name}: qkv_proj output (v's storage)"] = f.values(3 * C)
         terms[f"{name}: logsumexp (fp32)"] = 4 * f.b * f.s * m.n_head
         terms[f"{name}: output = o_proj input"] = f.values(C)
-    proj = activations.linear(f"{name}.o_proj", m.o_proj, f)
+    proj = f.linear(f"{name}.o_proj", m.o_proj)
     if attended:
         proj.pop(f"{name}.o_proj input", None)
     return {**terms, **proj}
@@ -167,8 +168,8 @@ def attention(name, m, f):
 def swiglu(name, m, f):
     """gate and up read the same x (one storage); silu keeps its input, the product both of its
     factors; down_proj keeps the product when it trains or has an adapter."""
-    gate = activations.linear(f"{name}.gate_proj", m.gate_proj, f)
-    up = activations.linear(f"{name}.up_proj", m.up_proj, f)
+    gate = f.linear(f"{name}.gate_proj", m.gate_proj)
+    up = f.linear(f"{name}.up_proj", m.up_proj)
     reads_x = f"{name}.gate_proj input" in gate or f"{name}.up_proj input" in up
     terms = {f"{name} input (gate's and up's)": f.values(m.gate_proj.weight.shape[1])} \
         if reads_x else {}
@@ -177,27 +178,18 @@ def swiglu(name, m, f):
         H = m.gate_proj.weight.shape[0]
         terms.update({f"{name}: gate output": f.values(H), f"{name}: silu output": f.values(H),
                       f"{name}: up output": f.values(H)})
-    terms.update(activations.linear(f"{name}.down_proj", m.down_proj, f))
+    terms.update(f.linear(f"{name}.down_proj", m.down_proj))
     return terms
 
 
 def llama(model, f, grad_ckpt):
     outside = {}
-    if activations.trainable(model.embed_tokens):
+    if f.trainable(model.embed_tokens):
         outside["token ids (int64)"] = 8 * f.b * f.s
-    f.live = activations.trainable(model.embed_tokens)
-    blocks = []
-    for i, block in enumerate(model.blocks()):
-        if grad_ckpt.applies(i):  # the checkpoint keeps the input (and, selective, KEPT's)
-            terms = {"block input (kept by the checkpoint)": f.values(model.config.n_embd)}
-            if grad_ckpt.kind == "selective":
-                terms.update(activations.walk(f"layers.{i}", block, f, activations.KEPT))
-            blocks.append(terms)
-            f.live = f.live or any(p.requires_grad for p in block.parameters())
-        else:
-            blocks.append(activations.walk(f"layers.{i}", block, f))
-    outside.update(activations.walk("norm", model.norm, f))
-    outside.update(activations.linear("lm_head", model.lm_head, f))
+    f.live = f.trainable(model.embed_tokens)
+    blocks = f.blocks(model, grad_ckpt, model.config.n_embd, "layers")
+    outside.update(f.walk("norm", model.norm))
+    outside.update(f.linear("lm_head", model.lm_head))
     outside["logits"] = f.values(model.config.padded_vocab)
     outside["logsumexp (fp32), targets (int64)"] = 12 * f.b * f.s
     return outside, blocks
@@ -205,18 +197,18 @@ def llama(model, f, grad_ckpt):
 
 def kept_attention(name, m, f):
     """Selective: qkv_proj's and o_proj's matmul outputs, SDPA's output and logsumexp."""
-    return {**activations.kept_linear(f"{name}.qkv_proj", m.qkv_proj, f),
+    return {**f.kept_linear(f"{name}.qkv_proj", m.qkv_proj),
             f"{name}: attention output": f.values(m.n_embd),
             f"{name}: logsumexp (fp32)": 4 * f.b * f.s * m.n_head,
-            **activations.kept_linear(f"{name}.o_proj", m.o_proj, f)}
+            **f.kept_linear(f"{name}.o_proj", m.o_proj)}
 
 
 def kept_swiglu(name, m, f):
     """Selective: the three matmuls' outputs; silu and the product are recomputed."""
     return {k: v for path in ("gate_proj", "up_proj", "down_proj")
-            for k, v in activations.kept_linear(f"{name}.{path}", getattr(m, path), f).items()}
+            for k, v in f.kept_linear(f"{name}.{path}", getattr(m, path)).items()}
 
 
-activations.SAVED.update({Llama: llama, RMSNorm: rms_norm, Attention: attention, SwiGLU: swiglu})
-activations.KEPT.update({RMSNorm: lambda name, m, f: {}, Attention: kept_attention,
-                         SwiGLU: kept_swiglu})
+# the formulas, on the classes: memory.py finds them there (docs/forking.md)
+Llama.SAVED, RMSNorm.SAVED, Attention.SAVED, SwiGLU.SAVED = llama, rms_norm, attention, swiglu
+RMSNorm.KEPT, Attention.KEPT, SwiGLU.KEPT = lambda name, m, f: {}, kept_attention, kept_swiglu

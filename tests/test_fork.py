@@ -4,6 +4,8 @@ engine unchanged -- train.py with model.py's GPT swapped for it, as a forker's e
 ZeRO stages 0-3 on 2 ranks against 1 process, LoRA on all its targets with an NF4 + double-
 quantized base and checkpointing, a resharded resume, memory.py's estimate equal to what is
 held and saved, MFU's path, and an architecture change refused on resume."""
+import dataclasses
+import functools
 import json
 import os
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 import llama
+import tinyfork
 from checkpoint import Reader, list_checkpoints
 from conftest import make_zero, run_distributed, run_train
 from machinery.activations import activation_bytes
@@ -217,3 +220,243 @@ def test_the_forks_adapter_is_a_peft_folder_that_loads_back(tmp_path):
     fresh = llama.Llama(cfg)
     adapters.load_adapter(fresh, str(tmp_path / "a"))
     assert torch.equal(fresh.eval()(x, x)[0], model.eval()(x, x)[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# a fork that is not a GPT (tests/tinyfork.py): every way in and out, or one line
+
+TINYFORK = dict(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+FORK_ARGS = TINY[:4] + ["--n-head", "4"] + TINY[6:]  # 4 query heads over 2 K/V heads
+
+
+def as_tinyfork(main, argv):
+    """model.py edited to build tests/tinyfork.py's model: model.GPT is TinyFork."""
+    import model
+    import train
+    model.GPT = train.GPT = tinyfork.TinyFork
+    main(argv)
+
+
+@pytest.mark.slow
+def test_a_fork_that_is_not_a_gpt_trains_through_train_py_and_resumes(data_root, tmp_path,
+                                                                      monkeypatch, capsys):
+    """train.py on TinyFork (its own config, a tied head, no num_params, no FLOPs count): one
+    process, ZeRO-1 and ZeRO-3 on 2 ranks alike; ZeRO-3 sharded for 2 steps resumed by ZeRO-2
+    on 1 rank to the end, the same losses; its own config in the header (n_kv_head)."""
+    import model
+    import train
+    args = FORK_ARGS + ["--data-root", data_root, "--max-iters", "4"]
+    monkeypatch.setattr(model, "GPT", tinyfork.TinyFork)
+    monkeypatch.setattr(train, "GPT", tinyfork.TinyFork)
+    train.main(args + ["--batch-size", "4", "--peak-tflops", "1",
+                       "--out-dir", str(tmp_path / "one")])
+    out = capsys.readouterr().out
+    args_ = Reader(list_checkpoints(tmp_path / "one")[-1]).header["model_args"]
+    assert args_ == {"arch": "tinyfork", **TINYFORK, "vocab_size": 54}, args_  # the data's
+    cfg = tinyfork.TinyConfig(**{**TINYFORK, "vocab_size": 54})
+    n = sum(p.numel() for p in tinyfork.TinyFork(cfg).parameters())  # the tied tensor once
+    assert f"model: {n:,} parameters" in out and "MFU not shown: TinyFork declares no" in out
+    one = losses(tmp_path / "one")
+    assert one[3] < one[0]
+    for stage in (1, 3):
+        out = tmp_path / f"z{stage}"
+        run_train(args + ["--batch-size", "2", "--zero", str(stage), "--out-dir", str(out)], 2,
+                  as_tinyfork)
+        np.testing.assert_allclose([losses(out)[i] for i in range(4)],
+                                   [one[i] for i in range(4)], rtol=1e-4)
+    head = Reader(list_checkpoints(tmp_path / "z3")[-1]).header
+    assert head["model_args"] == args_ and "lm_head.weight" not in head["shapes"]  # tied
+    out = tmp_path / "resumed"
+    run_train(args[:-1] + ["2", "--batch-size", "2", "--zero", "3", "--ckpt-format", "sharded",
+                           "--out-dir", str(out)], 2, as_tinyfork)
+    run_train(args + ["--batch-size", "4", "--zero", "2", "--resume", "--out-dir", str(out)], 1,
+              as_tinyfork)
+    np.testing.assert_allclose([losses(out)[i] for i in range(4)], [one[i] for i in range(4)],
+                               rtol=1e-4)
+
+
+def test_a_fork_that_is_not_a_gpt_samples_exports_and_is_estimated(data_root, tmp_path,
+                                                                   monkeypatch, capsys):
+    """sample.py (the default generate), export.py --to safetensors (the default stored shapes:
+    the tied tensor once) and memory.py (its config's n_kv_head, its formulas on its classes)
+    on TinyFork; memory.py's activations equal what it saves, with and without LoRA, at every
+    checkpointing setting."""
+    import export
+    import memory
+    import model
+    import sample
+    from beyond.activation_dial import setting
+    from machinery import declared
+    from model import GPT
+    from safetensors.torch import load_file
+    monkeypatch.setattr(model, "GPT", tinyfork.TinyFork)
+    out = tmp_path / "fork"
+    run_train(FORK_ARGS + ["--data-root", data_root, "--max-iters", "2", "--batch-size", "2",
+                           "--out-dir", str(out)], 1, as_tinyfork)
+    path = list_checkpoints(out)[-1]
+    target = str(tmp_path / "w.safetensors")
+    assert export.main([path, "--to", "safetensors", target]) == 0
+    written, stored = load_file(target), Reader(path).weights()
+    assert written.keys() == stored.keys() and "tok.weight" in written
+    assert all(torch.equal(written[k], stored[k]) for k in written)
+    capsys.readouterr()
+    assert sample.main(["--ckpt", path, "--max-new-tokens", "5", "--num-samples", "2",
+                        "--temperature", "0"]) == 0
+    text = capsys.readouterr()
+    assert "sampling from" in text.err and text.out.count("-" * 40) == 2
+    monkeypatch.setattr(model, "GPT", GPT)  # model.py's own GPT-2 cannot sample it: one line
+    assert sample.main(["--ckpt", path, "--max-new-tokens", "5"]) == 2
+    assert "holds a 'tinyfork' model, model.py builds 'gpt2'" in capsys.readouterr().err
+    monkeypatch.setattr(model, "GPT", tinyfork.TinyFork)
+    cfg = tinyfork.TinyConfig(**TINYFORK)
+    fork = tinyfork.TinyFork(cfg)  # MFU: unknown, unless it counts its FLOPs
+    assert declared.estimate_mfu(fork, 1e3, 1e12) is None
+    fork.flops_per_token = lambda: 6e3
+    assert declared.estimate_mfu(fork, 1e3, 1e12) == pytest.approx(6e-6)
+    est = memory.main(["--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--block-size",
+                       "16", "--vocab", "40"])
+    assert est["psi"] == sum(p.numel() for p in tinyfork.TinyFork(cfg).parameters())
+    for lora in (0, 4):
+        for grad_ckpt in (False, True, setting("selective"), setting("full/2")):
+            torch.manual_seed(0)
+            fork = tinyfork.TinyFork(cfg)
+            if lora:
+                import lora as L
+                L.apply_lora(fork, lora, targets="all")
+            fork.grad_ckpt = grad_ckpt
+            x, y = torch.randint(0, 40, (3, 16)), torch.randint(0, 40, (3, 16))
+            saved = [0]
+            with saved_activation_bytes(fork, saved):
+                fork(x, y)
+            want = activation_bytes(cfg, 3, 16, "fp32", grad_ckpt, lora, "all", device="cpu",
+                                    build=tinyfork.TinyFork)
+            assert want["total"] == saved[0], (lora, grad_ckpt, want, saved[0])
+
+
+def _own_loop(rank, world_size, tmp):
+    """docs/forking.md's recipe for a loop of one's own: checkpoint.save(out_dir, it, zero,
+    model) and checkpoint.restore(path, zero, model), nothing more. k + resume + k == 2k
+    bitwise at ZeRO-2 (consolidated) and ZeRO-3 (sharded) on TinyFork with torch's AdamW class
+    (restored with config {"optimizer": "adamw"}, as a user may name it); its own config in
+    the header, another one refused in one line; memory.py's model state for it, stages 0-3,
+    equals what ZeRO holds, the optimizer a class."""
+    import dataclasses
+    import checkpoint
+    opt = functools.partial(torch.optim.AdamW, lr=1e-2, fused=False)
+    cfg = tinyfork.TinyConfig(**TINYFORK)
+
+    def run(stage, steps, path=None, save=None, config=cfg):
+        torch.manual_seed(0)
+        model = tinyfork.TinyFork(config)
+        zero = make_zero(model, stage, optimizer=opt, rank=rank, world_size=world_size)
+        if path:
+            checkpoint.restore(path, zero, model, config={"optimizer": "adamw"})
+        for step in steps:
+            g = torch.Generator().manual_seed(step)
+            idx = torch.randint(0, 40, (world_size * 2, 17), generator=g)[2 * rank:2 * rank + 2]
+            model.zero_grad()
+            model(idx[:, :-1], idx[:, 1:])[1].backward()
+            zero.finish_backward()
+            zero.step()
+        if save:
+            return checkpoint.save(f"{tmp}/s{stage}", steps[-1] + 1, zero, model, fmt=save)
+        return checkpoint.state_dict(zero, model)
+
+    for stage, fmt in ((2, "consolidated"), (3, "sharded")):
+        straight = run(stage, range(4))
+        path = run(stage, range(2), save=fmt)
+        resumed = run(stage, range(2, 4), path=path)
+        if rank == 0:
+            assert all(torch.equal(straight[k], resumed[k]) for k in straight), stage
+            assert Reader(path).header["model_args"] == {"arch": "tinyfork", **TINYFORK}
+    with pytest.raises(UserError, match="another model .*n_kv_head 2 vs 4"):
+        run(2, range(2, 4), path=path, config=dataclasses.replace(cfg, n_kv_head=4))
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        held = make_zero(tinyfork.TinyFork(cfg), stage, optimizer=opt, rank=rank,
+                         world_size=world_size).state_bytes()
+        est = estimate(cfg, world_size, stage, "fp32", rank=rank, build=tinyfork.TinyFork,
+                       optimizer=opt)
+        assert held == est["state"], (stage, rank, held, est["state"])
+
+
+def test_a_forks_own_loop_saves_and_resumes_exactly(tmp_path):
+    run_distributed(_own_loop, 2, str(tmp_path))
+
+
+class NoFormula(tinyfork.TinyFork):
+    """A fork that says nothing of what it saves for backward."""
+    SAVED = None
+
+
+class NoConfig(tinyfork.TinyFork):
+    """A fork that keeps no self.config."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        del self.config
+
+
+@dataclasses.dataclass
+class NoVocabConfig:
+    n_layer: int = 2
+    n_head: int = 4
+    n_kv_head: int = 2
+    n_embd: int = 32
+    block_size: int = 16
+
+
+class NoVocab(tinyfork.TinyFork):
+    CONFIG = NoVocabConfig
+
+
+class LogitsOnly(torch.nn.Module):
+    """forward(idx) gives logits alone, and no generate()."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 5)
+
+    def forward(self, idx, targets=None):
+        return self.embed(idx)
+
+
+def test_what_a_fork_does_not_declare_is_one_line(data_root, tmp_path, monkeypatch):
+    """A fork's gaps, each one line naming what to declare, before any step: a model flag its
+    config lacks, --compile without head(), --chunked-loss without self.cross_entropy, no
+    self.config, no vocab_size; memory.py without the fork's formulas (and with GPT's formula
+    wrongly found for it: model.GPT bound to the fork's class when activations.py imported
+    it); sample.py's default generate on a forward that gives no (logits, loss). An optimizer
+    class is counted by memory.py, not a KeyError; a name it does not know is one line."""
+    import memory
+    import model
+    import train
+    from machinery import activations, declared
+    from machinery.footprint import state_bytes_per_param
+    args = FORK_ARGS + ["--data-root", data_root, "--max-iters", "1", "--batch-size", "2"]
+    cases = [(tinyfork.TinyFork, ["--bias"], "--bias: TinyConfig has no field bias"),
+             (tinyfork.TinyFork, ["--dropout", "0.1"], "--dropout: TinyConfig has no field"),
+             (tinyfork.TinyFork, ["--compile"], "TinyFork declares no head"),
+             (tinyfork.TinyFork, ["--chunked-loss"], "TinyFork has no self.cross_entropy"),
+             (NoConfig, [], "NoConfig keeps no self.config"),
+             (NoVocab, [], "NoVocabConfig has no field vocab_size")]
+    for i, (cls, flags, message) in enumerate(cases):
+        monkeypatch.setattr(train, "GPT", cls)
+        monkeypatch.setattr(model, "GPT", cls)
+        with pytest.raises(UserError, match=message):
+            train.main(args + flags + ["--out-dir", str(tmp_path / str(i))])
+        assert not os.path.exists(tmp_path / str(i) / "metrics.jsonl")
+    shape = ["--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--block-size", "16"]
+    monkeypatch.setattr(model, "GPT", NoFormula)
+    with pytest.raises(UserError, match="NoFormula declares none; set NoFormula.SAVED"):
+        memory.main(shape)
+    monkeypatch.setitem(activations.SAVED, NoFormula, activations.gpt)
+    with pytest.raises(UserError, match="formula for NoFormula failed .*declare NoFormula.SAVED"):
+        memory.main(shape)
+    with pytest.raises(UserError, match=r"LogitsOnly\(idx\) gives Tensor, not \(logits, loss\)"):
+        declared.generate(LogitsOnly(), torch.zeros(1, 2, dtype=torch.long), 3)
+    adamw, sgd = torch.optim.AdamW, functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    assert [state_bytes_per_param(o) for o in (adamw, "AdamW", sgd, torch.optim.SGD)] == \
+        [8, 8, 4, 0]
+    with pytest.raises(ValueError, match="optimizer 'adam': memory.py knows adamw"):
+        state_bytes_per_param("adam")

@@ -1,0 +1,208 @@
+"""
+Guards what the commands read off a model: its declaration, or a default, or one line.
+
+train.py, sample.py, export.py, memory.py, the console and the checkpoints read a few things
+off the model. model.py's GPT declares them all. A fork declares what its flags need
+(validate.check_declarations says which, before any work), and for the rest the commands call
+here, each in one line: the default where one is natural, else one line that names what to
+declare. docs/forking.md has the whole table.
+
+  CONFIG            the config dataclass the model is built from (default: model.GPTConfig)
+  config            the instance the model keeps: checkpoints save it as model_args
+  stored_shapes()   each tensor's shape as files hold it (default: the state dict's, a tied
+                    tensor once)
+  load_weights(sd)  a state dict in, as files hold it (default: a copy by stored_shapes)
+  num_params()      the console's count (default: every parameter once)
+  flops_per_token() MFU's numerator (default: none, so MFU is not shown)
+  generate(...)     sample.py's loop (default: model.py's loop over forward's logits)
+"""
+from dataclasses import asdict, fields, is_dataclass
+
+import torch
+import torch.nn.functional as F
+
+import model as model_py  # model.GPTConfig when called: a fork's edit of model.py is read
+from configurator import UserError
+from machinery.validate import check_model_args
+
+# train.py's model flags: a flag given whose field the model's config lacks changes nothing
+MODEL_FLAGS = ("block_size", "n_layer", "n_head", "n_embd", "dropout", "bias")
+
+
+# ----------------------------------------------------------------------------------------------
+# the config: built from train.py's flags, saved as model_args, rebuilt from a file
+
+def config_class(cls):
+    """The dataclass cls is built from: its CONFIG, else model.py's GPTConfig."""
+    return getattr(cls, "CONFIG", None) or model_py.GPTConfig
+
+
+def config_of_flags(cls, flags, vocab_size):
+    """The config train.py's flags describe, for model class cls: each field named like a
+    flag (TrainConfig) takes the flag's value, vocab_size the data's, arch the class's ARCH;
+    the rest keep their defaults. A UserError, one line, for a config without vocab_size, a
+    model flag given that has no field, or a shape the config refuses."""
+    config = config_class(cls)
+    names = {f.name for f in fields(config)}
+    if "vocab_size" not in names:
+        raise UserError(f"{config.__name__} has no field vocab_size: train.py sets it to the "
+                        "data's vocabulary (docs/forking.md)")
+    lost = [k for k in MODEL_FLAGS if k in getattr(flags, "explicit", ()) and k not in names]
+    if lost:
+        raise UserError(f"--{lost[0].replace('_', '-')}: {config.__name__} has no field "
+                        f"{lost[0]}, so the flag would change nothing; drop it")
+    values = {n: getattr(flags, n) for n in names if hasattr(flags, n)}
+    values.update(vocab_size=vocab_size, **({"arch": cls.ARCH} if "arch" in names else {}))
+    try:
+        return config(**values)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{config.__name__}: {e}")
+
+
+def config_for(cls, config):
+    """config as the dataclass cls is built from: itself, or that class made from the fields
+    of the same name (memory's check at start-up describes the flags' model as a GPTConfig).
+    A ValueError when that class refuses them."""
+    want = config_class(cls)
+    if isinstance(config, want):
+        return config
+    names = {f.name for f in fields(want)}
+    values = {k: v for k, v in asdict(config).items() if k in names}
+    if "arch" in names and hasattr(cls, "ARCH"):
+        values["arch"] = cls.ARCH
+    try:
+        return want(**values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{want.__name__}: {e}")
+
+
+def model_args(owner, config=None):
+    """What a checkpoint's header keeps of the model: its config's fields and its ARCH (owner:
+    the model, or its class with the config it is built from). {} for a model with neither: a
+    resume then checks its tensors alone."""
+    config = getattr(owner, "config", None) if config is None else config
+    args = asdict(config) if is_dataclass(config) and not isinstance(config, type) else {}
+    arch = getattr(owner, "ARCH", None)
+    return {"arch": arch, **args} if arch is not None else args
+
+
+def build(cls, args):
+    """The model a file's model_args describe (sample.py, export.py): its architecture, keys
+    and sizes checked against cls's ARCH, its config's fields and validate.BOUNDS before
+    anything is built. A ValueError, one line."""
+    config, args = config_class(cls), dict(args)
+    arch, ours = args.get("arch"), getattr(cls, "ARCH", None)
+    if arch is not None and ours is not None and arch != ours:
+        raise ValueError(f"it holds a {arch!r} model, model.py builds {ours!r}: use the code "
+                         "that trained it")
+    if "arch" not in {f.name for f in fields(config)}:  # model_args() added it: the ARCH
+        args.pop("arch", None)
+    check_model_args(args, config)
+    try:
+        return cls(config(**args))
+    except (TypeError, AttributeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{cls.__name__}({config.__name__}(...)) failed: {e}")
+
+
+def check_model(model, flags):
+    """After train.py builds the model: what the run's flags will set on it, it keeps. A model
+    that never reads grad_ckpt would train without checkpointing, and say nothing."""
+    name = type(model).__name__
+    if not is_dataclass(getattr(model, "config", None)):
+        raise UserError(f"{name} keeps no self.config (a dataclass): the console, memory.py "
+                        "and the checkpoints read it (docs/forking.md)")
+    needs = {"grad_ckpt": (flags.grad_ckpt != "none", "--grad-ckpt sets it; the block loop "
+                           "reads it (copy model.py's)"),
+             "cross_entropy": (flags.chunked_loss, "--chunked-loss sets it; the loss head "
+                               "calls it (model.py's head)")}
+    for attr, (needed, why) in needs.items():
+        if needed and not hasattr(model, attr):
+            raise UserError(f"{name} has no self.{attr}: {why} (docs/forking.md)")
+
+
+# ----------------------------------------------------------------------------------------------
+# the weights as files hold them
+
+def stored_shapes(model):
+    """{name: shape} of every tensor as files hold it: the model's own declaration (GPT's
+    leaves out the zero rows its vocabulary is padded with), else each tensor's shape, the
+    tied one under its first name."""
+    if hasattr(model, "stored_shapes"):
+        return model.stored_shapes()
+    shapes, seen = {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            shapes[name] = list(t.shape)
+    return shapes
+
+
+@torch.no_grad()
+def load_weights(model, weights):
+    """The model's load_weights, else a copy of every stored tensor (stored_shapes) into its
+    own, the tied one once; a tensor with more rows than stored (a padded vocabulary) takes
+    the stored ones. A ValueError names a tensor that does not fit."""
+    if hasattr(model, "load_weights"):
+        return model.load_weights(weights)
+    shapes, targets = stored_shapes(model), model.state_dict(keep_vars=True)
+    missing, extra = sorted(set(shapes) - set(weights)), sorted(set(weights) - set(targets))
+    if missing or extra:
+        raise ValueError(f"{missing[0]} is missing" if missing else
+                         f"{extra[0]} is not in this model")
+    for name, shape in shapes.items():
+        source, target = weights[name], targets[name].detach()
+        if list(source.shape) != shape:
+            raise ValueError(f"{name} is {list(source.shape)}, this model has {shape}")
+        if target.shape != source.shape:  # a padded vocabulary: the stored rows
+            target = target[:shape[0]]
+        target.copy_(source)
+
+
+# ----------------------------------------------------------------------------------------------
+# the console and sample.py
+
+def num_params(model):
+    """The console's parameter count: the model's num_params(non_embedding=False), else every
+    parameter once (parameters() already counts a tied tensor once)."""
+    if hasattr(model, "num_params"):
+        return model.num_params(non_embedding=False)
+    return sum(p.numel() for p in model.parameters())
+
+
+def estimate_mfu(model, tokens_per_sec, peak_flops):
+    """Model FLOPs utilisation: the model's estimate_mfu, else its flops_per_token() over the
+    peak. None (not shown) without a peak, or for a model that declares neither: no count
+    of its FLOPs is natural (6N leaves out attention, which depends on its layers)."""
+    if hasattr(model, "estimate_mfu"):
+        return model.estimate_mfu(tokens_per_sec, peak_flops)
+    if not peak_flops or not hasattr(model, "flops_per_token"):
+        return None
+    return model.flops_per_token() * tokens_per_sec / peak_flops
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+    """The model's generate, else model.py's loop: forward's logits at the last position, the
+    next token drawn from them (greedy at temperature 0), the context cut to the config's
+    block_size where it has one."""
+    if hasattr(model, "generate"):
+        return model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                              generator=generator)
+    block = getattr(getattr(model, "config", None), "block_size", None)
+    for _ in range(max_new_tokens):
+        out = model(idx if block is None else idx[:, -block:])
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise UserError(f"{type(model).__name__}(idx) gives {type(out).__name__}, not "
+                            "(logits, loss): sample.py samples from the logits, or declare "
+                            "generate() (docs/forking.md)")
+        logits = out[0][:, -1, :].float()
+        if temperature <= 0:  # greedy
+            idx_next = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits.masked_fill_(logits < v[:, [-1]], -float("inf"))  # no host sync
+            idx_next = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+        idx = torch.cat((idx, idx_next), dim=1)
+    return idx
