@@ -323,3 +323,52 @@ def check_rows(rank, world_size, rows, optimizers):
 @pytest.mark.slow
 def test_every_misuse_means_one_process_or_one_line_at_every_stage():
     run_distributed(check_rows, 2, list(ROWS), [SGD, ADAMW])
+
+
+def docs_blocks():
+    """docs/forking.md's loop (the first python block of "The engine in your own loop") and its
+    WholeZeRO line (the first of "Any optimizer")."""
+    import os
+    import re
+    from conftest import ROOT
+    text = open(os.path.join(ROOT, "docs", "forking.md"), encoding="utf-8").read()
+    first = lambda title: re.search(r"```python\n(.*?)```", text[text.index(title):], re.S)[1]
+    return first("## The engine in your own loop"), first("## Any optimizer")
+
+
+def plain_loop(optimizer, world_size):
+    """The docs' loop on one process: torch's optimizer, the global batch."""
+    torch.manual_seed(0)
+    model = Toy()
+    opt = optimizer(model.parameters())
+    for step in range(STEPS):
+        model.zero_grad()
+        x, y = (torch.cat(t) for t in zip(*(batch(step, r, world_size)
+                                             for r in range(world_size))))
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def check_docs_loops(rank, world_size):
+    loop, whole = docs_blocks()
+    env = {"MyModel": Toy, "device": "cpu", "rank": rank, "world_size": world_size,
+           "batches": [batch(step, rank, world_size) for step in range(STEPS)]}
+    exec(loop, env)  # the loop as the page shows it: AdamW(lr=3e-4, weight_decay=0.1)
+    env["zero"].wait_published()
+    want = plain_loop(functools.partial(torch.optim.AdamW, lr=3e-4, weight_decay=0.1),
+                      world_size)
+    for a, b in zip(env["model"].parameters(), want):
+        torch.testing.assert_close(a.detach(), b, rtol=0, atol=1e-6)
+    # WholeZeRO with Adafactor, its own lr: the page's line, then the same loop
+    env.update(torch=torch)
+    exec("torch.manual_seed(0)\nmodel = MyModel()\n" + whole
+         + loop[loop.index("for x, y in batches:"):], env)
+    env["zero"].wait_published()
+    want = plain_loop(torch.optim.Adafactor, world_size)
+    for a, b in zip(env["model"].parameters(), want):
+        torch.testing.assert_close(a.detach(), b, rtol=0, atol=1e-6)
+
+
+def test_the_docs_loops_equal_one_process():
+    run_distributed(check_docs_loops, 2)
