@@ -57,16 +57,44 @@ class Lion(torch.optim.Optimizer):
                 m.add_((g - m) * ((1 - beta2) if keep is None else (1 - beta2) * keep))
 
 
-def build(optimizer, groups, lr, betas=(0.9, 0.95), eps=1e-8):
-    """The optimizer over param groups (each with its weight_decay). `optimizer` is:
-      a name   adamw | sgd (beta1 as its momentum) | lion, with lr, betas, eps
-      a class  a torch.optim.Optimizer subclass, called as cls(groups, lr=lr)
+# Our names' hyperparameters where the caller gives none (GPT-2/3's decay, AdamW's lr)
+LR, WEIGHT_DECAY = 1e-3, 0.1
+
+
+def matrices(name, p):
+    """The GPT policy (GPT-3's, nanoGPT's): decay the matrices and embeddings, not the biases and
+    norm gains. train.py passes it; our optimizer names take it by default."""
+    return p.dim() >= 2
+
+
+def param_groups(pieces, optimizer, weight_decay=None, decay=None):
+    """The groups the optimizer is built over; pieces: (name, param, master) for each tensor.
+    Our names: weight_decay (default WEIGHT_DECAY) on what decay(name, param) picks (default:
+    matrices), none on the rest. A class or a function is the caller's own optimizer: one group,
+    its own settings, unless weight_decay= or decay= is asked for. A group's value beats the
+    constructor's, so an engine default here would override an SGD(weight_decay=0) in silence."""
+    own = not isinstance(optimizer, str)
+    if own and weight_decay is None and decay is None:
+        return [{"params": [m for _, _, m in pieces]}]
+    decay = decay or matrices
+    if weight_decay is None:  # decay= alone, with the caller's optimizer: its own amount
+        weight_decay = None if own else WEIGHT_DECAY
+    picked = {"weight_decay": weight_decay} if weight_decay is not None else {}
+    return [{"params": [m for n, p, m in pieces if decay(n, p)], **picked},
+            {"params": [m for n, p, m in pieces if not decay(n, p)], "weight_decay": 0.0}]
+
+
+def build(optimizer, groups, lr=None, betas=(0.9, 0.95), eps=1e-8):
+    """The optimizer over param groups. `optimizer` is:
+      a name   adamw | sgd (beta1 as its momentum) | lion, with lr (default LR), betas, eps
+      a class  a torch.optim.Optimizer subclass, called as cls(groups), with lr= if given
       else     a function of the groups: functools.partial(torch.optim.SGD, lr=0.1), say
     """
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
-        return optimizer(groups, lr=lr)
+        return optimizer(groups) if lr is None else optimizer(groups, lr=lr)
     if callable(optimizer):
         return optimizer(groups)
+    lr = LR if lr is None else lr
     if optimizer == "adamw":  # fused: one multi-tensor kernel for the update, and found_inf
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
     if optimizer == "sgd":  # weight decay as torch's SGD has it: coupled, added to the gradient

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import optim
 from configurator import SCHEDULE, UserError, TrainConfig, grad_accum_for, parse_args
 from data.loader import Batches, changed_data, data_identity, estimate_loss, load_data
 from lora import apply_lora
@@ -256,8 +257,10 @@ def make_engine(cfg, model, dtype, rank, world_size, grad_accum, source=None):
         extra.update(overlap=cfg.offload_optimizer != "plain")
         host_threads(model, world_size)
     try:  # a model the engine cannot take (ranks apart, a missing blocks()): one line
+        # the GPT policy, given explicitly: --weight-decay on the matrices and embeddings
         zero = Engine(model, cfg.zero, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                      weight_decay=cfg.weight_decay, bucket_mb=cfg.bucket_mb, rank=rank,
+                      weight_decay=cfg.weight_decay, decay=optim.matrices,
+                      bucket_mb=cfg.bucket_mb, rank=rank,
                       world_size=world_size, reduce_dtype=DTYPES.get(cfg.reduce_dtype),
                       fp32_grad_accum=cfg.fp32_grad_accum and grad_accum > 1
                       and dtype != torch.float32, optimizer=cfg.optimizer,

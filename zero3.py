@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from collectives import all_gather_params
-from zero import Bucket, ZeRO, declared_blocks, frozen_tensors
+from zero import BACKWARD, Bucket, ZeRO, declared_blocks, frozen_tensors
 
 
 class ShardedBucket(Bucket):
@@ -72,6 +72,9 @@ class ZeRO3(ZeRO):
     STAGES = (3,)
 
     def __init__(self, model, stage=3, prefetch=True, **kwargs):
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError("ZeRO-3 gathers the weights in the model's forward hooks: pass the "
+                             "model, not its parameters")
         self.prefetch, self.in_backward = prefetch, False
         super().__init__(model, stage, **kwargs)
         self.frozen = []  # now in the units' frozen buckets, sharded like everything else
@@ -200,6 +203,14 @@ class ZeRO3(ZeRO):
         super()._reduce(b)  # (6) reduce-scatter, exactly as stage 2
         if not b.unit.root:
             self._free([b])  # (6) ...and free: its gradients are out, the weights' last use
+
+    def _begin_backward(self):
+        """Two forwards, then a backward for each: the first backward's end frees the gathered
+        weights (the root's too) that the second needs. One line (zero.py's phase)."""
+        if self.phase == BACKWARD:
+            raise RuntimeError("ZeRO-3 runs one backward per forward: loss.backward() before "
+                               "the next forward (or sum the losses and call backward once)")
+        super()._begin_backward()
 
     def finish_backward(self):
         super().finish_backward()

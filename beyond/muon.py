@@ -74,8 +74,9 @@ from itertools import accumulate
 
 import torch
 
+import optim
 from beyond.zeropp import ZeROpp
-from zero import Bucket, ZeRO, declared_blocks, plan_buckets
+from zero import Bucket, Params, ZeRO, declared_blocks, plan_buckets
 from zero3 import ShardedBucket, ZeRO3
 
 # Newton-Schulz quintic iteration (Jordan et al. 2024): five steps map singular values from
@@ -98,10 +99,14 @@ def newton_schulz(G, steps=NS_STEPS):
 
 def block_matrices(model):
     """ids of the 2-D weights inside the model's blocks() (a matrix optimizer's: not the
-    embeddings or the head); without blocks(), of every nn.Linear's weight."""
+    embeddings or the head, which Jordan et al. and Moonlight leave to AdamW). A model without
+    blocks() is one line: its nn.Linear weights would take an untied LM head in silence."""
     blocks = declared_blocks(model)
-    modules = [m for blk in blocks for m in blk.modules()] if blocks is not None else \
-        [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if blocks is None:
+        raise ValueError(f"Muon orthogonalises the matrices inside blocks(): declare "
+                         f"{type(model).__name__}.blocks(), its repeated layers in forward order "
+                         "(the embeddings, the LM head and 1-D parameters stay AdamW's)")
+    modules = [m for blk in blocks for m in blk.modules()]
     return {id(p) for m in modules for p in m.parameters(recurse=False) if p.dim() == 2}
 
 
@@ -192,8 +197,10 @@ class WholeZeRO(ZeRO):
     Muon's block matrices (an optimizer that says needs_whole_matrices; the rest stays in flat
     buckets, stepped by its AdamW), or for any other optimizer (Adafactor) every trainable
     tensor. At stage 0 every rank owns every tensor whole already: zero.py's buckets."""
+    STAGE3 = "beyond.muon.WholeZeRO3"
 
     def __init__(self, model, stage, optimizer="adamw", **kwargs):
+        model = model if isinstance(model, torch.nn.Module) else Params(model)
         cls = getattr(optimizer, "func", optimizer)  # functools.partial(torch.optim.Adafactor, ...)
         muon = optimizer == "muon" or getattr(cls, "needs_whole_matrices", False)
         # Muon's block matrices, stepped in groups of their own; the tensors dealt whole
@@ -204,10 +211,10 @@ class WholeZeRO(ZeRO):
     def check_optimizer(self, optimizer, stage):
         """Any optimizer: each gets whole tensors (an elementwise one only pays the padding)."""
 
-    def make_optimizer(self, optimizer, groups, **hyper):
+    def make_optimizer(self, optimizer, groups, lr=None, **hyper):
         if optimizer == "muon":
-            return MuonAdamW(groups, **hyper)
-        return super().make_optimizer(optimizer, groups, **hyper)
+            return MuonAdamW(groups, lr=optim.LR if lr is None else lr, **hyper)
+        return super().make_optimizer(optimizer, groups, lr=lr, **hyper)
 
     def _make_buckets(self, model, params):
         """Stages 1-2: the dealt tensors as plan_whole puts them, in DealtBuckets; the rest in
@@ -225,10 +232,10 @@ class WholeZeRO(ZeRO):
         plans.sort(key=lambda plan: -min(plan[0]))
         return [self._new_bucket([params[i] for i in indices], kind) for indices, kind in plans]
 
-    def _param_groups(self, weight_decay, decay):
-        """zero.py's two groups, and for Muon the same two again with its whole block matrices,
-        marked "matrices" (MuonAdamW orthogonalises those, AdamW steps the rest)."""
-        groups = super()._param_groups(weight_decay, decay)
+    def _param_groups(self, optimizer, weight_decay, decay):
+        """zero.py's groups, and for Muon the same again with its whole block matrices, marked
+        "matrices" (MuonAdamW orthogonalises those, AdamW steps the rest)."""
+        groups = super()._param_groups(optimizer, weight_decay, decay)
         if not self.matrices:
             return groups
         seg = {id(s.master): s for s in self.segments}

@@ -50,7 +50,7 @@ import torch
 
 import optim
 from collectives import all_gather_params, all_reduce_sum
-from zero import ZeRO
+from zero import Params, ZeRO
 from zero3 import ZeRO3
 
 HOST = torch.device("cpu")
@@ -70,7 +70,8 @@ class OffloadOptimizer:
         if stage == 0:  # every rank would hold the whole master on its host
             raise ValueError("--offload-optimizer offloads the slice a rank owns: use --zero "
                              "1, 2 or 3 (at stage 0 every rank owns everything)")
-        self.overlap, self.accumulating, self.reducing = overlap, False, []
+        self.overlap, self.accumulating = overlap, False
+        model = model if isinstance(model, torch.nn.Module) else Params(model)
         self.pin = next(model.parameters()).device.type == "cuda"  # pinned: DMA, async copies
         super().__init__(model, stage, **kwargs)
         # the host buffers, allocated once (pinning is slow): the fp32 gradient slice, and a
@@ -107,13 +108,8 @@ class OffloadOptimizer:
         finally:
             self.accumulating = False
 
-    def _reduce(self, b):
-        super()._reduce(b)
-        self.reducing.append(b)  # in in_flight's order: _land_one lands them oldest first
-
-    def _land_one(self, work, send, reduced, into):
-        super()._land_one(work, send, reduced, into)
-        b = self.reducing.pop(0)
+    def _land_one(self, work, send, reduced, into, b):
+        super()._land_one(work, send, reduced, into, b)
         if self.overlap and not self.accumulating:
             self._grad_down(self.index[id(b)])  # final: its copy overlaps the rest of backward
 
@@ -136,12 +132,9 @@ class OffloadOptimizer:
             event.record(self.stream)
         self.down[i] = event
 
-    @torch.no_grad()
-    def master_grads(self):  # (5) step, in train.py's order: (a) and (b)
-        """The host fp32 master gradients, set as each segment's master.grad and returned."""
+    def _prepare_master_grads(self):  # (5) master_grads, in train.py's order: (a) and (b)
+        """The host fp32 master gradients, set as each segment's master.grad."""
         for i, b in enumerate(self.buckets):
-            if b.flat_grad is not None and b.flat_grad.dtype == self.dtype:
-                self._check_views(b)
             if i not in self.down:  # the plain version, or a bucket that never landed
                 self._grad_down(i)
         for i, b in enumerate(self.buckets):
@@ -154,7 +147,6 @@ class OffloadOptimizer:
             for s in b.segments:
                 s.master.grad = self.host_grad[i][s.start:s.start + s.hi - s.lo] \
                     .view_as(s.master)
-        return [s.master.grad for s in self.segments]
 
     # -- (c)-(e): norm and flag on the group's device, the step on the host ----------------
 
@@ -162,7 +154,7 @@ class OffloadOptimizer:
     def clip_grad_norm_(self, max_norm):
         """(d) The global norm: the squares summed on the host, the sum reduced on the group's
         device (a host tensor on NCCL fails; one never reduced clips each rank by its own)."""
-        grads = [s.master.grad for s in self.segments]
+        grads = self.master_grads()
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         if grads:  # a rank may own nothing but padding
             sq.copy_(torch.stack(torch._foreach_norm(grads)).pow(2).sum())
@@ -328,8 +320,7 @@ class DelayedUpdate(OffloadOptimizer):
 
     @torch.no_grad()
     def step(self, lr=None, found_inf=None):
-        if self.segments and self.segments[0].master.grad is None:
-            self.master_grads()
+        self.master_grads()  # zero.py's: finishes the backward, or refuses a step without one
         self._join()
         for i in range(len(self.master)):  # the weights of update t-1: forward t+1's
             self._take_snapshot(i)

@@ -264,7 +264,7 @@ class ZeROpp(ZeRO3):
         send = self._grads_to_flat(b)  # the bucket's full gradient, a temporary
         reduced = torch.empty(b.grad_shard.numel(), device=self.device)  # fp32, when landed
         work = self.launch_quantized_reduce_scatter(send, reduced)  # hop 1 on its way
-        self.in_flight.append((work, send, reduced, b.grad_shard))  # landed as stage 3 lands
+        self.in_flight.append((work, send, reduced, b.grad_shard, b))  # landed as stage 3 lands
         if not b.unit.root:
             self._free([b])  # (6) ...and free, as ZeRO-3 does
 

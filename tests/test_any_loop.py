@@ -13,6 +13,7 @@ from conftest import make_zero, run_distributed, zero_step
 from precision import GradScaler
 from beyond.muon import WholeZeRO
 from zero import ZeRO
+from zero3 import ZeRO3
 
 STEPS, B, D = 4, 4, 8
 
@@ -191,7 +192,7 @@ def test_a_gradient_replaced_after_backward_is_refused_not_ignored():
     nn.functional.cross_entropy(model(x), y).backward()
     zero.finish_backward()
     model.out.weight.grad = model.out.weight.grad * 2  # a new tensor: the bucket never sees it
-    with pytest.raises(RuntimeError, match="out.weight.grad was replaced after backward"):
+    with pytest.raises(RuntimeError, match="out.weight.grad was replaced after loss.backward()"):
         zero.step()
 
 
@@ -235,19 +236,58 @@ def test_optimizers_by_name_class_and_function_and_the_skip():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-def check_apart(rank, world_size):
+def check_doors(rank, world_size):
+    """Ranks seeded apart: refused in one line, or rank 0's weights on every rank with
+    broadcast_from=0 (as DDP), training as one process from rank 0's model. The parameters
+    instead of a module (torch's ZeroRedundancyOptimizer(params, ...)): a loop of
+    zero_grad(), backward(), step() equals one process at stages 0-2, weights published."""
+    sgd = OPTIMIZERS["sgd"]
     torch.manual_seed(rank)  # each rank its own seed: a fork that forgot to seed alike
     with pytest.raises(ValueError, match="rank 1 holds other initial weights than rank 0"):
         ZeRO(Toy(), 1, rank=rank, world_size=world_size)
+    for stage, params in ((0, False), (1, True), (2, False), (2, True)):
+        torch.manual_seed(rank if not params else 0)
+        model = Toy()
+        zero = ZeRO(model.parameters() if params else model, stage, optimizer=sgd, rank=rank,
+                    world_size=world_size, broadcast_from=None if params else 0)
+        for step in range(STEPS):
+            model.zero_grad()
+            x, y = batch(step, rank, world_size)
+            nn.functional.cross_entropy(model(x), y).backward()
+            zero.step()  # finishes the backward; with parameters, publishes at once
+        if not params:
+            zero.wait_published()
+        for a, b in zip(model.parameters(), one_process("sgd", world_size)):
+            torch.testing.assert_close(a.detach(), b, rtol=0, atol=1e-6, msg=(stage, params))
 
 
-def test_ranks_that_start_apart_are_refused_in_one_line():
-    run_distributed(check_apart, 2)
-
-
-def test_zero3_without_blocks_is_one_line():
+def test_the_engines_doors():
+    """The ways in a forker expects, each a tested one line where it is not taken: ranks
+    apart and broadcast_from, parameters for a module (run on 2 ranks), ZeRO(model, 3)
+    naming the stage-3 engine, a class or a function of the groups given its own settings,
+    Muon on a model without blocks()."""
+    run_distributed(check_doors, 2)
     with pytest.raises(ValueError, match="declare Toy.blocks()"):
         make_zero(Toy(), 3)
+    with pytest.raises(ValueError, match=r"not 3: stage 3 shards the weights too, zero3.ZeRO3"):
+        ZeRO(ToyBlocks(), 3)
+    with pytest.raises(ValueError, match=r"beyond.muon.WholeZeRO3 \(the same arguments\)"):
+        WholeZeRO(ToyBlocks(), 3, optimizer="muon")
+    with pytest.raises(ValueError, match="pass the model, not its parameters"):
+        ZeRO3(ToyBlocks().parameters(), 3)
+    with pytest.raises(ValueError, match="declare Toy.blocks().*the LM head"):
+        WholeZeRO(Toy(), 1, optimizer="muon")  # its head, an nn.Linear, would go to Muon
+    # a class or a function: one group, the optimizer's own settings, unless asked for more
+    for optimizer, wd in ((OPTIMIZERS["sgd"], 0.0), (torch.optim.AdamW, 0.01)):
+        groups = ZeRO(Toy(), 1, optimizer=optimizer).opt.param_groups
+        assert len(groups) == 1 and groups[0]["weight_decay"] == wd
+    assert ZeRO(Toy(), 1, optimizer=torch.optim.Adagrad).opt.param_groups[0]["lr"] == 1e-2
+    asked = ZeRO(Toy(), 1, optimizer=OPTIMIZERS["sgd"], weight_decay=0.1).opt.param_groups
+    assert [g["weight_decay"] for g in asked] == [0.1, 0.0]  # the matrices, the rest
+    own = ZeRO(Toy(), 1, optimizer=torch.optim.AdamW, decay=lambda n, p: "out" in n)
+    assert [g["weight_decay"] for g in own.opt.param_groups] == [0.01, 0.0]
+    named = ZeRO(Toy(), 1).opt.param_groups  # our names: the GPT policy
+    assert [g["weight_decay"] for g in named] == [0.1, 0.0] and named[0]["lr"] == 1e-3
 
 
 def test_an_optimizer_that_reads_whole_tensors_is_refused_by_zero_in_one_line():
