@@ -1,6 +1,9 @@
-"""The CUDA paths, run when a GPU is present (skipped otherwise). Multi-rank tests elsewhere stay
-on gloo/CPU even there (--device cpu): one GPU cannot host two NCCL ranks. Tolerances here are
+"""The CUDA paths. First what a CPU checks of them with a stand-in for a GPU machine (torch.cuda
+says a device is there, and every entry that would create a CUDA context raises); then the
+tests that run where a GPU is present (skipped otherwise). Multi-rank tests elsewhere stay on
+gloo/CPU even there (--device cpu): one GPU cannot host two NCCL ranks. Tolerances here are
 stated for fp32 with TF32 off; the NCCL test needs two GPUs."""
+import inspect
 import json
 import os
 import subprocess
@@ -14,7 +17,63 @@ from conftest import ROOT, make_zero, run_distributed, zero_step
 from model import GPT, GPTConfig
 from precision import GradScaler
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# what torch.cuda does without a context: the count, and the seeds torch.manual_seed queues
+# until one exists (torch.cuda._lazy_call)
+CONTEXT_FREE = {"is_available", "device_count", "is_initialized", "_is_in_bad_fork",
+                "_is_compiled", "_lazy_call", "manual_seed", "manual_seed_all", "seed", "seed_all"}
+
+
+@pytest.fixture
+def cuda_visible(monkeypatch):
+    """A GPU machine's CUDA build, on a CPU: one device visible, and every other torch.cuda
+    function (and every module's _lazy_init, which C++ calls before a device's first use)
+    records its name and raises. Returns the list of names called."""
+    calls = []
+
+    def refuse(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            raise RuntimeError(f"torch.cuda.{name}: a CUDA context on a CPU run")
+        return call
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name, f in vars(torch.cuda).copy().items():
+        if (inspect.isfunction(f) or name in ("Stream", "Event")) and name not in CONTEXT_FREE:
+            monkeypatch.setattr(torch.cuda, name, refuse(name))
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.cuda") and module and hasattr(module, "_lazy_init"):
+            monkeypatch.setattr(module, "_lazy_init", refuse("_lazy_init"))
+    return calls
+
+
+def test_a_cpu_run_never_touches_cuda(cuda_visible, data_root, tmp_path, monkeypatch):
+    """--device cpu on a GPU machine: train, save, resume and train on, never calling into
+    torch.cuda (a context holds ~500 MB on GPU 0 for every such process: the fuzz's cases, the
+    test suite's runs). Only a CUDA run's checkpoint holds a CUDA generator's state, and a
+    CPU run leaves one that an older save wrote alone."""
+    from train import main
+    argv = ["--device", "cpu", "--data-root", data_root, "--dataset", "tiny", "--n-layer", "1",
+            "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "2",
+            "--eval-iters", "1", "--dropout", "0.1", "--zero", "2", "--out-dir", str(tmp_path)]
+    main(argv + ["--max-iters", "2"])
+    saved = checkpoint.Reader(checkpoint.list_checkpoints(tmp_path)[-1]).header["rng"][0]
+    assert "cuda" not in saved
+    older = checkpoint.rng_state  # what a save before this fix wrote on a GPU machine
+    monkeypatch.setattr(checkpoint, "rng_state", lambda device: dict(older(device), cuda=(
+        "AAAAAAAAAAAAAAAAAAAAAA==")))
+    main(argv + ["--max-iters", "4", "--resume", "--save-interval", "1"])
+    main(argv + ["--max-iters", "5", "--resume"])  # resumed from a state with "cuda" in it
+    assert cuda_visible == []
+    # on a CUDA run the state is the run's device's, saved and restored alike
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: torch.arange(16,
+                                                                                 dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda t, device: cuda_visible.append(
+        (t.tolist(), device)))
+    gpu = torch.device("cuda", 0)
+    checkpoint.set_rng_state(older(gpu), gpu)
+    assert cuda_visible == [(list(range(16)), gpu)]
 
 
 @pytest.fixture(autouse=True)
@@ -26,6 +85,7 @@ def tf32_off():
     torch.set_float32_matmul_precision(before)
 
 
+@needs_cuda
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("stage", [0, 3])
 def test_train_and_sample_on_cuda(data_root, tmp_path, dtype, stage):
@@ -47,6 +107,7 @@ def test_train_and_sample_on_cuda(data_root, tmp_path, dtype, stage):
     assert r.returncode == 0, r.stderr
 
 
+@needs_cuda
 def test_zero_stages_agree_on_cuda():
     """Every stage, one process on the GPU: the same weights after a few steps (fp32, TF32 off)."""
     results = []
@@ -66,6 +127,7 @@ def test_zero_stages_agree_on_cuda():
             torch.testing.assert_close(other[k], results[0][k], rtol=1e-5, atol=1e-6)
 
 
+@needs_cuda
 def test_fp16_scaler_and_fused_step_on_cuda():
     """The dynamic scaler's state machine on the device: an injected inf skips the fused AdamW
     step on the GPU (weights, moments and step count unchanged) and halves the scale."""
@@ -112,11 +174,13 @@ def _nccl_zero3(rank, world_size):
             torch.testing.assert_close(out[1][k], out[0][k], rtol=1e-5, atol=1e-6)
 
 
+@needs_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
 def test_zero3_on_two_gpus_with_nccl():
     run_distributed(_nccl_zero3, 2)
 
 
+@needs_cuda
 @pytest.mark.skipif(not torch.cuda.is_available()
                     or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 units")
 def test_fp8_without_compile_says_so_once(capsys):
@@ -129,6 +193,7 @@ def test_fp8_without_compile_says_so_once(capsys):
         assert capsys.readouterr().out.count("--fp8 without --compile") == (not compile)
 
 
+@needs_cuda
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.compiles
 def test_offload_under_compile_on_cuda(stage):
@@ -155,6 +220,7 @@ def test_offload_under_compile_on_cuda(stage):
     torch.testing.assert_close(losses[2:], losses[:2], rtol=0, atol=1e-5)
 
 
+@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offload_optimizer_on_cuda(stage, dtype):
