@@ -272,7 +272,11 @@ def make_engine(cfg, model, dtype, rank, world_size, grad_accum, source=None):
 def compile_model(model):
     """torch.compile each block's forward and the loss head (final LayerNorm, LM head,
     loss), where the memory-bound work (LayerNorms, residual adds, GELU, the softmax)
-    fuses. A selective checkpoint goes inside the compiled forward (activation_dial.py)."""
+    fuses. A selective checkpoint goes inside the compiled forward (activation_dial.py).
+    The blocks share one graph, their weights its inputs: dynamo inlines built-in modules,
+    by default from torch 2.5; before, it compiles once per block (torchtitan#508)."""
+    if torch.__version__ < "2.5":  # later versions warn that the flag is always on
+        torch._dynamo.config.inline_inbuilt_nn_modules = True
     inside = getattr(model.grad_ckpt, "compiled", lambda forward, i: forward)
     for i, block in enumerate(model.blocks()):
         block.forward = torch.compile(inside(block.forward, i))

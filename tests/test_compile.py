@@ -150,3 +150,34 @@ def test_the_loss_heads_gpu_path_compiles_whole(monkeypatch):
     assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
     assert graphs() == before + 1
     torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-6)
+
+
+def test_every_block_shares_one_graph(monkeypatch):
+    """--compile on 4 blocks: one graph for the blocks (their weights are its inputs), one for
+    the loss head, and no recompilation. torch 2.4 specialises a graph on each module unless
+    torch._dynamo.config.inline_inbuilt_nn_modules is on (2.5's default; torchtitan#508): one
+    compile a block. compile_model turns it on where the version needs it: checked with 2.4's
+    version and default faked, since later versions ignore the flag."""
+    import warnings
+    from torch.torch_version import TorchVersion
+    from model import GPT, GPTConfig
+    from train import compile_model
+    torch._dynamo.reset()
+    before = graphs()
+    cfg = TrainConfig(**{**SHAPE, "n_layer": 4}, compile=True)
+    model, zero, _ = build(cfg, VOCAB, torch.device("cpu"), torch.float32)
+    x = batches(1)[0]
+    for _ in range(2):
+        zero.backward(model(x, x)[1])
+    assert graphs() == before + 2
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.4.1"))
+    config = torch._dynamo.config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the flag's deprecation, in later ones
+        was, config.inline_inbuilt_nn_modules = config.inline_inbuilt_nn_modules, False
+        try:
+            compile_model(GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=1, n_head=2,
+                                        n_embd=32)))
+            assert config.inline_inbuilt_nn_modules
+        finally:
+            config.inline_inbuilt_nn_modules = was
