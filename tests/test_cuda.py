@@ -76,6 +76,35 @@ def test_a_cpu_run_never_touches_cuda(cuda_visible, data_root, tmp_path, monkeyp
     assert cuda_visible == [(list(range(16)), gpu)]
 
 
+def test_cudnn_attention_comes_first_where_pytorch_trusts_it(cuda_visible, monkeypatch):
+    """A GPU run's set-up orders SDPA's kernels: cuDNN's attention first on Hopper / Blackwell
+    with cuDNN >= 9.15.1 (PyTorch's own rule from 2.10, here from 2.6), FlashAttention-2
+    first on an A100, with --no-cudnn-attention, or (left alone) on torch 2.5. Stand-ins: the
+    device's capability and cuDNN's version."""
+    import train
+    from configurator import parse_args
+    from torch.nn.attention import SDPBackend
+    from torch.torch_version import TorchVersion
+    before = torch._C._get_sdp_priority_order()
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91501)
+    cudnn, flash = int(SDPBackend.CUDNN_ATTENTION), int(SDPBackend.FLASH_ATTENTION)
+    try:
+        for sm, flags, first in (((9, 0), [], cudnn), ((10, 0), [], cudnn), ((8, 0), [], flash),
+                                 ((9, 0), ["--no-cudnn-attention"], flash)):
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: sm)
+            train.init_distributed(parse_args(["--device", "cuda", *flags]))
+            assert torch._C._get_sdp_priority_order()[0] == first, (sm, flags)
+        train.KERNEL_ORDER.close()  # the order it found
+        monkeypatch.setattr(torch, "__version__", TorchVersion("2.5.1"))
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+        train.init_distributed(parse_args(["--device", "cuda"]))
+        assert torch._C._get_sdp_priority_order() == before and cuda_visible == []
+    finally:
+        train.KERNEL_ORDER.close()
+        torch.set_float32_matmul_precision("highest")  # set_tf32's: the default again
+
+
 @pytest.fixture(autouse=True)
 def tf32_off():
     """The tolerances here are fp32's: TF32 off for each test, and back as it was after it."""
