@@ -70,7 +70,8 @@ def traffic_formula(psi, stage, world_size, grad_accum=1, frozen=0):
       stage 2     (accum + 1)Ψ: it reduce-scatters on every micro-step
       stage 3     3Ψ per micro-step: gather, re-gather, reduce-scatter
 
-    Our stage 3 measures a little less: the root unit skips its backward gather.
+    Our stage 3 measures a little less: the root unit skips its backward gather and,
+    kept across the micro-steps, is gathered once a step.
     Stage 3 also gathers `frozen` elements (LoRA's base) twice per micro-step."""
     if world_size == 1:
         return 0

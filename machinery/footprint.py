@@ -242,6 +242,7 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     cast = 6 * batch * seq * 4 * h if fp8 else 0
     gathered = 0
     if stage == 3:  # the root and a block gathered (+ the next, prefetched); a frozen base alike
+        # (the root stays gathered across micro-steps too, when no block is: the same peak)
         # the units as bucket_sizes() plans them (root first), else blocks of 12h^2 + 13h
         block = max(buckets[1:]) if buckets else 12 * h * h + 13 * h
         root = buckets[0] if buckets else max(0, total - L * block)

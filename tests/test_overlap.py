@@ -201,3 +201,28 @@ def _zero3_prefetch(rank, world_size):
 
 def test_zero3_prefetches_the_first_and_last_block():
     run_distributed(_zero3_prefetch, 2)
+
+
+def test_zero3_gathers_the_root_once_a_step():
+    """ZeRO-3's root unit (embeddings, ln_f, the tied head) changes only at the step: gathered
+    at the first micro-step's forward, kept through the others (backward(sync=False)), freed
+    after the last, so 4 micro-steps gather it once, not 4 times. Between micro-steps only
+    the root is held; a step whose last backward was never synced frees it at publish."""
+    model = make_model()
+    zero = make_zero(model, 3, lr=LR)
+    gathers, launch = [], zero._launch_gather
+    zero._launch_gather = lambda b: (gathers.append(b.unit.root), launch(b))[1]
+    root = sum(b.flat.numel() * b.flat.element_size() for b in zero.root.buckets)
+    for step in range(2):
+        for micro in range(4):
+            x, y = get_batch(DATA, SEED, step, micro, 0, 1, B, T, 4)
+            zero.backward(model(x, y)[1] / 4, sync=micro == 3)
+            assert zero.gathered_bytes == (root if micro < 3 else 0)
+        zero.master_grads()
+        zero.step(LR)
+        zero.publish()
+        assert gathers.count(True) == step + 1 and gathers.count(False) == 2 * 2 * 4 * (step + 1)
+    zero.backward(model(x, y)[1], sync=False)  # a loop of one's own that stops mid-step
+    assert zero.gathered_bytes == root
+    zero.publish()
+    assert zero.gathered_bytes == 0
