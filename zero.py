@@ -490,16 +490,19 @@ class ZeRO:
 
     def _grads_to_flat(self, b):
         """ZeRO-2: the bucket's gradients in a temporary flat buffer that lives until its
-        reduce-scatter lands (never 2Ψ held); each .grad is freed as it is copied."""
+        reduce-scatter lands (never 2Ψ held); each .grad is freed once copied. One
+        multi-tensor copy (torch._foreach_copy_) rather than a kernel per parameter."""
         dtype = self.reduce_dtype if self.world_size > 1 else self.dtype
         flat = torch.empty(b.numel, dtype=dtype, device=self.device)
+        used = [(p, o) for p, o in zip(b.params, b.offsets) if p.grad is not None]
         unused = [(o, o + p.numel()) for p, o in zip(b.params, b.offsets) if p.grad is None]
-        for lo, hi in b.gaps + unused:  # the padding, and parameters unused in this forward
-            flat[lo:hi].zero_()
-        for p, offset in zip(b.params, b.offsets):
-            if p.grad is not None:
-                flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-                p.grad = None
+        if b.gaps or unused:  # the padding, and parameters unused in this forward
+            torch._foreach_zero_([flat[lo:hi] for lo, hi in b.gaps + unused])
+        if used:
+            torch._foreach_copy_([flat[o:o + p.numel()] for p, o in used],
+                                 [p.grad.reshape(-1) for p, _ in used])
+        for p, _ in used:
+            p.grad = None
         return flat
 
     def backward(self, loss, sync=True):

@@ -226,3 +226,29 @@ def test_zero3_gathers_the_root_once_a_step():
     assert zero.gathered_bytes == root
     zero.publish()
     assert zero.gathered_bytes == 0
+
+
+def test_stage2_copies_a_buckets_gradients_in_one_multi_tensor_op():
+    """ZeRO-2's temporary flat gradient of a bucket: one torch._foreach_copy_ (one kernel on a
+    GPU) instead of a copy_ per parameter; the padding and an unused parameter zero; the
+    same bytes as copying one by one, and every .grad freed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    zero = make_zero(make_model(torch.bfloat16), 2, lr=LR, bucket_mb=1)
+    b = max(zero.buckets, key=lambda b: len(b.params))
+    want = torch.zeros(b.numel, dtype=torch.bfloat16)
+    for i, (p, offset) in enumerate(zip(b.params, b.offsets)):
+        p.grad = None if i == 1 else torch.randn_like(p)
+        if p.grad is not None:
+            want[offset:offset + p.numel()] = p.grad.reshape(-1)
+    assert len(b.params) > 3
+    with Ops():
+        flat = zero._grads_to_flat(b)
+    assert torch.equal(flat, want) and all(p.grad is None for p in b.params)
+    assert "copy_" not in seen and seen.count("_foreach_copy_") == 1, seen
