@@ -130,6 +130,9 @@ def test_train_and_sample_on_cuda(data_root, tmp_path, dtype, stage):
     steps = [row for row in rows if "loss" in row]
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.3
     assert all(row["cuda_max_mem"] > 0 for row in steps)
+    # PyTorch's peak beside the device's count, once: the gap (the CUDA context) shows
+    assert r.stdout.count("GPU memory: peak") == 1 and "outside PyTorch's allocator" in r.stdout
+    assert all(row["cuda_used"] > row["cuda_max_reserved"] for row in steps)
     assert not any(row["skipped"] for row in steps[1:])
     r = subprocess.run([sys.executable, "sample.py", "--out-dir", str(tmp_path), "--device", "cuda", "--dtype", dtype,
                         "--max-new-tokens", "20", "--num-samples", "2"], cwd=ROOT, capture_output=True, text=True)
@@ -302,3 +305,104 @@ def test_offload_optimizer_on_cuda(stage, dtype):
         for mine, ref in zip(runs[mode][1], runs[None][1]):
             torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-6)
     assert runs["plain"][1][0].equal(runs["overlap"][1][0])  # one arithmetic, two schedules
+
+
+@needs_cuda
+def test_a_cpu_run_creates_no_cuda_context(data_root, tmp_path):
+    """--device cpu on this GPU machine: train, save, resume, and no CUDA context at the end
+    (the CPU stand-in test above, for real)."""
+    code = ("import sys, torch, train; train.main(sys.argv[1:]); "
+            "assert not torch.cuda.is_initialized(), 'a CUDA context on a CPU run'")
+    argv = ["--device", "cpu", "--data-root", data_root, "--dataset", "tiny", "--n-layer", "1",
+            "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "2",
+            "--eval-iters", "1", "--out-dir", str(tmp_path)]
+    for extra in (["--max-iters", "2"], ["--max-iters", "4", "--resume"]):
+        r = subprocess.run([sys.executable, "-c", code, *argv, *extra], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+
+@needs_cuda
+def test_sdpa_picks_cudnn_attention_where_preferred():
+    """train.prefer_cudnn_attention on this GPU: SDPA's choice for a GPT-2 attention (bf16,
+    causal, 64-wide heads, training) is cuDNN's where PyTorch trusts it (sm90 / sm100, cuDNN
+    >= 9.15.1, torch >= 2.6), FlashAttention-2 with the flag off; and cuDNN's forward and
+    backward agree with the math kernel's to bf16's precision."""
+    import torch.nn.functional as F
+    import train
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    device = torch.device("cuda", torch.cuda.current_device())
+    q, k, v = (torch.randn(4, 12, 1024, 64, device=device, dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    choice = lambda: torch._fused_sdp_choice(q, k, v, is_causal=True)
+    try:
+        if torch.__version__ >= "2.6":
+            assert not train.prefer_cudnn_attention(False, device)
+            assert choice() == int(SDPBackend.FLASH_ATTENTION)
+        if not train.prefer_cudnn_attention(True, device):
+            pytest.skip("PyTorch does not trust cuDNN's attention on this GPU / cuDNN / torch")
+        assert choice() == int(SDPBackend.CUDNN_ATTENTION)
+        outs = []
+        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH):
+            with sdpa_kernel(backend):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            grads = torch.autograd.grad(y.float().square().sum(), (q, k, v))
+            outs.append([y.float()] + [g.float() for g in grads])
+        for a, b in zip(*outs):
+            assert ((a - b).norm() / b.norm()).item() < 2e-2
+    finally:
+        train.KERNEL_ORDER.close()
+
+
+@needs_cuda
+@pytest.mark.compiles
+def test_the_chunked_loss_head_compiles_whole_on_cuda():
+    """--chunked-loss --compile on a GPU: the head's fused path (its gradient a slice
+    assignment while compiling) in one graph, no graph break; the same loss and gradients as
+    eager, to bf16's precision."""
+    import torch._dynamo
+    from beyond import chunked_loss
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=1000, n_layer=1, n_head=2, n_embd=64))
+    model = model.cuda().bfloat16()  # 1000 tokens in 1024 padded columns: strided chunks
+    model.cross_entropy = chunked_loss.cross_entropy
+    x = torch.randn(4, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 1000, (4, 64), device="cuda")
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    out = []
+    for head in (model.head, torch.compile(model.head)):
+        x.grad = model.lm_head.weight.grad = None
+        loss = head(x, targets)[1]
+        loss.backward()
+        out.append((loss.float(), x.grad.float(), model.lm_head.weight.grad.float()))
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    torch.testing.assert_close(out[1], out[0], rtol=2e-2, atol=2e-3)
+
+
+@needs_cuda
+def test_multi_tensor_and_stacked_steps_on_cuda():
+    """Lion's foreach step equals its per-tensor arithmetic bitwise on the GPU too (the same
+    element functions in multi-tensor kernels); Muon's Newton-Schulz on a stack of matrices
+    (batched GEMM) stays within 1e-6 of each matrix alone (fp32, TF32 off)."""
+    import optim
+    from beyond.muon import newton_schulz
+    from test_optim import lion_per_tensor
+    torch.manual_seed(0)
+    ps = [torch.randn(n, device="cuda") for n in (1000, 4097, 3)]
+    ref, ref_m = [p.clone() for p in ps], [torch.zeros_like(p) for p in ps]
+    opt = optim.Lion([{"params": ps, "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.99))
+    for skip in (0.0, 1.0, 0.0):
+        for p, r in zip(ps, ref):
+            p.grad = torch.full_like(p, float("inf")) if skip else torch.randn_like(p)
+            r.grad = p.grad.clone()
+        opt.found_inf = torch.tensor(skip, device="cuda")
+        opt.step()
+        lion_per_tensor(ref, ref_m, 1e-2, (0.9, 0.99), 0.1, opt.found_inf)
+        assert all(torch.equal(p, r) for p, r in zip(ps, ref))
+        assert all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip(ps, ref_m))
+    G = torch.randn(4, 256, 1024, device="cuda")
+    alone = torch.stack([newton_schulz(g) for g in G])
+    torch.testing.assert_close(newton_schulz(G), alone, rtol=0, atol=1e-6)
