@@ -180,7 +180,7 @@ class StepLog:
         if first and cuda:  # once: the allocator's peak beside the device's own count
             self.print0(memory_line(row["cuda_max_mem"], torch.cuda.memory_reserved(zero.device),
                                     row["cuda_used"], torch.cuda.mem_get_info(zero.device)[1],
-                                    communicators(cfg, N, zero.device)))
+                                    communicators(cfg, N, zero)))
         self.metrics.log(row)
         return row
 
@@ -237,12 +237,13 @@ def device_used(device):
     return total - free
 
 
-def communicators(cfg, world_size, device):
-    """The NCCL communicators this rank joins, as memory.py counts them (footprint.py)."""
+def communicators(cfg, world_size, zero):
+    """The NCCL communicators this rank joins, as memory.py counts them (footprint.py), on
+    the node size the run found (--node-size, else torchrun's LOCAL_WORLD_SIZE)."""
     from configurator import parse_zeropp
     from machinery.footprint import nccl_communicators
-    return nccl_communicators(world_size, cfg.zero, parse_zeropp(cfg.zeropp), cfg.node_size,
-                              device.type)
+    return nccl_communicators(world_size, cfg.zero, parse_zeropp(cfg.zeropp),
+                              zero.traffic.node_size, zero.device.type)
 
 
 def memory_line(peak, reserved, used, total, n_comms):

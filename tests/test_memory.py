@@ -291,8 +291,13 @@ def test_nccl_communicators_are_counted_where_they_are(monkeypatch, capsys):
     assert counted["nccl"] == 2 * footprint.NCCL_BYTES > 0
     main(["--params", "7e9", "--world-size", "8", "--zero", "2", "--dtype", "bf16"])
     assert "NCCL communicators" in capsys.readouterr().out
-    # a GPU run's console, once: PyTorch's peak beside the device's count (cudaMemGetInfo)
-    from machinery.report import memory_line
+    # a GPU run's console, once: PyTorch's peak beside the device's count (cudaMemGetInfo),
+    # the communicators counted on the node size the run found (torchrun's, by default)
+    from types import SimpleNamespace
+    from machinery.report import communicators, memory_line
+    run = SimpleNamespace(traffic=SimpleNamespace(node_size=8), device=torch.device("cuda"))
+    flags = parse_args(["--zero", "3", "--zeropp", "hpz"])
+    assert communicators(flags, 16, run) == 4 and communicators(flags, 8, run) == 2
     line = memory_line(30 * 2**30, 32 * 2**30, 36.5 * 2**30, 80 * 2**30, 2)
     assert "peak 30.00 GiB allocated, 32.00 GiB reserved" in line
     assert "36.50 of 80.00 GiB in use: 4.50 GiB outside PyTorch's allocator" in line
