@@ -192,29 +192,30 @@ def state_dict(zero, model):
 # ----------------------------------------------------------------------------------------------
 # saving: the pieces, every rank's RNG states, the optimizer's keys and step
 
-def rng_state():
-    """Every generator's state as JSON (bytes as base64): an exact resume draws the same
-    dropout masks."""
+def rng_state(device):
+    """Every generator's state the run draws from, as JSON (bytes as base64): an exact resume
+    draws the same dropout masks. The CUDA generator only on a CUDA run: asking for it creates
+    a CUDA context, and a CPU run on a GPU machine must not hold one."""
     b64 = lambda t: base64.b64encode(t.numpy().tobytes()).decode()
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     version, words, gauss_next = random.getstate()
     state = {"torch": b64(torch.get_rng_state()), "numpy": [kind, keys.tolist(), pos,
                                                              has_gauss, gauss],
              "python": [version, list(words), gauss_next]}
-    if torch.cuda.is_available():
-        state["cuda"] = b64(torch.cuda.get_rng_state())
+    if device.type == "cuda":
+        state["cuda"] = b64(torch.cuda.get_rng_state(device))
     return state
 
 
-def set_rng_state(state):
+def set_rng_state(state, device):
     as_tensor = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
     torch.set_rng_state(as_tensor(state["torch"]))
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
     version, words, gauss_next = state["python"]
     random.setstate((version, tuple(words), gauss_next))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(as_tensor(state["cuda"]))
+    if "cuda" in state and device.type == "cuda":  # a CPU run leaves a saved CUDA state be
+        torch.cuda.set_rng_state(as_tensor(state["cuda"]), device)
 
 
 def state_keys(zero):
@@ -278,7 +279,7 @@ def save(out_dir, it, zero, model, scaler=None, header=None, fmt="consolidated",
         tensors.update({f"fp8/{n}": t for n, t in fp8["history"].items()})
     # rank 0 writes the header: what every file holds, its crc32s, every rank's RNG states
     index = {"layout": {n: [p["lo"], p["hi"]] for n, p in pieces.items()},
-             "crc": ckpt_reader.checksums(tensors), "rng": rng_state()}
+             "crc": ckpt_reader.checksums(tensors), "rng": rng_state(zero.device)}
     every = all_gather_object(index, world_size)
     files = [ckpt_reader.shard_name(i) for i in range(n_files)]
     head = dict(header, format=ckpt_reader.FORMAT, iter=it, save_id=save_id,
@@ -390,7 +391,7 @@ def restore(path, zero, model, scaler=None, config=None, model_args=None, vocab_
         h = reader.header
         check_compatible(h, model_args, vocab_meta, path, config, shapes)
         trainable, frozen = _read_owned(reader, zero, shapes)
-        rng = reader.rng(zero.rank) if h["world_size"] == zero.world_size else None
+        rng = reader.rng(zero.rank, zero.device) if h["world_size"] == zero.world_size else None
         fp8 = reader.fp8(model)  # --fp8's amax histories: checked now, restored below
     except UserError as e:
         error = str(e)
@@ -418,5 +419,5 @@ def restore(path, zero, model, scaler=None, config=None, model_args=None, vocab_
         note = (f"{path} was saved with --dtype {old[0]} --loss-scale {old[1]}: this run's "
                 f"--dtype {config.get('dtype')} starts a fresh loss scaler")
     if rng is not None:  # the same ranks again: dropout continues exactly
-        set_rng_state(rng)
+        set_rng_state(rng, zero.device)
     return h["iter"], "; ".join(n for n in (note, fp8()) if n) or None, h

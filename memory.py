@@ -7,10 +7,12 @@ Will my model fit, and which flags do I need? Memory per GPU, from the same code
 
 The arithmetic is footprint.py's (model state, exact) and activations.py's (saved for backward,
 per module kind), both counted on the model the flags describe and held to measurement by
-tests/test_memory.py. Not estimated: the CUDA context and allocator fragmentation: --advise
-keeps HEADROOM of the GPU free for them. --advise walks the lecture's decision flow and ends in
-a train.py command that runs what it estimated. Sizes are decimal: 1 GB = 1e9 bytes. A fork's
-model (model.GPT edited) is counted by its own formulas: docs/forking.md, "memory.py for a fork".
+tests/test_memory.py. NCCL's communicators hold memory outside torch's allocator: an
+allowance of footprint.NCCL_BYTES each (an estimate from NVIDIA/nccl#864), 2 a rank on several
+GPUs. Not estimated: the CUDA context and allocator fragmentation: --advise keeps HEADROOM of
+the GPU free for them. --advise walks the lecture's decision flow and ends in a train.py
+command that runs what it estimated. Sizes are decimal: 1 GB = 1e9 bytes. A fork's model
+(model.GPT edited) is counted by its own formulas: docs/forking.md, "memory.py for a fork".
 """
 import bisect
 import sys

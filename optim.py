@@ -40,21 +40,29 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
+        """The update above, each line one multi-tensor kernel over a group's tensors
+        (torch._foreach_*: the same arithmetic, element for element, in fewer launches)."""
         skip = self.found_inf  # a device tensor: 1.0 skips the step, read by no one here
-        keep = None if skip is None else 1.0 - skip
+        keep, gone = (None, None) if skip is None else (1.0 - skip, skip > 0)
         for group in self.param_groups:
             (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad if skip is None else torch.where(skip > 0, 0.0, p.grad)  # inf * 0
-                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
-                update = torch.lerp(g, m, beta1).sign_()  # beta1 * m + (1 - beta1) * g
-                step = lr if keep is None else lr * keep  # 0 on a skipped step: p unchanged
-                if wd:
-                    p.mul_(1 - step * wd)
-                p.add_(update * -step)
-                m.add_((g - m) * ((1 - beta2) if keep is None else (1 - beta2) * keep))
+            ps = [p for p in group["params"] if p.grad is not None]
+            if not ps:
+                continue
+            # a skipped step's inf/NaN gradient made 0 (inf * 0 is NaN): one kernel a tensor,
+            # there is no foreach where
+            gs = [p.grad if skip is None else torch.where(gone, 0.0, p.grad) for p in ps]
+            ms = [self.state[p].setdefault("exp_avg", torch.zeros_like(p)) for p in ps]
+            update = torch._foreach_lerp(gs, ms, beta1)  # beta1 * m + (1 - beta1) * g
+            torch._foreach_sign_(update)
+            step = lr if keep is None else lr * keep  # 0 on a skipped step: p unchanged
+            if wd:
+                torch._foreach_mul_(ps, 1 - step * wd)
+            torch._foreach_mul_(update, -step)
+            torch._foreach_add_(ps, update)
+            diff = torch._foreach_sub(gs, ms)  # m += (g - m) * (1 - beta2)
+            torch._foreach_mul_(diff, (1 - beta2) if keep is None else (1 - beta2) * keep)
+            torch._foreach_add_(ms, diff)
 
 
 # Our names' hyperparameters where the caller gives none (GPT-2/3's decay, AdamW's lr)

@@ -18,6 +18,7 @@ Several machines (run on each node, node_rank 0..nnodes-1):
     torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=HOST \
         --master_port=29500 train.py --config config/gpt2_124m.py --zero 2 --bf16
 """
+import contextlib
 import math
 import os
 import time
@@ -57,10 +58,35 @@ def init_distributed(cfg):
     if use_cuda:
         torch.cuda.set_device(device)
         set_tf32()  # fp32 matmuls on tensor cores (16-bit runs: the fp32 ones left)
+        prefer_cudnn_attention(cfg.cudnn_attention, device)  # SDPA's kernel order
     if "RANK" in os.environ:
         dist.init_process_group("nccl" if use_cuda else "gloo",
                                 device_id=device if use_cuda else None)
     return rank, world_size, device
+
+
+# sdpa_kernel's context, held open for the process: left (or garbage-collected), it would
+# restore the order it found
+KERNEL_ORDER = contextlib.ExitStack()
+
+
+def prefer_cudnn_attention(on, device):
+    """SDPA's kernel order for this process on a GPU: cuDNN's attention first where PyTorch
+    trusts it, else FlashAttention-2 first. cuDNN's is reported 1.7-2.3x faster on Hopper
+    for training shapes (transformers#48163); PyTorch made it opt-in after bugs (pytorch#138522)
+    and puts it first itself on sm90 / sm100 with cuDNN >= 9.15.1 (sdp_utils.cpp,
+    check_prefer_cudnn_attention; torch >= 2.10): the same rule, for torch >= 2.6 (sdpa_kernel's
+    set_priority). A no-op on older torch. Returns whether cuDNN's kernel comes first."""
+    if torch.__version__ < "2.6":
+        return False
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    trusted = (torch.cuda.get_device_capability(device) in ((9, 0), (10, 0))
+               and (torch.backends.cudnn.version() or 0) >= 91501)
+    first = on and trusted
+    order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    order = [SDPBackend.CUDNN_ATTENTION] + order if first else order + [SDPBackend.CUDNN_ATTENTION]
+    KERNEL_ORDER.enter_context(sdpa_kernel(order, set_priority=True))
+    return first
 
 
 def get_lr(it, cfg):
@@ -274,7 +300,11 @@ def make_engine(cfg, model, dtype, rank, world_size, grad_accum, source=None):
 def compile_model(model):
     """torch.compile each block's forward and the loss head (final LayerNorm, LM head,
     loss), where the memory-bound work (LayerNorms, residual adds, GELU, the softmax)
-    fuses. A selective checkpoint goes inside the compiled forward (activation_dial.py)."""
+    fuses. A selective checkpoint goes inside the compiled forward (activation_dial.py).
+    The blocks share one graph, their weights its inputs: dynamo inlines built-in modules,
+    by default from torch 2.5; before, it compiles once per block (torchtitan#508)."""
+    if torch.__version__ < "2.5":  # later versions warn that the flag is always on
+        torch._dynamo.config.inline_inbuilt_nn_modules = True
     inside = getattr(model.grad_ckpt, "compiled", lambda forward, i: forward)
     for i, block in enumerate(model.blocks()):
         block.forward = torch.compile(inside(block.forward, i))

@@ -72,7 +72,8 @@ def traffic_formula(psi, stage, world_size, grad_accum=1, frozen=0):
       stage 2     (accum + 1)Ψ: it reduce-scatters on every micro-step
       stage 3     3Ψ per micro-step: gather, re-gather, reduce-scatter
 
-    Our stage 3 measures a little less: the root unit skips its backward gather.
+    Our stage 3 measures a little less: the root unit skips its backward gather and,
+    kept across the micro-steps, is gathered once a step.
     Stage 3 also gathers `frozen` elements (LoRA's base) twice per micro-step."""
     if world_size == 1:
         return 0
@@ -594,18 +595,21 @@ class ZeRO:
 
     def _grads_to_flat(self, b):
         """ZeRO-2: the bucket's gradients in a temporary flat buffer that lives until its
-        reduce-scatter lands (never 2Ψ held); each .grad is freed as it is copied, p.grad
-        then the HeldGrad. A parameter unused in this backward (or cleared) sends zeros."""
+        reduce-scatter lands (never 2Ψ held); each .grad is freed once copied, p.grad then
+        the HeldGrad. A parameter unused in this backward (or cleared) sends zeros. One
+        multi-tensor copy (torch._foreach_copy_) rather than a kernel per parameter."""
         dtype = self.reduce_dtype if self.world_size > 1 else self.dtype
         flat = torch.empty(b.numel, dtype=dtype, device=self.device)
-        for lo, hi in b.gaps:  # the padding
-            flat[lo:hi].zero_()
-        for p, offset in zip(b.params, b.offsets):
-            if p.grad is None or isinstance(p.grad, HeldGrad):
-                flat[offset:offset + p.numel()].zero_()
-            else:
-                flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-                p.grad = self.held[id(p)]
+        fresh = lambda p: p.grad is not None and not isinstance(p.grad, HeldGrad)
+        used = [(p, o) for p, o in zip(b.params, b.offsets) if fresh(p)]
+        unused = [(o, o + p.numel()) for p, o in zip(b.params, b.offsets) if not fresh(p)]
+        if b.gaps or unused:  # the padding, and parameters unused in this backward
+            torch._foreach_zero_([flat[lo:hi] for lo, hi in b.gaps + unused])
+        if used:
+            torch._foreach_copy_([flat[o:o + p.numel()] for p, o in used],
+                                 [p.grad.reshape(-1) for p, _ in used])
+        for p, _ in used:
+            p.grad = self.held[id(p)]
         return flat
 
     def backward(self, loss, sync=True):

@@ -21,12 +21,19 @@ LM head), and the life of a unit's weights in one training step is, as the code 
                  `shard`
 
 The root unit is used first (embeddings) and last (the tied head): it stays gathered from the
-model's forward to the end of backward, one unit's worth of memory for one gather less.
-Traffic: 3Ψ per step (a gather in forward, one in backward, a reduce-scatter), 1.5x stages
-0-2. Frozen tensors (a LoRA base, quantized or not) are sharded the same way in frozen
+model's forward to the end of backward, one unit's worth of memory for one gather less. Its
+weights change only at the step, so under gradient accumulation it stays gathered across the
+micro-steps too (backward(loss, sync=False), as DDP's no_sync) and is freed after the last:
+gathered once a step, not once a micro-step, and never waited for again within the step. Its
+memory (GPT-2: wte + wpe + ln_f, 79 MB in bf16) is then held between micro-steps as well,
+when no block is gathered; the peak, a block's forward or backward with the root gathered,
+is the same. Traffic: 3Ψ per micro-step (a gather in forward, one in backward, a
+reduce-scatter), 1.5x stages 0-2, less the root's: its reduce-scatter each micro-step and
+one gather a step. Frozen tensors (a LoRA base, quantized or not) are sharded the same way in frozen
 buckets, one per dtype (uint8 codes and fp32 scales cannot share a flat buffer): gathered
 with their block, never reduced or updated, 2 x their size in traffic per step.
 """
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +82,7 @@ class ZeRO3(ZeRO):
         if not isinstance(model, torch.nn.Module):
             raise ValueError("ZeRO-3 gathers the weights in the model's forward hooks: pass the "
                              "model, not its parameters")
-        self.prefetch, self.in_backward = prefetch, False
+        self.prefetch, self.in_backward, self.keep_root = prefetch, False, False
         super().__init__(model, stage, **kwargs)
         self.frozen = []  # now in the units' frozen buckets, sharded like everything else
 
@@ -212,15 +219,28 @@ class ZeRO3(ZeRO):
                                "the next forward (or sum the losses and call backward once)")
         super()._begin_backward()
 
+    @contextmanager
+    def no_sync(self):
+        """Every micro-step but the last (backward(loss, sync=False)): the root stays gathered
+        for the next micro-step's forward, as its weights change only at the step."""
+        self.keep_root = True
+        try:
+            with super().no_sync():
+                yield
+        finally:
+            self.keep_root = False
+
     def finish_backward(self):
         super().finish_backward()
-        for unit in self.all_units:  # the root, and the first block's frozen weights
-            self._free(unit.buckets)
+        for unit in self.all_units:  # the root (after the step's last micro-step), and the
+            if not (unit.root and self.keep_root):  # first block's frozen weights
+                self._free(unit.buckets)
         self.in_backward = False
 
     @torch.no_grad()
     def publish(self, wait=True):
         """(7) step: the updated fp32 master -> the shard; the next forward gathers it."""
+        self._free(self.root.buckets)  # a root kept from a micro-step would be stale now
         self.unpublished = False
         for b, master in zip(self.buckets, self.master):
             if master.data_ptr() != b.shard.data_ptr():  # in fp32 the shard is the master

@@ -9,9 +9,15 @@ folder or a changed file.
 Each case runs its script as the command does (the script run as __main__) in a process forked
 from a server that imported torch and the project once, so a case starts in well under a
 second; about one train.py case in ten runs under torchrun on 2 gloo ranks instead. Every case's
-address space is capped (--mem-gb): a size nothing checked fails at once instead of swapping the
-machine. A case is bad when it prints a Python traceback, exits with anything but 0 or 2,
-refuses in more than one line, outlives --timeout, leaves a folder it created behind after a
+memory is capped (--mem-gb): a size nothing checked fails at once instead of swapping the
+machine. The cap is RLIMIT_DATA (the private writable memory a process maps: its heap, its
+tensors), not RLIMIT_AS (all its address space): a CUDA build of torch maps gigabytes of
+libraries, and a CUDA context reserves ~10 GB of address space it never writes (pytorch#23441),
+so an address-space cap fails every case on a GPU machine. Linux counts mappings under
+RLIMIT_DATA since 4.7.
+
+A case is bad when it prints a Python traceback, exits with anything but 0 or 2, refuses in
+more than one line, outlives --timeout, leaves a folder it created behind after a
 refusal, leaves a lock or a .tmp save behind, or changes a file it must not: a checkpoint's
 bytes (rotation may delete one), metrics.jsonl other than by appending to it, or anything at
 all in a folder that sample.py, memory.py or export.py only read.
@@ -159,13 +165,19 @@ def make_odd(folder, kind):
 # ----------------------------------------------------------------------------------------------
 # one case
 
+def cap_memory(mem_bytes):
+    """Cap this process's private writable memory (RLIMIT_DATA): what it allocates, not the
+    address space it reserves or the libraries it maps (see the docstring)."""
+    resource.setrlimit(resource.RLIMIT_DATA, (mem_bytes, mem_bytes))
+
+
 def _run_script(script, argv, out, err, mem_bytes):
     """The forked process: the script as `python SCRIPT ARGV` runs it, its output into files."""
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(f, fd)
         os.close(f)
-    resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+    cap_memory(mem_bytes)
     os.chdir(ROOT)
     sys.argv = [script] + argv
     code = 0
@@ -186,7 +198,7 @@ def run_case(ctx, script, argv, work, timeout, mem_bytes, nproc=1):
     torchrun on nproc gloo ranks."""
     out, err = os.path.join(work, "stdout"), os.path.join(work, "stderr")
     if nproc > 1:
-        limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+        limit = lambda: cap_memory(mem_bytes)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", script] + argv
         with open(out, "w") as o, open(err, "w") as e:
@@ -391,7 +403,7 @@ def main(argv=None):
     p.add_argument("--cases", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120, help="seconds a case may take")
-    p.add_argument("--mem-gb", type=float, default=3.0, help="each case's address space")
+    p.add_argument("--mem-gb", type=float, default=3.0, help="each case's memory (RLIMIT_DATA)")
     p.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
     if args.cases < 1 or not args.timeout > 0 or not args.mem_gb > 0:

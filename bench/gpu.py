@@ -1,13 +1,15 @@
 """
 GPT-2 124M on one GPU in bf16: ms/iter, MFU and peak memory of our training (ZeRO stage 0,
-stage 3, --grad-ckpt, --offload-optimizer at stages 1 and 3, --compile, each set up by
-train.build) beside a plain PyTorch loop of the same model (fp32 weights under bf16 autocast,
-fused AdamW), compiled and not. Sized for a few minutes of GPU time: 8 configurations of 70
-steps (by FLOPs, well under 0.1 s each on an H100-class GPU) and two compilations.
+the same with FlashAttention-2 first, stage 3, --grad-ckpt, --offload-optimizer at stages 1
+and 3, --compile, each set up by train.build) beside a plain PyTorch loop of the same model
+(fp32 weights under bf16 autocast, fused AdamW), compiled and not. Sized for a few minutes of
+GPU time: 9 configurations of 70 steps (by FLOPs, well under 0.1 s each on an H100-class GPU)
+and two compilations.
 
     python -m bench.gpu                              # config/gpt2_124m.py's shape, 16 x 1024 a step
     python -m bench.gpu --configs plain,s0 --steps 10
     python -m bench.gpu --configs s0+compile,s0+fp8+compile    # bf16 vs --fp8 (Ada, Hopper+)
+    python -m bench.gpu --configs s0,s0+flash        # cuDNN's attention vs FlashAttention-2
     python -m bench.gpu --tiny --no-write            # the same code on a tiny model, on a CPU
     python -m bench.gpu --tiny --configs plain,s0,s3,s0+ckpt --steps 2 --no-write
 
@@ -32,7 +34,7 @@ from configurator import load_preset
 from model import GPT
 from machinery.report import peak_flops
 from precision import resolve_dtype
-from train import model_config
+from train import KERNEL_ORDER, model_config, prefer_cudnn_attention
 
 VOCAB = 50257  # GPT-2's BPE
 TINY_VOCAB = 512  # --tiny: GPT-2's 50k logits in bf16 take seconds a step on an AVX2 CPU
@@ -40,6 +42,7 @@ CONFIGS = {
     "plain": "PyTorch: fp32 weights, bf16 autocast, fused AdamW",
     "plain+compile": "the same, torch.compile(model)",
     "s0": "ours: ZeRO-0 (bf16 weights, fp32 master)",
+    "s0+flash": "ours: ZeRO-0, FlashAttention-2 first (--no-cudnn-attention)",
     "s3": "ours: ZeRO-3",
     "s0+ckpt": "ours: ZeRO-0 + --grad-ckpt",
     "s1+offload": "ours: ZeRO-1 + --offload-optimizer (fp32 master and AdamW on the host)",
@@ -67,6 +70,9 @@ def tokens(cfg, vocab):
 
 
 def make_run(key, cfg, data, device, vocab):
+    """The configuration's run, with SDPA's kernel order as it would have it: PyTorch's own
+    for the plain loop, train.prefer_cudnn_attention's for ours (on a GPU)."""
+    KERNEL_ORDER.close()  # PyTorch's order again (a configuration before may have set one)
     if key.startswith("plain"):
         torch.manual_seed(cfg.seed)
         model = GPT(model_config(cfg, vocab)).to(device)  # fp32 weights: autocast computes
@@ -77,7 +83,10 @@ def make_run(key, cfg, data, device, vocab):
     run_cfg = replace(cfg, zero=stage, grad_ckpt=ckpt,
                       offload_optimizer="overlap" if "offload" in key else "none",
                       compile=key.endswith("compile") and key != "plain+compile",
-                      fp8="fp8" in key)  # dynamic scaling: no history for fp8.end_step
+                      fp8="fp8" in key,  # dynamic scaling: no history for fp8.end_step
+                      cudnn_attention=key != "s0+flash")
+    if device.type == "cuda":
+        prefer_cudnn_attention(run_cfg.cudnn_attention, device)
     return OurRun(run_cfg, data, vocab, device)
 
 

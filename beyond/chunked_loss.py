@@ -19,7 +19,9 @@ backward (bench.head counts them). On a GPU the fused path asks torch's softmax 
 instead, one pass each (an fp16 chunk read as it is, half_to_float; bf16 cast first), and
 writes the gradient in 16 bits straight from the product (out=): less than half the bytes.
 The CPU keeps the first path (its numbers are the tests'). --compile fuses the whole head
-instead (train.compile_model).
+instead (train.compile_model): there the product is a slice assignment, since dynamo refuses
+an out= tensor that is not contiguous (the padded columns make each chunk's rows strided) and
+would run the whole head eagerly; inductor writes the same 16-bit values in one kernel.
 """
 import torch
 
@@ -88,7 +90,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             if ctx.fused:  # the softmax in one pass; the product written 16-bit in another
                 p = _fp32(torch._softmax, logits[lo:hi, :vocab])
                 p.scatter_add_(1, safe[lo:hi], torch.full_like(p[:, :1], -1.0))
-                torch.mul(p, scale[lo:hi, None], out=out[lo:hi, :vocab])
+                if torch.compiler.is_compiling():  # dynamo refuses out= into a strided view
+                    out[lo:hi, :vocab] = p * scale[lo:hi, None]  # and inductor fuses this
+                else:
+                    torch.mul(p, scale[lo:hi, None], out=out[lo:hi, :vocab])
                 continue
             p = torch.exp(logits[lo:hi, :vocab].float() - lse[lo:hi, None])  # softmax, fp32
             p.scatter_add_(1, safe[lo:hi], torch.full_like(p[:, :1], -1.0))  # minus one-hot

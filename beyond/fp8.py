@@ -280,16 +280,19 @@ def end_step(model, group=None):
     """After the optimizer step, under delayed scaling: this step's amaxes, the MAX over every
     rank (one all-reduce of 3 values per linear, as TransformerEngine reduces amaxes over the
     data-parallel group), join the history, and the oldest step leaves it. Every rank then
-    holds the same history: one copy in a checkpoint resumes on any world size."""
+    holds the same history: one copy in a checkpoint resumes on any world size. Every
+    linear's history stacked, shifted as one tensor and copied back by one multi-tensor copy:
+    a few kernels a step, not two a linear (convert gives them all one length)."""
     ms = [m for m in matmuls(model) if m.scaling == "delayed"]
     if not ms:
         return
-    now = torch.stack([m.history[:, 0] for m in ms])  # (linears, 3)
+    history = torch.stack([m.history for m in ms])  # (linears, 3, steps + 1)
+    now = history[:, :, 0].contiguous()  # (linears, 3): this step's amaxes
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(now, op=dist.ReduceOp.MAX, group=group)
-    for m, amax in zip(ms, now):
-        m.history.copy_(torch.cat([torch.zeros_like(amax)[:, None], amax[:, None],
-                                   m.history[:, 1:-1]], dim=1))
+    shifted = torch.cat([torch.zeros_like(now)[..., None], now[..., None], history[..., 1:-1]],
+                        dim=2)
+    torch._foreach_copy_([m.history for m in ms], list(shifted.unbind(0)))
 
 
 @torch.no_grad()

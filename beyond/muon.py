@@ -85,16 +85,17 @@ NS_COEFFICIENTS, NS_STEPS = (3.4445, -4.7750, 2.0315), 5
 
 
 def newton_schulz(G, steps=NS_STEPS):
-    """The orthogonal factor of G (out, in), approximately: U V^T of its SVD U S V^T.
+    """The orthogonal factor of G (out, in), approximately: U V^T of its SVD U S V^T; of
+    each matrix of a stack G (k, out, in) alike, in batched matmuls (k matrices, one kernel).
     In fp32 here (the master's dtype); Jordan et al. run it in bf16 on GPUs."""
     a, b, c = NS_COEFFICIENTS
-    X = G / (G.norm() + 1e-7)  # singular values into (0, 1]
-    tall = X.size(0) > X.size(1)
-    X = X.t() if tall else X  # X X^T: the smaller of the two Gram matrices
+    X = G / (G.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # singular values into (0, 1]
+    tall = X.size(-2) > X.size(-1)
+    X = X.mT if tall else X  # X X^T: the smaller of the two Gram matrices
     for _ in range(steps):
-        A = X @ X.t()
+        A = X @ X.mT
         X = a * X + (b * A + c * A @ A) @ X
-    return X.t() if tall else X
+    return X.mT if tall else X
 
 
 def block_matrices(model):
@@ -168,17 +169,24 @@ class MuonAdamW(torch.optim.Optimizer):
         keep = None if skip is None else 1.0 - skip
         for group in (g for g in self.param_groups if g["matrices"]):
             beta, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            ps = [p for p in group["params"] if p.grad is not None]
+            nesterov = []
+            for p in ps:
                 g = p.grad if skip is None else torch.where(skip > 0, 0.0, p.grad)  # inf * 0
                 m = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
                 m.lerp_(g, (1 - beta) if keep is None else (1 - beta) * keep)
-                update = newton_schulz(g.lerp(m, beta)) * (0.2 * math.sqrt(max(p.shape)))
-                step = lr if keep is None else lr * keep  # 0 on a skipped step
-                if wd:
-                    p.mul_(1 - step * wd)
-                p.add_(update * -step)
+                nesterov.append(g.lerp(m, beta))
+            shapes = {}  # the matrices of one shape orthogonalised as one stack
+            for i, p in enumerate(ps):
+                shapes.setdefault(p.shape, []).append(i)
+            for shape, same in shapes.items():
+                updates = newton_schulz(torch.stack([nesterov[i] for i in same]))
+                updates *= 0.2 * math.sqrt(max(shape))
+                for i, update in zip(same, updates):
+                    step = lr if keep is None else lr * keep  # 0 on a skipped step
+                    if wd:
+                        ps[i].mul_(1 - step * wd)
+                    ps[i].add_(update * -step)
 
 
 # ----------------------------------------------------------------------------------------------

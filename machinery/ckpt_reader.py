@@ -239,8 +239,8 @@ class CheckpointFiles:
         self._checked(self.file, fp8.check_state_dict, model, saved)
         return lambda: fp8.load_state_dict(model, saved, self.path)
 
-    def rng(self, rank):
+    def rng(self, rank, device):
         state = self.header["rng"][rank]
-        self._checked(self.file, validate.check_rng, state)  # before any generator is set
+        self._checked(self.file, validate.check_rng, state, device)  # before any generator is set
         return state
 

@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 from configurator import UserError, config_from, load_preset, make_parser
 from machinery.declared import config_for
-from machinery.footprint import estimate, for_run, state_bytes_per_param
+from machinery.footprint import NCCL_BYTES, estimate, for_run, state_bytes_per_param
 from machinery.validate import BOUNDS, check_model_args, check_optimizer
 import model as model_py  # model.GPT when called: a fork's edit of it is estimated
 from model import GPTConfig
@@ -60,9 +60,11 @@ def breakdown(est):
     last = (f"{g(est['step'])} in the optimizer step (the gradients' fp32 copy; the "
             f"activations, {g(work)}, are freed by then)" if est["step"] > work else
             f"{g(work)} of activations and working set")
+    nccl = (f" + NCCL {g(est['nccl'])} ({est['communicators']} communicators, an estimate)"
+            if est["nccl"] else "")
     return (f"= weights {g(st['params'])} + gradients {g(st['grads'])} + master and optimizer "
             f"{g(st['master'] + st['optimizer'])}: {st['total'] / psi:.0f} B/parameter, the "
-            f"lecture's; + {last}: {est['peak'] / psi:.0f} B/parameter")
+            f"lecture's; + {last}{nccl}: {est['peak'] / psi:.0f} B/parameter")
 
 
 def advise_plans(N, one_fits, zero2_fits):
@@ -241,7 +243,10 @@ def print_estimate(e, cfg, gpu, optimizer="adamw"):
             ("loss head, transient", e["head"], "the logits' gradient + fp32 work"),
             ("reductions in flight", e["in_flight"], "stages 2-3: two buckets' temporaries"),
             ("step: fp32 grad slice", e["step"], "in the optimizer step, activations freed"),
-            ("peak", e["peak"], "state + max(acts + gathered + max(head, in flight), step)")]
+            ("NCCL communicators", e["nccl"], f"{e['communicators']} x {fmt(NCCL_BYTES)}, "
+             "outside torch's allocator: an estimate (NVIDIA/nccl#864)"),
+            ("peak", e["peak"], "state + max(acts + gathered + max(head, in flight), step)"
+             " + NCCL")]
     if e["fp8_state"]:  # --fp8
         rows[-1:-1] = [("FP8 amax histories", e["fp8_state"], "per linear, with cast counters"),
                        ("FP8 cast, transient", e["fp8_cast"], "the widest cast, in backward")]

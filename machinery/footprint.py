@@ -31,6 +31,24 @@ from zero import MAX_IN_FLIGHT, plan_buckets
 # codes each scale in 8 bits on a log scale (4.129 bits), so the estimate is 0.37 bits high.
 QUANT_BYTES = {"nf4": 0.5 + 4 / 64}
 
+# NCCL's own memory, an estimate: each communicator a process joins keeps its buffers and
+# proxy state on the GPU, outside torch's allocator (no torch.cuda counter sees it). One
+# report measured about 1.6 GB with one communicator and about 6 GB with three or more
+# (NVIDIA/nccl#864); another 0.5-0.7 GB a group on 4 A100s (nccl#964). It grows with the
+# channels NCCL opens for bandwidth, communicators share nothing unless split to (nccl#986),
+# and NVLS (NVLink SHARP, NCCL_NVLS_ENABLE) adds more: the high figure, a fast node's.
+NCCL_BYTES = 1.6e9  # a communicator
+
+def nccl_communicators(world_size, stage, zeropp=(), node_size=0, device="cuda"):
+    """The NCCL communicators one rank of a train.py run joins: none on one rank or on gloo;
+    the default group; at stages 1-3 the gather group (collectives.gather_group); under ZeRO++
+    on several nodes its node group and cross-node group (zeropp.node_groups)."""
+    if world_size == 1 or device != "cuda":
+        return 0
+    k = node_size or world_size
+    return 1 + (stage >= 1) + (2 if zeropp and 1 < k < world_size else 0)
+
+
 def shapes_only(cfg, build=None, lora_rank=0, lora_targets=("q", "v")):
     """The model the flags describe (model.py's GPT, or build(cfg)'s), with LoRA's adapters if
     lora_rank, built on the meta device (once: activations.shapes_model, read-only): every
@@ -212,9 +230,10 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     """Everything one GPU holds, counted on the model cfg describes (model.py's GPT, or
     build(cfg)'s, built shapes-only). psi overrides its parameter count (then cfg only shapes
     the activations). Peak: model state + the larger of the forward/backward working set and the
-    optimizer step's fp32 copy of this rank's gradient slice (16-bit only). The working set: the
-    activations, under ZeRO-3 the gathered root + 1 block (+ 1 more with prefetch), and the
-    larger transient of backward: the loss head's, or the gradient reductions in flight."""
+    optimizer step's fp32 copy of this rank's gradient slice (16-bit only), + NCCL's
+    communicators (an allowance: NCCL_BYTES each). The working set: the activations, under
+    ZeRO-3 the gathered root + 1 block (+ 1 more with prefetch), and the larger transient of
+    backward: the loss head's, or the gradient reductions in flight."""
     seq, E, N = seq or cfg.block_size, BYTES[dtype], world_size
     # the shape's sizes where a formula needs them (--fp8, a bare --params): a fork's config
     # may name its own
@@ -253,6 +272,7 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     cast = 6 * batch * seq * 4 * h if fp8 else 0
     gathered = 0
     if stage == 3:  # the root and a block gathered (+ the next, prefetched); a frozen base alike
+        # (the root stays gathered across micro-steps too, when no block is: the same peak)
         # the units as bucket_sizes() plans them (root first), else blocks of 12h^2 + 13h
         block = max(buckets[1:]) if buckets else 12 * h * h + 13 * h
         root = buckets[0] if buckets else max(0, total - L * block)
@@ -272,13 +292,16 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     # the step's fp32 copy of the owned gradient slice (none when the gradients are fp32 already)
     # (offloaded: it is on the host, allocated once, in `host`)
     step = 0 if fp32_grad_accum or offload else state["master"]
+    communicators = nccl_communicators(N, stage, zeropp, node_size, device)
+    nccl = NCCL_BYTES * communicators  # outside torch's allocator, on the GPU all the same
     peak = state["total"] + fp8_state + max(acts["total"] + gathered + max(head, in_flight + cast),
-                                            step)
+                                            step) + nccl
     if device == "cpu":  # a CPU run's host is its device: the offloaded bytes are there too
         peak += host["total"]
     return {"psi": total, "trainable": trainable, "state": state, "activations": acts,
             "gathered": gathered, "head": head, "in_flight": in_flight, "step": step,
-            "fp8_state": fp8_state, "fp8_cast": cast, "peak": peak, "host": host}
+            "fp8_state": fp8_state, "fp8_cast": cast, "nccl": nccl,
+            "communicators": communicators, "peak": peak, "host": host}
 
 
 def offload_host_bytes(state, E, offload):

@@ -149,14 +149,20 @@ def check_memory(cfg, device):
 
 def out_of_memory(e):
     """An allocator's refusal (CUDA's OutOfMemoryError, the CPU allocator's RuntimeError) as
-    the line to print, or None for any other error."""
+    the line to print, or None for any other error. On several GPUs it names what torch's
+    allocator never sees: NCCL's communicators (footprint.NCCL_BYTES, an estimate)."""
     text = str(e)
     if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in text
             or "not enough memory" in text):
         return None
+    nccl = ""
+    if isinstance(e, torch.OutOfMemoryError) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        from machinery.footprint import NCCL_BYTES
+        nccl = (f", NCCL's communicators included (2 a rank, ~{NCCL_BYTES / 1e9:.1f} GB each "
+                "outside PyTorch's allocator: an estimate; docs/gpus.md)")
     return (f"out of memory ({text.strip().splitlines()[0][:160]}): lower --batch-size "
             "(--grad-accum keeps the batch), or add --grad-ckpt or --zero 3; `python memory.py` "
-            "with these flags estimates the need")
+            "with these flags estimates the need" + nccl)
 
 
 def run_main(main, name, errors):

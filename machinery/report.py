@@ -8,7 +8,8 @@ train.py calls these in one line each. They read the run, never change it:
      formula (zero.zero_formula)
   2. the bytes saved for backward in the first micro-step (meter.py)
   3. one row per logged step: loss, time, MFU, loss scale, skipped steps, the gradient
-     norm, and the traffic measured beside the paper's 2Ψ or 3Ψ (zero.traffic_formula)
+     norm, and the traffic measured beside the paper's 2Ψ or 3Ψ (zero.traffic_formula); on
+     a GPU, once, PyTorch's peak memory beside the device's own count (NCCL's is outside it)
   4. the replica check at the end: data parallelism's invariant, all weights bitwise equal
 
 The same rows go to metrics.jsonl (rundir.Metrics), one JSON object per row.
@@ -174,12 +175,18 @@ class StepLog:
                "grad_norm": grad_norm.item(), "grad_zero_frac": zero_frac.item(),
                "cuda_max_mem": torch.cuda.max_memory_allocated(zero.device) if cuda else None,
                # what the process holds: offloading lowers what is allocated, not always it
-               "cuda_max_reserved": torch.cuda.max_memory_reserved(zero.device) if cuda else None}
+               "cuda_max_reserved": torch.cuda.max_memory_reserved(zero.device) if cuda else None,
+               # what the device has in use: PyTorch's reserved bytes and what it never sees
+               "cuda_used": device_used(zero.device) if cuda else None}
         row.update(self._traffic())
         if cfg.fp8:  # the casts' underflow and saturation fractions
             from beyond import fp8
             row.update(fp8.read_stats(self.model))
         self._print(it, row, dt, tps, first)
+        if first and cuda:  # once: the allocator's peak beside the device's own count
+            self.print0(memory_line(row["cuda_max_mem"], torch.cuda.memory_reserved(zero.device),
+                                    row["cuda_used"], torch.cuda.mem_get_info(zero.device)[1],
+                                    communicators(cfg, N, zero)))
         self.metrics.log(row)
         return row
 
@@ -227,6 +234,36 @@ class StepLog:
                 f"MiB between them, {t.node_size or self.zero.world_size} ranks a node "
                 f"(theory {mib(row['comm_theory_bytes_intra'])} | "
                 f"{mib(row['comm_theory_bytes_inter'])})")
+
+
+def device_used(device):
+    """Bytes in use on the GPU, as the driver counts them (cudaMemGetInfo): the process's
+    allocator, its CUDA context, library workspaces, NCCL's buffers, other processes."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def communicators(cfg, world_size, zero):
+    """The NCCL communicators this rank joins, as memory.py counts them (footprint.py), on
+    the node size the run found (--node-size, else torchrun's LOCAL_WORLD_SIZE)."""
+    from configurator import parse_zeropp
+    from machinery.footprint import nccl_communicators
+    return nccl_communicators(world_size, cfg.zero, parse_zeropp(cfg.zeropp),
+                              zero.traffic.node_size, zero.device.type)
+
+
+def memory_line(peak, reserved, used, total, n_comms):
+    """PyTorch's peak beside the device's count: the gap is what the allocator never sees (the
+    CUDA context, cuBLAS / cuDNN workspaces, NCCL's communicators), which max_memory_allocated
+    leaves out and an out-of-memory error still meets."""
+    from machinery.footprint import NCCL_BYTES
+    gib = lambda n: f"{n / 2**30:.2f}"
+    nccl = (f"; memory.py allows {n_comms} NCCL communicator(s) {n_comms * NCCL_BYTES / 2**30:.2f}"
+            " GiB of it, an estimate" if n_comms else "")
+    return (f"GPU memory: peak {gib(peak)} GiB allocated, {gib(reserved)} GiB reserved by "
+            f"PyTorch; the device has {gib(used)} of {gib(total)} GiB in use: "
+            f"{gib(used - reserved)} GiB outside PyTorch's allocator (the CUDA context, library "
+            f"workspaces, NCCL, other processes){nccl}")
 
 
 # ----------------------------------------------------------------------------------------------

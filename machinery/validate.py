@@ -256,9 +256,10 @@ def keys_of(header, name):
     return tuple(header["state_keys"].get(name, ()))
 
 
-def check_rng(state):
+def check_rng(state, device):
     """One rank's saved RNG states (checkpoint.rng_state's JSON), each set on a generator of
-    its own first: a state of the wrong size, type or value is refused before the run's are set."""
+    its own first: a state of the wrong size, type or value is refused before the run's are set.
+    A CUDA state is checked only on a CUDA run (the one that restores it)."""
     if not isinstance(state, dict) or not {"torch", "numpy", "python"} <= set(state) \
             or not set(state) <= {"torch", "numpy", "python", "cuda"}:
         raise ValueError("its RNG states are not the ones a save writes")
@@ -271,8 +272,8 @@ def check_rng(state):
                                            has_gauss, gauss))
         version, words, gauss_next = state["python"]
         random.Random().setstate((version, tuple(words), gauss_next))
-        if "cuda" in state and torch.cuda.is_available() and \
-                len(as_bytes(state["cuda"])) != torch.cuda.get_rng_state().numel():
+        if "cuda" in state and device.type == "cuda" and \
+                len(as_bytes(state["cuda"])) != torch.cuda.get_rng_state(device).numel():
             raise ValueError("a CUDA state of another size")
     except (TypeError, ValueError, RuntimeError, OverflowError, IndexError, binascii.Error) as e:
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]

@@ -127,10 +127,11 @@ def test_the_dial_orders_memory_on_the_cpu_demo():
 
 def test_advise_tries_the_least_checkpointing_first():
     cfg = shape_for(7e9)
-    lines, cmd = advise(cfg, 8, parse_bytes("27GB"), psi=int(7e9))  # a 7B is 32 x 4096 x 32
+    # a 7B is 32 x 4096 x 32; each GPU also gives NCCL's 2 communicators 3.2 GB (footprint.py)
+    lines, cmd = advise(cfg, 8, parse_bytes("30GB"), psi=int(7e9))
     assert "selective" in lines[-1] and "fits" in lines[-1]
     assert "--zero 3" in cmd and "--grad-ckpt selective" in cmd
-    lines, cmd = advise(cfg, 8, parse_bytes("25GB"), psi=int(7e9))
+    lines, cmd = advise(cfg, 8, parse_bytes("28GB"), psi=int(7e9))
     assert "--grad-ckpt --grad-ckpt-every 2" in cmd
     est = estimate(cfg, 8, 3, "bf16", psi=int(7e9), grad_ckpt=Policy("full", 2))
     assert est["activations"]["total"] < estimate(cfg, 8, 3, "bf16", psi=int(7e9),

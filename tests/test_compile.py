@@ -121,3 +121,63 @@ def test_selective_keeps_its_matmuls_when_compiled(monkeypatch):
     assert len(kept) >= 4 and set(kept) == {CheckpointPolicy.MUST_SAVE}, decisions  # 4 linears
     assert not [f for f, _ in decisions[:n] if f._overloadname == "out"], decisions
     assert saved["full"] < saved["selective"] < saved["none"], saved
+
+
+def test_the_loss_heads_gpu_path_compiles_whole(monkeypatch):
+    """--chunked-loss --compile on a GPU: the head's fused path (forced here, on a CPU) in one
+    graph, no graph break. It wrote each chunk's gradient with torch.mul(out=) into a strided
+    view (the padded columns), which dynamo refuses: 2 breaks, 3 graphs, the whole head eager.
+    The loss and the gradients equal the eager fused path's."""
+    from beyond import chunked_loss
+    from model import GPT, GPTConfig
+    monkeypatch.setattr(chunked_loss, "fused_kernels", lambda logits: True)
+    monkeypatch.setattr(chunked_loss, "CHUNK_ELEMENTS", 24 * VOCAB)  # 3 chunks of 24 rows
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=32))
+    model.cross_entropy = chunked_loss.cross_entropy  # 50 tokens in 64 padded columns
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    targets = batches(1)[0]
+    targets[0, :3] = -1  # ignored positions
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    breaks, before = sum(counters["graph_break"].values()), graphs()
+    out = []
+    for head in (model.head, torch.compile(model.head)):
+        x.grad = model.lm_head.weight.grad = None
+        loss = head(x, targets)[1]
+        loss.backward()
+        out.append((loss, x.grad, model.lm_head.weight.grad))
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+    assert graphs() == before + 1
+    torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-6)
+
+
+def test_every_block_shares_one_graph(monkeypatch):
+    """--compile on 4 blocks: one graph for the blocks (their weights are its inputs), one for
+    the loss head, and no recompilation. torch 2.4 specialises a graph on each module unless
+    torch._dynamo.config.inline_inbuilt_nn_modules is on (2.5's default; torchtitan#508): one
+    compile a block. compile_model turns it on where the version needs it: checked with 2.4's
+    version and default faked, since later versions ignore the flag."""
+    import warnings
+    from torch.torch_version import TorchVersion
+    from model import GPT, GPTConfig
+    from train import compile_model
+    torch._dynamo.reset()
+    before = graphs()
+    cfg = TrainConfig(**{**SHAPE, "n_layer": 4}, compile=True)
+    model, zero, _ = build(cfg, VOCAB, torch.device("cpu"), torch.float32)
+    x = batches(1)[0]
+    for _ in range(2):
+        zero.backward(model(x, x)[1])
+    assert graphs() == before + 2
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.4.1"))
+    config = torch._dynamo.config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the flag's deprecation, in later ones
+        was, config.inline_inbuilt_nn_modules = config.inline_inbuilt_nn_modules, False
+        try:
+            compile_model(GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=1, n_head=2,
+                                        n_embd=32)))
+            assert config.inline_inbuilt_nn_modules
+        finally:
+            config.inline_inbuilt_nn_modules = was

@@ -1,6 +1,9 @@
-"""The CUDA paths, run when a GPU is present (skipped otherwise). Multi-rank tests elsewhere stay
-on gloo/CPU even there (--device cpu): one GPU cannot host two NCCL ranks. Tolerances here are
+"""The CUDA paths. First what a CPU checks of them with a stand-in for a GPU machine (torch.cuda
+says a device is there, and every entry that would create a CUDA context raises); then the
+tests that run where a GPU is present (skipped otherwise). Multi-rank tests elsewhere stay on
+gloo/CPU even there (--device cpu): one GPU cannot host two NCCL ranks. Tolerances here are
 stated for fp32 with TF32 off; the NCCL test needs two GPUs."""
+import inspect
 import json
 import os
 import subprocess
@@ -14,7 +17,92 @@ from conftest import ROOT, make_zero, run_distributed, zero_step
 from model import GPT, GPTConfig
 from precision import GradScaler
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# what torch.cuda does without a context: the count, and the seeds torch.manual_seed queues
+# until one exists (torch.cuda._lazy_call)
+CONTEXT_FREE = {"is_available", "device_count", "is_initialized", "_is_in_bad_fork",
+                "_is_compiled", "_lazy_call", "manual_seed", "manual_seed_all", "seed", "seed_all"}
+
+
+@pytest.fixture
+def cuda_visible(monkeypatch):
+    """A GPU machine's CUDA build, on a CPU: one device visible, and every other torch.cuda
+    function (and every module's _lazy_init, which C++ calls before a device's first use)
+    records its name and raises. Returns the list of names called."""
+    calls = []
+
+    def refuse(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            raise RuntimeError(f"torch.cuda.{name}: a CUDA context on a CPU run")
+        return call
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name, f in vars(torch.cuda).copy().items():
+        if (inspect.isfunction(f) or name in ("Stream", "Event")) and name not in CONTEXT_FREE:
+            monkeypatch.setattr(torch.cuda, name, refuse(name))
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.cuda") and module and hasattr(module, "_lazy_init"):
+            monkeypatch.setattr(module, "_lazy_init", refuse("_lazy_init"))
+    return calls
+
+
+def test_a_cpu_run_never_touches_cuda(cuda_visible, data_root, tmp_path, monkeypatch):
+    """--device cpu on a GPU machine: train, save, resume and train on, never calling into
+    torch.cuda (a context holds ~500 MB on GPU 0 for every such process: the fuzz's cases, the
+    test suite's runs). Only a CUDA run's checkpoint holds a CUDA generator's state, and a
+    CPU run leaves one that an older save wrote alone."""
+    from train import main
+    argv = ["--device", "cpu", "--data-root", data_root, "--dataset", "tiny", "--n-layer", "1",
+            "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "2",
+            "--eval-iters", "1", "--dropout", "0.1", "--zero", "2", "--out-dir", str(tmp_path)]
+    main(argv + ["--max-iters", "2"])
+    saved = checkpoint.Reader(checkpoint.list_checkpoints(tmp_path)[-1]).header["rng"][0]
+    assert "cuda" not in saved
+    older = checkpoint.rng_state  # what a save before this fix wrote on a GPU machine
+    monkeypatch.setattr(checkpoint, "rng_state", lambda device: dict(older(device), cuda=(
+        "AAAAAAAAAAAAAAAAAAAAAA==")))
+    main(argv + ["--max-iters", "4", "--resume", "--save-interval", "1"])
+    main(argv + ["--max-iters", "5", "--resume"])  # resumed from a state with "cuda" in it
+    assert cuda_visible == []
+    # on a CUDA run the state is the run's device's, saved and restored alike
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: torch.arange(16,
+                                                                                 dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda t, device: cuda_visible.append(
+        (t.tolist(), device)))
+    gpu = torch.device("cuda", 0)
+    checkpoint.set_rng_state(older(gpu), gpu)
+    assert cuda_visible == [(list(range(16)), gpu)]
+
+
+def test_cudnn_attention_comes_first_where_pytorch_trusts_it(cuda_visible, monkeypatch):
+    """A GPU run's set-up orders SDPA's kernels: cuDNN's attention first on Hopper / Blackwell
+    with cuDNN >= 9.15.1 (PyTorch's own rule from 2.10, here from 2.6), FlashAttention-2
+    first on an A100, with --no-cudnn-attention, or (left alone) on torch 2.5. Stand-ins: the
+    device's capability and cuDNN's version."""
+    import train
+    from configurator import parse_args
+    from torch.nn.attention import SDPBackend
+    from torch.torch_version import TorchVersion
+    before = torch._C._get_sdp_priority_order()
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91501)
+    cudnn, flash = int(SDPBackend.CUDNN_ATTENTION), int(SDPBackend.FLASH_ATTENTION)
+    try:
+        for sm, flags, first in (((9, 0), [], cudnn), ((10, 0), [], cudnn), ((8, 0), [], flash),
+                                 ((9, 0), ["--no-cudnn-attention"], flash)):
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: sm)
+            train.init_distributed(parse_args(["--device", "cuda", *flags]))
+            assert torch._C._get_sdp_priority_order()[0] == first, (sm, flags)
+        train.KERNEL_ORDER.close()  # the order it found
+        monkeypatch.setattr(torch, "__version__", TorchVersion("2.5.1"))
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+        train.init_distributed(parse_args(["--device", "cuda"]))
+        assert torch._C._get_sdp_priority_order() == before and cuda_visible == []
+    finally:
+        train.KERNEL_ORDER.close()
+        torch.set_float32_matmul_precision("highest")  # set_tf32's: the default again
 
 
 @pytest.fixture(autouse=True)
@@ -26,6 +114,7 @@ def tf32_off():
     torch.set_float32_matmul_precision(before)
 
 
+@needs_cuda
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("stage", [0, 3])
 def test_train_and_sample_on_cuda(data_root, tmp_path, dtype, stage):
@@ -41,12 +130,16 @@ def test_train_and_sample_on_cuda(data_root, tmp_path, dtype, stage):
     steps = [row for row in rows if "loss" in row]
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.3
     assert all(row["cuda_max_mem"] > 0 for row in steps)
+    # PyTorch's peak beside the device's count, once: the gap (the CUDA context) shows
+    assert r.stdout.count("GPU memory: peak") == 1 and "outside PyTorch's allocator" in r.stdout
+    assert all(row["cuda_used"] > row["cuda_max_reserved"] for row in steps)
     assert not any(row["skipped"] for row in steps[1:])
     r = subprocess.run([sys.executable, "sample.py", "--out-dir", str(tmp_path), "--device", "cuda", "--dtype", dtype,
                         "--max-new-tokens", "20", "--num-samples", "2"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 
+@needs_cuda
 def test_zero_stages_agree_on_cuda():
     """Every stage, one process on the GPU: the same weights after a few steps (fp32, TF32 off)."""
     results = []
@@ -66,6 +159,7 @@ def test_zero_stages_agree_on_cuda():
             torch.testing.assert_close(other[k], results[0][k], rtol=1e-5, atol=1e-6)
 
 
+@needs_cuda
 def test_fp16_scaler_and_fused_step_on_cuda():
     """The dynamic scaler's state machine on the device: an injected inf skips the fused AdamW
     step on the GPU (weights, moments and step count unchanged) and halves the scale."""
@@ -112,11 +206,13 @@ def _nccl_zero3(rank, world_size):
             torch.testing.assert_close(out[1][k], out[0][k], rtol=1e-5, atol=1e-6)
 
 
+@needs_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
 def test_zero3_on_two_gpus_with_nccl():
     run_distributed(_nccl_zero3, 2)
 
 
+@needs_cuda
 @pytest.mark.skipif(not torch.cuda.is_available()
                     or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 units")
 def test_fp8_without_compile_says_so_once(capsys):
@@ -129,6 +225,7 @@ def test_fp8_without_compile_says_so_once(capsys):
         assert capsys.readouterr().out.count("--fp8 without --compile") == (not compile)
 
 
+@needs_cuda
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.compiles
 def test_offload_under_compile_on_cuda(stage):
@@ -155,6 +252,7 @@ def test_offload_under_compile_on_cuda(stage):
     torch.testing.assert_close(losses[2:], losses[:2], rtol=0, atol=1e-5)
 
 
+@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offload_optimizer_on_cuda(stage, dtype):
@@ -207,3 +305,104 @@ def test_offload_optimizer_on_cuda(stage, dtype):
         for mine, ref in zip(runs[mode][1], runs[None][1]):
             torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-6)
     assert runs["plain"][1][0].equal(runs["overlap"][1][0])  # one arithmetic, two schedules
+
+
+@needs_cuda
+def test_a_cpu_run_creates_no_cuda_context(data_root, tmp_path):
+    """--device cpu on this GPU machine: train, save, resume, and no CUDA context at the end
+    (the CPU stand-in test above, for real)."""
+    code = ("import sys, torch, train; train.main(sys.argv[1:]); "
+            "assert not torch.cuda.is_initialized(), 'a CUDA context on a CPU run'")
+    argv = ["--device", "cpu", "--data-root", data_root, "--dataset", "tiny", "--n-layer", "1",
+            "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "2",
+            "--eval-iters", "1", "--out-dir", str(tmp_path)]
+    for extra in (["--max-iters", "2"], ["--max-iters", "4", "--resume"]):
+        r = subprocess.run([sys.executable, "-c", code, *argv, *extra], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+
+@needs_cuda
+def test_sdpa_picks_cudnn_attention_where_preferred():
+    """train.prefer_cudnn_attention on this GPU: SDPA's choice for a GPT-2 attention (bf16,
+    causal, 64-wide heads, training) is cuDNN's where PyTorch trusts it (sm90 / sm100, cuDNN
+    >= 9.15.1, torch >= 2.6), FlashAttention-2 with the flag off; and cuDNN's forward and
+    backward agree with the math kernel's to bf16's precision."""
+    import torch.nn.functional as F
+    import train
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    device = torch.device("cuda", torch.cuda.current_device())
+    q, k, v = (torch.randn(4, 12, 1024, 64, device=device, dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    choice = lambda: torch._fused_sdp_choice(q, k, v, is_causal=True)
+    try:
+        if torch.__version__ >= "2.6":
+            assert not train.prefer_cudnn_attention(False, device)
+            assert choice() == int(SDPBackend.FLASH_ATTENTION)
+        if not train.prefer_cudnn_attention(True, device):
+            pytest.skip("PyTorch does not trust cuDNN's attention on this GPU / cuDNN / torch")
+        assert choice() == int(SDPBackend.CUDNN_ATTENTION)
+        outs = []
+        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH):
+            with sdpa_kernel(backend):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            grads = torch.autograd.grad(y.float().square().sum(), (q, k, v))
+            outs.append([y.float()] + [g.float() for g in grads])
+        for a, b in zip(*outs):
+            assert ((a - b).norm() / b.norm()).item() < 2e-2
+    finally:
+        train.KERNEL_ORDER.close()
+
+
+@needs_cuda
+@pytest.mark.compiles
+def test_the_chunked_loss_head_compiles_whole_on_cuda():
+    """--chunked-loss --compile on a GPU: the head's fused path (its gradient a slice
+    assignment while compiling) in one graph, no graph break; the same loss and gradients as
+    eager, to bf16's precision."""
+    import torch._dynamo
+    from beyond import chunked_loss
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=1000, n_layer=1, n_head=2, n_embd=64))
+    model = model.cuda().bfloat16()  # 1000 tokens in 1024 padded columns: strided chunks
+    model.cross_entropy = chunked_loss.cross_entropy
+    x = torch.randn(4, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 1000, (4, 64), device="cuda")
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    out = []
+    for head in (model.head, torch.compile(model.head)):
+        x.grad = model.lm_head.weight.grad = None
+        loss = head(x, targets)[1]
+        loss.backward()
+        out.append((loss.float(), x.grad.float(), model.lm_head.weight.grad.float()))
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    torch.testing.assert_close(out[1], out[0], rtol=2e-2, atol=2e-3)
+
+
+@needs_cuda
+def test_multi_tensor_and_stacked_steps_on_cuda():
+    """Lion's foreach step equals its per-tensor arithmetic bitwise on the GPU too (the same
+    element functions in multi-tensor kernels); Muon's Newton-Schulz on a stack of matrices
+    (batched GEMM) stays within 1e-6 of each matrix alone (fp32, TF32 off)."""
+    import optim
+    from beyond.muon import newton_schulz
+    from test_optim import lion_per_tensor
+    torch.manual_seed(0)
+    ps = [torch.randn(n, device="cuda") for n in (1000, 4097, 3)]
+    ref, ref_m = [p.clone() for p in ps], [torch.zeros_like(p) for p in ps]
+    opt = optim.Lion([{"params": ps, "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.99))
+    for skip in (0.0, 1.0, 0.0):
+        for p, r in zip(ps, ref):
+            p.grad = torch.full_like(p, float("inf")) if skip else torch.randn_like(p)
+            r.grad = p.grad.clone()
+        opt.found_inf = torch.tensor(skip, device="cuda")
+        opt.step()
+        lion_per_tensor(ref, ref_m, 1e-2, (0.9, 0.99), 0.1, opt.found_inf)
+        assert all(torch.equal(p, r) for p, r in zip(ps, ref))
+        assert all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip(ps, ref_m))
+    G = torch.randn(4, 256, 1024, device="cuda")
+    alone = torch.stack([newton_schulz(g) for g in G])
+    torch.testing.assert_close(newton_schulz(G), alone, rtol=0, atol=1e-6)

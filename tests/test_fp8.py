@@ -90,6 +90,32 @@ def m_model(m):
     return torch.nn.ModuleList([m])
 
 
+def test_end_step_shifts_every_history_in_a_few_ops():
+    """--fp8-scaling delayed's end of a step: every linear's amax history shifted with a fixed
+    number of ops (stacked, shifted, one multi-tensor copy back), not two a linear; the
+    histories exactly what shifting each alone gives."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    seen, counts = [], []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    for n in (2, 6):
+        ms = [fp8.FP8Matmul(f"t{i}", "delayed", history=3) for i in range(n)]
+        for i, m in enumerate(ms):
+            m.history.copy_(torch.rand(m.history.shape) + i)
+        want = [torch.cat([torch.zeros(3, 1), m.history[:, :1], m.history[:, 1:-1]], dim=1)
+                for m in ms]
+        seen.clear()
+        with Ops():
+            fp8.end_step(torch.nn.ModuleList(ms))
+        assert all(torch.equal(m.history, w) for m, w in zip(ms, want))
+        counts.append(len(seen))
+    assert counts[0] == counts[1], counts
+
+
 def test_delayed_scaling_saturates_after_a_spike_and_catches_up():
     """Delayed scaling casts with last steps' amax: a tensor 8x larger than its history
     saturates (clamped at 448) until the history has seen it; dynamic scaling never does."""

@@ -273,3 +273,51 @@ def test_the_console_and_the_memory_check_call_memory_pys_estimate(flags, monkey
     with pytest.raises(UserError, match="--batch-size 3 x --block-size 16 on 2 x 32: this cpu "
                        "needs over"):
         lifecycle.check_memory(cfg, torch.device("cpu"))
+
+
+def test_nccl_communicators_are_counted_where_they_are(monkeypatch, capsys):
+    """NCCL's communicators hold GPU memory outside torch's allocator, an allowance of
+    footprint.NCCL_BYTES each (an estimate, NVIDIA/nccl#864): 1 a rank at stage 0, 2 at stages
+    1-3 (the gather group), 4 under ZeRO++ on two nodes, none on one GPU or on gloo. The peak
+    counts them, memory.py prints them, and --advise's plan follows."""
+    from machinery import footprint
+    cfg = estimator.shape_for(7e9)
+    est = lambda **run: estimate(cfg, psi=int(7e9), dtype="bf16", **run)
+    assert [est(world_size=8, stage=s)["communicators"] for s in range(4)] == [1, 2, 2, 2]
+    assert est(world_size=16, stage=3, zeropp=("hpz",), node_size=8)["communicators"] == 4
+    assert est(world_size=16, stage=3, zeropp=("hpz",), node_size=16)["communicators"] == 2
+    assert est()["nccl"] == est(world_size=8, stage=2, device="cpu")["nccl"] == 0
+    counted = est(world_size=8, stage=2)
+    assert counted["nccl"] == 2 * footprint.NCCL_BYTES > 0
+    main(["--params", "7e9", "--world-size", "8", "--zero", "2", "--dtype", "bf16"])
+    assert "NCCL communicators" in capsys.readouterr().out
+    # a GPU run's console, once: PyTorch's peak beside the device's count (cudaMemGetInfo),
+    # the communicators counted on the node size the run found (torchrun's, by default)
+    from types import SimpleNamespace
+    from machinery.report import communicators, memory_line
+    run = SimpleNamespace(traffic=SimpleNamespace(node_size=8), device=torch.device("cuda"))
+    flags = parse_args(["--zero", "3", "--zeropp", "hpz"])
+    assert communicators(flags, 16, run) == 4 and communicators(flags, 8, run) == 2
+    line = memory_line(30 * 2**30, 32 * 2**30, 36.5 * 2**30, 80 * 2**30, 2)
+    assert "peak 30.00 GiB allocated, 32.00 GiB reserved" in line
+    assert "36.50 of 80.00 GiB in use: 4.50 GiB outside PyTorch's allocator" in line
+    assert line.endswith("memory.py allows 2 NCCL communicator(s) 2.98 GiB of it, an estimate")
+    advised = [advise(cfg, 8, 27e9, psi=int(7e9))[1], advise(cfg, 1, 80e9, psi=int(7e9))[1]]
+    monkeypatch.setattr(footprint, "NCCL_BYTES", 0)
+    assert est(world_size=8, stage=2)["peak"] == counted["peak"] - counted["nccl"]
+    # 27 GB GPUs: full checkpointing at micro-batch 5, where without NCCL selective fit
+    assert advised[0].endswith("--batch-size 5 --grad-ckpt")
+    assert advise(cfg, 8, 27e9, psi=int(7e9))[1].endswith("--batch-size 1 --grad-ckpt selective")
+    assert advise(cfg, 1, 80e9, psi=int(7e9))[1] == advised[1]  # one GPU: no communicator
+
+
+def test_out_of_memory_on_several_gpus_names_nccl(monkeypatch):
+    """A CUDA out-of-memory error on several ranks says memory.py counts NCCL's communicators,
+    which PyTorch's allocator (and so its message) never sees; one GPU or a CPU: not a word."""
+    from machinery.lifecycle import out_of_memory
+    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    cpu = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9")
+    assert "NCCL" not in out_of_memory(cuda)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert "NCCL's communicators included (2 a rank, ~1.6 GB each" in out_of_memory(cuda)
+    assert "NCCL" not in out_of_memory(cpu) and "lower --batch-size" in out_of_memory(cpu)

@@ -35,6 +35,43 @@ def test_newton_schulz_orthogonalises():
         assert 0.6 < s.min() and s.max() < 1.25, (shape, s)  # all directions about equal
 
 
+def test_muon_orthogonalises_same_shape_matrices_as_one_stack():
+    """MuonAdamW's Newton-Schulz runs on each shape's matrices stacked: 15 batched matmuls for
+    4 matrices of one shape, not 60 (one kernel each on a GPU). On a CPU the batched kernel
+    loops the same GEMM: weights and momenta equal the per-matrix step bitwise (a GPU's
+    batched GEMM may round differently, within the equivalence tests' tolerances)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from beyond.muon import MuonAdamW
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    runs = []
+    for stacked in (True, False):
+        torch.manual_seed(0)
+        mats, vec = [torch.randn(24, 8) for _ in range(4)], torch.randn(8)
+        opt = MuonAdamW([{"params": [vec]}, {"params": mats, "matrices": True,
+                                            "weight_decay": 0.1}], lr=1e-2)
+        for step in range(2):
+            for p in mats + [vec]:
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            if stacked:
+                seen.clear()
+                with Ops():
+                    opt.step()
+                assert seen.count("bmm") == 15 and "mm" not in seen, seen
+            else:  # each matrix alone: a group of one
+                groups = opt.param_groups
+                opt.param_groups = [groups[0]] + [dict(groups[1], params=[m]) for m in mats]
+                opt.step()
+                opt.param_groups = groups
+        runs.append(mats + [opt.state[m]["momentum_buffer"] for m in mats])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def test_deal_gives_each_rank_whole_tensors_largest_first():
     offsets, numel = deal([4, 4, 3, 1], 2)  # 4 -> rank 0, 4 -> 1, 3 -> 0 (7), 1 -> 1 (5)
     assert (offsets, numel) == ([0, 7, 4, 11], 14)  # slices of 7: rank 1's padded by 2

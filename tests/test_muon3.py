@@ -107,10 +107,11 @@ def _parity(rank, world_size):
                 assert zero.state_bytes() == est["state"], (zero.state_bytes(), est["state"])
                 assert zero.peak_gathered_bytes == est["gathered"]
             got = master_weights(zero, world_size)
-            # the traffic: 3x the padded units a micro-step, but the root's skipped re-gather
+            # the traffic: 3x the padded units a micro-step, but the root's re-gather skipped
+            # and its gather once a step (it stays gathered across the micro-steps)
             E = 4 if dtype == torch.float32 else 2
             root = units[-1].numel
-            want = STEPS * ACCUM * E * (3 * sum(b.numel for b in units) - root)
+            want = STEPS * E * (ACCUM * (3 * sum(b.numel for b in units) - 2 * root) + root)
             assert zero.traffic.bytes == want, (zero.traffic.bytes, want)
             _, one, one_norms = one_process(dtype, optimizer, world_size)
             ref = master_weights(one, 1)

@@ -45,6 +45,47 @@ def test_lion_is_the_papers_update_and_skips_exactly():
     assert torch.equal(p, before) and torch.equal(opt.state[p]["exp_avg"], m)
 
 
+def lion_per_tensor(ps, ms, lr, betas, wd, skip):
+    """optim.Lion's step one tensor at a time, as it was before its foreach form."""
+    keep = None if skip is None else 1.0 - skip
+    for p, m in zip(ps, ms):
+        g = p.grad if skip is None else torch.where(skip > 0, 0.0, p.grad)
+        update = torch.lerp(g, m, betas[0]).sign_()
+        step = lr if keep is None else lr * keep
+        if wd:
+            p.mul_(1 - step * wd)
+        p.add_(update * -step)
+        m.add_((g - m) * ((1 - betas[1]) if keep is None else (1 - betas[1]) * keep))
+
+
+def test_lions_step_is_multi_tensor_and_bitwise_the_per_tensor_one():
+    """Lion steps a group's tensors with torch._foreach_* (one kernel a line of the update on a
+    GPU, not one a tensor): no per-tensor lerp, sign or add is dispatched, and the weights and
+    momenta equal the per-tensor arithmetic bitwise, through a skipped step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    ps = [torch.randn(n) for n in (5, 7, 9)]
+    ref, ref_m = [p.clone() for p in ps], [torch.zeros_like(p) for p in ps]
+    opt = optim.Lion([{"params": ps, "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.99))
+    for skip in (None, torch.zeros(()), torch.ones(()), torch.zeros(())):
+        for p, r in zip(ps, ref):  # a skipped step's gradients overflowed
+            p.grad = torch.full_like(p, float("inf")) if skip else torch.randn_like(p)
+            r.grad = p.grad.clone()
+        opt.found_inf, seen = skip, []
+        with Ops():
+            opt.step()
+        lion_per_tensor(ref, ref_m, 1e-2, (0.9, 0.99), 0.1, skip)
+        assert all(torch.equal(p, r) for p, r in zip(ps, ref))
+        assert all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip(ps, ref_m))
+        assert not {"lerp", "sign_", "add_"} & set(seen) and seen.count("_foreach_lerp") == 1
+
+
 @pytest.mark.parametrize("name", optim.OPTIMIZERS)
 def test_state_is_made_by_the_optimizer_and_a_first_skip_changes_nothing(name):
     """init_state makes what the optimizer keeps (its own keys) and changes nothing: after it,

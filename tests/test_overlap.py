@@ -201,3 +201,54 @@ def _zero3_prefetch(rank, world_size):
 
 def test_zero3_prefetches_the_first_and_last_block():
     run_distributed(_zero3_prefetch, 2)
+
+
+def test_zero3_gathers_the_root_once_a_step():
+    """ZeRO-3's root unit (embeddings, ln_f, the tied head) changes only at the step: gathered
+    at the first micro-step's forward, kept through the others (backward(sync=False)), freed
+    after the last, so 4 micro-steps gather it once, not 4 times. Between micro-steps only
+    the root is held; a step whose last backward was never synced frees it at publish."""
+    model = make_model()
+    zero = make_zero(model, 3, lr=LR)
+    gathers, launch = [], zero._launch_gather
+    zero._launch_gather = lambda b: (gathers.append(b.unit.root), launch(b))[1]
+    root = sum(b.flat.numel() * b.flat.element_size() for b in zero.root.buckets)
+    for step in range(2):
+        for micro in range(4):
+            x, y = get_batch(DATA, SEED, step, micro, 0, 1, B, T, 4)
+            zero.backward(model(x, y)[1] / 4, sync=micro == 3)
+            assert zero.gathered_bytes == (root if micro < 3 else 0)
+        zero.master_grads()
+        zero.step(LR)
+        zero.publish()
+        assert gathers.count(True) == step + 1 and gathers.count(False) == 2 * 2 * 4 * (step + 1)
+    zero.backward(model(x, y)[1], sync=False)  # a loop of one's own that stops mid-step
+    assert zero.gathered_bytes == root
+    zero.publish()
+    assert zero.gathered_bytes == 0
+
+
+def test_stage2_copies_a_buckets_gradients_in_one_multi_tensor_op():
+    """ZeRO-2's temporary flat gradient of a bucket: one torch._foreach_copy_ (one kernel on a
+    GPU) instead of a copy_ per parameter; the padding and an unused parameter zero; the
+    same bytes as copying one by one, and every .grad freed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    zero = make_zero(make_model(torch.bfloat16), 2, lr=LR, bucket_mb=1)
+    b = max(zero.buckets, key=lambda b: len(b.params))
+    want = torch.zeros(b.numel, dtype=torch.bfloat16)
+    for i, (p, offset) in enumerate(zip(b.params, b.offsets)):
+        p.grad = None if i == 1 else torch.randn_like(p)
+        if p.grad is not None:
+            want[offset:offset + p.numel()] = p.grad.reshape(-1)
+    assert len(b.params) > 3
+    with Ops():
+        flat = zero._grads_to_flat(b)
+    assert torch.equal(flat, want) and all(p.grad is None for p in b.params)
+    assert "copy_" not in seen and seen.count("_foreach_copy_") == 1, seen

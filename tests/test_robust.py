@@ -125,6 +125,25 @@ def test_fuzz_a_seeded_slice():
     assert sum(row[0] for row in counts.values()) == 8 and not bad, bad
 
 
+def test_fuzz_cap_leaves_cudas_address_space_alone(tmp_path):
+    """A CUDA build of torch maps gigabytes of libraries and a CUDA context reserves ~10 GB of
+    address space it never writes (pytorch#23441): a stand-in case reserves 16 GiB the same way
+    (PROT_NONE) and must run under a 3 GB cap, which an address-space cap (RLIMIT_AS) refused.
+    A case that writes 4 GiB is still stopped at once."""
+    import multiprocessing
+    from bench import fuzz
+    ctx, cap = multiprocessing.get_context("forkserver"), 3 * 2**30
+    script = tmp_path / "case.py"
+    script.write_text("import mmap, sys\nimport torch\n"
+                      "reserved = mmap.mmap(-1, 16 * 2**30, prot=0)  # as a CUDA context\n"
+                      "x = torch.ones(2**27)  # 512 MiB written\n"
+                      "if sys.argv[1:] == ['big']:\n    y = torch.ones(2**30)  # 4 GiB\n")
+    rc, err = fuzz.run_case(ctx, str(script), [], str(tmp_path), 60, cap)
+    assert rc == 0, err
+    rc, err = fuzz.run_case(ctx, str(script), ["big"], str(tmp_path), 60, cap)
+    assert rc == 1 and "can't allocate memory" in err, err
+
+
 # ----------------------------------------------------------------------------------------------
 # 30.4 --init-from a LoRA or QLoRA run
 

@@ -130,8 +130,10 @@ def _equivalence(rank, world_size, stage):
     # traffic per step: 2Ψ elements for stages 0-1 (all-reduce = reduce-scatter + all-gather);
     # stage 2 reduce-scatters on every one of the ACCUM micro-steps: (ACCUM+1)Ψ; stage 3
     # gathers in forward, again in backward, and reduce-scatters, per micro-step: 3Ψ,
-    # less the root unit's second gather (it stays gathered through the backward)
-    expected = ACCUM * (3 * zero.psi - sum(p.numel() for p in zero.root.buckets[0].params)) if stage == 3 \
+    # less the root unit's: it stays gathered through the backward and across the step's
+    # micro-steps, so it is gathered once a step (and reduce-scattered every micro-step)
+    root = sum(p.numel() for p in zero.root.buckets[0].params) if stage == 3 else 0
+    expected = ACCUM * (3 * zero.psi - 2 * root) + root if stage == 3 \
         else (ACCUM + 1) * zero.psi if stage == 2 else 2 * zero.psi
     expected = expected if world_size > 1 else 0
     for t in traffic:
