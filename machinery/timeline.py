@@ -60,12 +60,12 @@ class Tracer:
     (Chrome trace: chrome://tracing or ui.perfetto.dev), collectives_rank{r}.jsonl and, on
     CUDA, memory_rank{r}.pickle (pytorch.org/memory_viz)."""
 
-    def __init__(self, cfg, model, rank, device, metrics, print0, start_it):
+    def __init__(self, cfg, rank, device, metrics, print0, start_it):
         self.dir, self.rank, self.device = cfg.trace, rank, device
         self.metrics, self.print0 = metrics, print0
         self.first = start_it + WARMUP
         self.last = min(self.first + cfg.trace_steps, cfg.max_iters) - 1  # the run may end first
-        self.model, self.rec, self.prof, self.hooks = model, None, None, []
+        self.rec, self.prof = None, None
         os.makedirs(self.dir, exist_ok=True)
 
     def begin(self, it):
@@ -73,15 +73,19 @@ class Tracer:
             return
         if it == self.first:
             self._start()
-        self.rec.step, self.rec.micro, self.rec.seq = it, -1, 0
+        # the step, before its first forward sets it (lifecycle.watch: the micro-steps too);
+        # the step's own collectives logged, not the logging's and saving's after it
+        collectives.position.step, collectives.position.micro = it, -1
+        collectives.recorder = self.rec
         self.rec.mark("step_begin")
 
     def end(self, it):
-        if self.rec is None or it != self.rec.step:
+        if self.rec is None or it != collectives.position.step:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels in its own span (a traced step syncs)
         self.rec.mark("step_end")
+        collectives.recorder = None  # a launched collective's wait is still noted (its Handle)
         events = [e for e in self.rec.events if e["step"] == it]
         s = per_step(events).get(it, dict(exposed_s=0.0, comm_s=0.0, overlap=0.0))
         step_s = events[-1]["t"] - events[0]["t"]
@@ -95,17 +99,13 @@ class Tracer:
             self._stop()
 
     def _start(self):
-        self.rec = collectives.recorder = collectives.Recorder()
-        self.hooks.append(self.model.register_forward_pre_hook(self._micro, prepend=True))
+        self.rec = collectives.Recorder()
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.memory._record_memory_history(max_entries=100000)
         self.prof = torch.profiler.profile(activities=activities)
         self.prof.__enter__()
-
-    def _micro(self, module, args):
-        self.rec.micro += 1
 
     def _stop(self):
         self.prof.__exit__(None, None, None)
@@ -116,8 +116,6 @@ class Tracer:
             torch.cuda.memory._record_memory_history(enabled=None)
         write(self.rec.events, os.path.join(self.dir, f"collectives_rank{self.rank}.jsonl"),
               self.rank)
-        for h in self.hooks:
-            h.remove()
-        self.hooks, self.rec, collectives.recorder = [], None, None
+        self.rec = None
         self.print0(f"trace: {self.dir}/trace_rank*.json and collectives_rank*.jsonl "
                     f"(python -m bench.plots --timeline {self.dir})")
