@@ -345,7 +345,7 @@ def main(argv=None):
     tracer = None
     if cfg.trace:  # a timeline of a few steps (docs/debugging.md)
         from machinery import timeline
-        tracer = timeline.Tracer(cfg, rank, device, metrics, print0, start_it)
+        tracer = timeline.Tracer(cfg, model, rank, device, metrics, print0, start_it)
 
     it, stopped = start_it, False
     while True:

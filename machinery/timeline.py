@@ -54,18 +54,19 @@ WARMUP = 2  # steps before the window: the first pays allocations, compile, the 
 
 class Tracer:
     """train.py --trace DIR: steps start+2 .. start+2+n-1 recorded. Outside the window it
-    does nothing; inside, every collective goes to collectives.recorder, torch.profiler runs,
-    and on CUDA the allocator records its history. Each traced step prints and logs its
+    does nothing; inside, every collective goes to collectives.recorder beside marks of each
+    block's forward end and backward begin, torch.profiler runs, and on CUDA the allocator
+    records its history. Each traced step prints and logs its
     exposed communication and overlap; the window's end writes, per rank, trace_rank{r}.json
     (Chrome trace: chrome://tracing or ui.perfetto.dev), collectives_rank{r}.jsonl and, on
     CUDA, memory_rank{r}.pickle (pytorch.org/memory_viz)."""
 
-    def __init__(self, cfg, rank, device, metrics, print0, start_it):
-        self.dir, self.rank, self.device = cfg.trace, rank, device
+    def __init__(self, cfg, model, rank, device, metrics, print0, start_it):
+        self.model, self.dir, self.rank, self.device = model, cfg.trace, rank, device
         self.metrics, self.print0 = metrics, print0
         self.first = start_it + WARMUP
         self.last = min(self.first + cfg.trace_steps, cfg.max_iters) - 1  # the run may end first
-        self.rec, self.prof = None, None
+        self.rec, self.prof, self.hooks = None, None, []
         os.makedirs(self.dir, exist_ok=True)
 
     def begin(self, it):
@@ -100,12 +101,26 @@ class Tracer:
 
     def _start(self):
         self.rec = collectives.Recorder()
+        blocks = getattr(self.model, "blocks", None)  # the model declares them (model.py)
+        for i, block in enumerate(blocks() if callable(blocks) else []):
+            self.hooks.append(block.register_forward_hook(
+                lambda m, args, out, i=i: self._forward_end(i, out)))
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.memory._record_memory_history(max_entries=100000)
         self.prof = torch.profiler.profile(activities=activities)
         self.prof.__enter__()
+
+    def _forward_end(self, i, out):
+        """Compute beside the collectives: block i's forward ends (a recompute's too, under
+        --grad-ckpt), and, when the gradient of its output arrives, its backward begins."""
+        rec = collectives.recorder
+        if rec is None:
+            return  # an evaluation between traced steps
+        rec.mark("forward_end", block=i)
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: rec.mark("backward_begin", block=i))
 
     def _stop(self):
         self.prof.__exit__(None, None, None)
@@ -116,6 +131,8 @@ class Tracer:
             torch.cuda.memory._record_memory_history(enabled=None)
         write(self.rec.events, os.path.join(self.dir, f"collectives_rank{self.rank}.jsonl"),
               self.rank)
-        self.rec = None
+        for h in self.hooks:
+            h.remove()
+        self.rec, self.hooks = None, []
         self.print0(f"trace: {self.dir}/trace_rank*.json and collectives_rank*.jsonl "
                     f"(python -m bench.plots --timeline {self.dir})")
