@@ -11,13 +11,20 @@ there is nothing to move: local copies.
 Bytes are split by link: a collective on a group whose ranks all sit in one node (node_size
 consecutive ranks) counts as intra-node, any other as inter-node. node_size 0: one node.
 
-Every collective here is launched asynchronously and returns its work handle (None on one rank).
+Every traffic collective here is launched asynchronously and returns its handle (None on one rank).
 Two rules come with a handle: wait() before reading the output, and know that the backend keeps
 the input and output alive until wait() (NCCL stashes them) -- so a caller that launches many
 and waits late holds all of their buffers at once (zero.py bounds that: MAX_IN_FLIGHT).
+
+A hang names itself (the end of this file): every collective here counts one on its rank and
+carries its label (a bucket, a block, "norm"); one that times out tells, on each rank that
+waits in it, which ranks never arrived, in one line.
 """
+import json
+import os
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -68,44 +75,35 @@ def _ranks(group):
     return _group_ranks[group]
 
 
-def all_reduce_grads(flat, traffic, world_size, group=None):
+def all_reduce_grads(flat, traffic, world_size, group=None, label=None):
     if world_size == 1:
         return None
     traffic.count("all_reduce", 2 * flat.numel(), 2 * flat.numel() * flat.element_size(), group)
     # SUM and an explicit division elsewhere, never ReduceOp.AVG (not supported on gloo)
-    work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return work if recorder is None else recorder.launched("all_reduce", flat, work)
+    return issue("all_reduce", label, flat, dist.all_reduce, flat, op=dist.ReduceOp.SUM,
+                 group=group)
 
 
-def reduce_scatter_grads(shard, flat, traffic, world_size, group=None):
+def reduce_scatter_grads(shard, flat, traffic, world_size, group=None, label=None):
     if world_size == 1:
         shard.copy_(flat)
         return None
     traffic.count("reduce_scatter", flat.numel(), flat.numel() * flat.element_size(), group)
     # gloo has no native reduce-scatter: it runs an all-reduce and keeps one slice, so on CPU
     # this half costs what a whole all-reduce costs. NCCL's ring does only the reduce half.
-    work = _reduce_scatter(shard, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return work if recorder is None else recorder.launched("reduce_scatter", flat, work)
+    return issue("reduce_scatter", label, flat, _reduce_scatter, shard, flat,
+                 op=dist.ReduceOp.SUM, group=group)
 
 
-def all_gather_params(flat, shard, traffic, world_size, group=None):
+def all_gather_params(flat, shard, traffic, world_size, group=None, label=None):
     if world_size == 1:
         flat.copy_(shard)
         return None
     traffic.count("all_gather", flat.numel(), flat.numel() * flat.element_size(), group)
-    work = _all_gather(flat, shard, group=group, async_op=True)
-    return work if recorder is None else recorder.launched("all_gather", flat, work)
+    return issue("all_gather", label, flat, _all_gather, flat, shard, group=group)
 
 
-def all_gather_object(obj, world_size):
-    """Every rank's picklable obj, in rank order (metadata: layouts, ids, errors; not traffic)."""
-    out = [obj] * world_size
-    if world_size > 1:
-        dist.all_gather_object(out, obj)
-    return out
-
-
-def all_to_all(out, inp, traffic, group_size, group=None):
+def all_to_all(out, inp, traffic, group_size, group=None, label=None):
     """Chunk i of inp (inp.numel() / group_size elements) goes to the group's i-th rank, which
     puts it at chunk [this rank] of its out. gloo runs it on CPU tensors of any dtype (int8
     and uint8 codes included, checked on torch 2.13)."""
@@ -113,15 +111,86 @@ def all_to_all(out, inp, traffic, group_size, group=None):
         out.copy_(inp)
         return None
     traffic.count("all_to_all", inp.numel(), inp.numel() * inp.element_size(), group)
-    work = dist.all_to_all_single(out, inp, group=group, async_op=True)
-    return work if recorder is None else recorder.launched("all_to_all", inp, work)
+    return issue("all_to_all", label, inp, dist.all_to_all_single, out, inp, group=group)
 
 
-def all_reduce_sum(x, world_size, group=None):
-    """A few bytes of control traffic (norms, counts), not counted as model traffic."""
+# Control traffic: a few bytes (norms, flags, layouts), not counted as model traffic, and
+# waited for at once -- but counted in `position` and named on a timeout like the rest.
+
+def all_reduce_sum(x, world_size, group=None, label=None):
     if world_size > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        issue("all_reduce", label, x, dist.all_reduce, x, op=dist.ReduceOp.SUM,
+              group=group).wait()
     return x
+
+
+def all_reduce_max(x, world_size, group=None, label=None):
+    if world_size > 1:
+        issue("all_reduce", label, x, dist.all_reduce, x, op=dist.ReduceOp.MAX,
+              group=group).wait()
+    return x
+
+
+def all_gather_list(out, x, world_size, group=None, label=None):
+    """Every rank's x into the list `out` of world_size tensors like it, in rank order."""
+    if world_size > 1:
+        issue("all_gather", label, x, dist.all_gather, out, x, group=group).wait()
+    return out
+
+
+def all_gather_object(obj, world_size, label=None):
+    """Every rank's picklable obj, in rank order (metadata: layouts, ids, errors; not traffic)."""
+    out = [obj] * world_size
+    if world_size > 1:  # no async form: run in place, a failure named as the others are
+        handle = Handle("all_gather_object", label)
+        try:
+            dist.all_gather_object(out, obj)
+        except RuntimeError as e:
+            if lost(e):
+                raise stalled(handle, e) from e
+            raise
+    return out
+
+
+def barrier(world_size, label=None):
+    if world_size > 1:
+        issue("barrier", label, None, dist.barrier).wait()
+
+
+# ----------------------------------------------------------------------------------------------
+# The process group, every collective on it bounded in time. A rank that never joins a
+# collective (a data-dependent branch, a skipped module, a crash) leaves the others waiting in
+# it: by torch's default 30 minutes on gloo, then a traceback per rank from deep in the
+# backend. Here every group gets --collective-timeout, and a timeout is explained (below).
+
+timeout_s = None  # seconds a collective may wait for the slowest rank (None: torch's default)
+
+# NCCL runs collectives on the GPU: wait() only orders streams, so no Python-level wait ever
+# times out there. The watchdog thread does: past the timeout it tears the process down
+# (TORCH_NCCL_ASYNC_ERROR_HANDLING's default). Its Flight Recorder keeps each rank's last
+# collectives in a ring buffer and dumps them on a timeout, a file per rank, from which
+# `torchfrtrace` names the ranks that never joined (docs/debugging.md). Each setting is set
+# under its name before torch 2.9 and after, unless the user set either.
+FLIGHT_RECORDER = (("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE", "2000"),
+                   ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+                   ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE", None))
+
+
+def init_process_group(backend, seconds, device=None, dump_prefix="/tmp/nccl_trace_rank_"):
+    """The default group, from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR): each
+    collective on it, and on the groups made here, may wait `seconds` for the slowest rank.
+    On NCCL the Flight Recorder is on too, its dumps named dump_prefix + rank."""
+    global timeout_s
+    if backend == "nccl":
+        for old, new, value in FLIGHT_RECORDER:
+            if old not in os.environ and new not in os.environ:
+                os.environ[old] = os.environ[new] = value or dump_prefix
+    timeout_s = seconds
+    dist.init_process_group(backend, timeout=timedelta(seconds=seconds), device_id=device)
+
+
+def _timedelta():
+    return None if timeout_s is None else timedelta(seconds=timeout_s)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -148,53 +217,151 @@ def gather_group(group, device, world_size):
     if key not in _gather_groups:
         ranks = None if group is None else dist.get_process_group_ranks(group)
         backend = "nccl" if device.type == "cuda" else dist.get_backend(group)
-        _gather_groups[key] = dist.new_group(ranks=ranks, backend=backend)
+        _gather_groups[key] = dist.new_group(ranks=ranks, backend=backend, timeout=_timedelta())
     return _gather_groups[key]
 
 
 # ----------------------------------------------------------------------------------------------
-# The collective log (train.py --trace; machinery/timeline.py writes and reads it). Off, the
-# recorder is None and a collective pays one test of it: nothing recorded, no clock read, no
-# host sync. On, every collective above is one event -- its op, bytes, the step and micro-step
-# the caller set, and three host clock times: launched, wait() entered, wait() returned. The
-# time inside wait() is communication the compute did not hide (exposed); launched to returned
-# bounds the collective itself. Marks (a block's forward or backward ending) put compute
-# beside it.
+# Where a collective was issued, always on: every collective above counts one in
+# `position.seq`, and its handle keeps the seq, the op, the caller's label (ZeRO-2's "bucket 3",
+# ZeRO-3's "block 1" or "root", "norm") and the step and micro-step the training loop's forward
+# set (machinery/lifecycle.watch). That is an int increment and a small object per collective:
+# no clock read, no host sync, no store. Every rank issues the same collectives in the same
+# order, so equal seqs on two ranks are the same collective.
 
-recorder = None  # a Recorder while tracing
-
-
-class Recorder:
-    def __init__(self):
-        self.events, self.step, self.micro, self.seq = [], 0, 0, 0
-
-    def mark(self, what, **info):
-        self.events.append(dict(kind="mark", what=what, step=self.step, micro=self.micro,
-                                t=time.perf_counter(), **info))
-
-    def launched(self, op, tensor, work):
-        event = dict(kind="collective", op=op, step=self.step, micro=self.micro, seq=self.seq,
-                     numel=tensor.numel(), bytes=tensor.numel() * tensor.element_size(),
-                     launch=time.perf_counter(), wait=None, done=None)
-        self.seq += 1
-        self.events.append(event)
-        return work if work is None else Logged(work, event)
+@dataclass
+class Position:
+    step: int = -1  # the training step (-1: before the first forward)
+    micro: int = -1  # its micro-step (-1: in none: evaluation, set-up)
+    seq: int = 0  # collectives this rank has issued so far
 
 
-class Logged:
-    """A work handle that notes when it was waited for (the first wait; later ones return)."""
+position = Position()
 
-    def __init__(self, work, event):
-        self.work, self.event = work, event
+
+class Handle:
+    """A collective's work handle and where it was issued. wait() as the backend's; a wait that
+    lost a peer raises CollectiveTimeout, its one line. While tracing, `event` is its entry in
+    the collective log, whose wait times it notes (the first wait; later ones return)."""
+    __slots__ = ("op", "label", "step", "micro", "seq", "work", "event")
+
+    def __init__(self, op, label):
+        self.op, self.label, self.work, self.event = op, label, None, None
+        self.step, self.micro, self.seq = position.step, position.micro, position.seq
+        position.seq += 1
 
     def wait(self, *args, **kwargs):
-        first = self.event["wait"] is None
+        first = self.event is not None and self.event["wait"] is None
         if first:
             self.event["wait"] = time.perf_counter()
-        out = self.work.wait(*args, **kwargs)
+        try:
+            out = self.work.wait(*args, **kwargs)
+        except RuntimeError as e:
+            if lost(e):
+                raise stalled(self, e) from e
+            raise
         if first:
             self.event["done"] = time.perf_counter()
         return out
 
     def __getattr__(self, name):  # is_completed(), get_future(): the backend's own
         return getattr(self.work, name)
+
+
+def issue(name, label, tensor, collective, *args, **kwargs):
+    """collective(*args, **kwargs), launched asynchronously; its Handle, called `name`."""
+    handle = Handle(name, label)
+    try:
+        handle.work = collective(*args, async_op=True, **kwargs)
+    except RuntimeError as e:  # a peer lost earlier (gloo: a closed pair) fails at launch
+        if lost(e):
+            raise stalled(handle, e) from e
+        raise
+    if recorder is not None:
+        handle.event = recorder.launched(handle, tensor)
+    return handle
+
+
+# ----------------------------------------------------------------------------------------------
+# The collective log (train.py --trace; machinery/timeline.py writes and reads it). Off, the
+# recorder is None and a collective pays one test of it: nothing recorded, no clock read. On,
+# every collective above is one event -- its op, label, seq, bytes, step and micro-step, and
+# three host clock times: launched, wait() entered, wait() returned. The time inside wait() is
+# communication the compute did not hide (exposed); launched to returned bounds the collective
+# itself. Marks (a block's forward or backward ending) put compute beside it.
+
+recorder = None  # a Recorder while tracing
+
+
+class Recorder:
+    def __init__(self):
+        self.events = []
+
+    def mark(self, what, **info):
+        self.events.append(dict(kind="mark", what=what, step=position.step,
+                                micro=position.micro, t=time.perf_counter(), **info))
+
+    def launched(self, handle, tensor):
+        nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
+        event = dict(kind="collective", op=handle.op, label=handle.label, step=handle.step,
+                     micro=handle.micro, seq=handle.seq,
+                     numel=0 if tensor is None else tensor.numel(), bytes=nbytes,
+                     launch=time.perf_counter(), wait=None, done=None)
+        self.events.append(event)
+        return event
+
+
+# ----------------------------------------------------------------------------------------------
+# A hang names itself. A collective completes only once every rank has joined it, so when one
+# times out, the ranks that never arrived are exactly those not waiting in it. A wait that
+# fails (gloo: its own timeout, or a peer's, which closes the connections) raises
+# CollectiveTimeout with where this rank waits. machinery/lifecycle.name_hang then has each
+# failed rank publish that -- its seq above all -- to the process group's own key-value store
+# (c10d's, which every rank reached at start-up) and read the others' for a grace period:
+#   - the same seq: waiting in this collective too
+#   - another seq: waiting in another collective (it skipped one, or took another branch)
+#   - no answer: in no collective (busy, stuck, or gone)
+# and print one line. Nothing of it runs before a timeout: the hot path keeps only the counter.
+
+class CollectiveTimeout(RuntimeError):
+    """A collective that lost a peer: `where` this rank waited (a dict: op, label, step, micro,
+    seq) and the backend's error. where None: a collective called on torch.distributed directly,
+    placed after the last of ours."""
+
+    def __init__(self, where, error):
+        if where is None:
+            where = dict(op=None, label=None, step=position.step, micro=position.micro,
+                         seq=position.seq)
+        first = (str(error).strip() or type(error).__name__).splitlines()[0]
+        # gloo: "Timed out waiting 2000ms for recv", or "Application timeout caused pair
+        # closure" when another of this rank's collectives timed out first
+        self.where = where
+        self.timed_out = "timed out" in first.lower() or "timeout" in first.lower()
+        self.why = (f"timed out after {timeout_s:g} s" if self.timed_out and timeout_s else
+                    f"failed ({first.split('] ')[-1][:80]})")  # gloo prefixes a source path
+        super().__init__(f"{describe(where)} {self.why}")
+
+
+def stalled(handle, error):
+    return CollectiveTimeout(dict(op=handle.op, label=handle.label, step=handle.step,
+                                  micro=handle.micro, seq=handle.seq), error)
+
+
+# what a collective that lost a peer raises: gloo's "Timed out waiting 3000ms for recv ...",
+# "Connection closed by peer", "Application timeout caused pair closure"; NCCL's "Watchdog
+# caught collective operation timeout" (with TORCH_NCCL_BLOCKING_WAIT=1)
+LOST = ("timed out", "timeout", "closed", "connection reset")
+
+
+def lost(error):
+    text = str(error).lower()
+    return any(s in text for s in LOST)
+
+
+def describe(where):
+    """'reduce_scatter of bucket 1 at step 5, micro-step 0 (collective #38)'."""
+    what = where["op"] or "a torch.distributed collective"
+    what += f" of {where['label']}" if where["label"] else ""
+    when = "before training" if where["step"] < 0 else f"at step {where['step']}"
+    when += f", micro-step {where['micro']}" if where["step"] >= 0 and where["micro"] >= 0 else ""
+    return f"{what} {when} (collective #{where['seq']})"

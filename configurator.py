@@ -183,6 +183,14 @@ class TrainConfig:
                              check=">= 0")
     seed: int = opt(1337, "the batch at step t depends only on (seed, t)")
     nan_at: int = opt(-1, "a lesson in skipped steps: make the last rank's loss NaN at this step")
+    collective_timeout: float = opt(600.0, "seconds a collective waits for the slowest rank "
+                                           "before the run stops, naming the collective and "
+                                           "the ranks that never arrived; generous, as a step, "
+                                           "an evaluation, a save or rank 0 preparing --input "
+                                           "must fit in it (NCCL: also its Flight Recorder, "
+                                           "docs/debugging.md)", check="(0, 2**20]")
+    hang_at: int = opt(-1, "a lesson in hangs: the last rank stops issuing collectives at "
+                           "this step; the others name it after --collective-timeout")
     trace: str = opt("", "a timeline into this folder: a torch.profiler trace per rank and the "
                          "collective log of --trace-steps steps after 2 warm-up steps, each "
                          "step's exposed communication and overlap (docs/debugging.md)")

@@ -34,11 +34,10 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
-import torch.distributed as dist
 
 import optim
-from collectives import (Traffic, all_gather_params, all_reduce_grads, all_reduce_sum,
-                         gather_group, reduce_scatter_grads)
+from collectives import (Traffic, all_gather_list, all_gather_params, all_reduce_grads,
+                         all_reduce_sum, gather_group, reduce_scatter_grads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,8 +188,8 @@ def check_same_weights(tensors, world_size, group=None):
         return
     mine = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()])
                         for t in tensors]).reshape(-1)
-    every = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(every, mine, group=group)
+    every = all_gather_list([torch.empty_like(mine) for _ in range(world_size)], mine,
+                            world_size, group, label="same weights")
     bad = [r for r, theirs in enumerate(every) if not torch.equal(theirs, every[0])]
     if bad:
         raise ValueError(f"rank {bad[0]} holds other initial weights than rank 0: build the "
@@ -431,6 +430,8 @@ class ZeRO:
         # One rank moves nothing, so nothing is cast there.
         self.reduce_dtype = reduce_dtype or self.dtype
         self.buckets = self._make_buckets(model, [p for _, p in named])  # (1) pack
+        for i, b in enumerate(self.buckets):  # what the collective log and a timeout name
+            b.label = getattr(b, "label", None) or f"bucket {i}"
         # where each trainable parameter lives: its bucket, its offset in the flat buffer
         self.where = {id(p): (b, offset) for b in self.buckets
                       for p, offset in zip(b.params, b.offsets)}
@@ -583,13 +584,13 @@ class ZeRO:
         if self._viewed(b):  # from here the loop must not change it: _check_held
             b.version = b.flat_grad._version
         if self.stage == 0:  # plain data parallelism: every rank gets the whole sum, in place
-            work = all_reduce_grads(send, self.traffic, N, self.group)
+            work = all_reduce_grads(send, self.traffic, N, self.group, label=b.label)
             into = None if send is b.flat_grad else b.flat_grad
             self.in_flight.append((work, send, send, into, b))
             return
         # ZeRO-1 and 2: reduce-scatter; only this rank's slice of the sum is needed
         reduced = torch.empty(b.hi - b.lo, dtype=send.dtype, device=self.device)
-        work = reduce_scatter_grads(reduced, send, self.traffic, N, self.group)
+        work = reduce_scatter_grads(reduced, send, self.traffic, N, self.group, label=b.label)
         into = b.flat_grad[b.lo:b.hi] if self.stage == 1 else b.grad_shard
         self.in_flight.append((work, send, reduced, into, b))
 
@@ -701,7 +702,8 @@ class ZeRO:
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         if grads:  # a rank may own nothing but padding
             sq = torch.stack(torch._foreach_norm(grads)).pow(2).sum()  # one kernel per dtype
-        norm = all_reduce_sum(sq, self.world_size if self.stage >= 1 else 1, self.group).sqrt()
+        norm = all_reduce_sum(sq, self.world_size if self.stage >= 1 else 1, self.group,
+                              label="norm").sqrt()
         if max_norm > 0 and grads:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as clip_grad_norm_ does
             torch._foreach_mul_(grads, coef)
@@ -746,7 +748,7 @@ class ZeRO:
                 continue
             shard = master.to(self.dtype, copy=True)  # the input must not alias the output
             work = all_gather_params(b.flat, shard, self.traffic, self.world_size,  # (6)
-                                     self.gather_group)
+                                     self.gather_group, label=f"{b.label} (publish)")
             if work is not None:
                 self.publishing[i] = (work, shard)  # the shard lives as long as its gather
         if wait:

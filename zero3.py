@@ -99,6 +99,9 @@ class ZeRO3(ZeRO):
         self.units = [self._make_unit(blk, lambda t: True) for blk in blocks]
         self.root = self._make_unit(model, lambda t: id(t) not in in_blocks, root=True)
         self.all_units = self.units + [self.root]
+        for i, unit in enumerate(self.all_units):  # what the collective log and a timeout name
+            for b in unit.buckets:
+                b.label = ("root" if unit.root else f"block {i}") + (" frozen" if b.frozen else "")
         model.register_forward_pre_hook(self._pre_model_forward)
         model.register_forward_hook(self._post_model_forward)
         for i, block in enumerate(blocks):
@@ -156,7 +159,7 @@ class ZeRO3(ZeRO):
         """(2) and (5): the all-gather of b's shards into its full buffer (zeropp.py changes
         where it comes from and in what codes). Returns its work handle, None when done."""
         return all_gather_params(b.flat, b.shard, self.traffic, self.world_size,
-                                 self.gather_group)
+                                 self.gather_group, label=b.label)
 
     def _free(self, buckets):
         for b in buckets:

@@ -181,8 +181,9 @@ OP_COLORS = {"reduce_scatter": "tab:orange", "all_reduce": "tab:red", "all_gathe
 
 def timeline_chart(plt, logs, title):
     """One traced step per rank (the window's last: warm): a compute lane (the host not waiting
-    on a collective) and a communication lane (each collective launched to landed, its waited
-    part dark: exposed)."""
+    on a collective; ticks where block i's forward ends, f<i>, and its backward begins, b<i>)
+    and a communication lane (each collective launched to landed, its waited part dark:
+    exposed)."""
     from machinery import timeline
     fig, ax = plt.subplots(figsize=(9, 1.2 + 1.1 * len(logs)))
     step = max(e["step"] for e in logs[0])
@@ -201,6 +202,12 @@ def timeline_chart(plt, logs, title):
         busy.append((t - t0, marks["step_end"] - t))
         ax.broken_barh([(1e3 * a, 1e3 * w) for a, w in busy], (y_comp - 0.35, 0.7),
                        color="tab:green")
+        for e in events:  # each block's forward end (f) and backward begin (b), tracer's marks
+            if e.get("what") in ("forward_end", "backward_begin"):
+                x = 1e3 * (e["t"] - t0)
+                ax.vlines(x, y_comp - 0.35, y_comp + 0.35, color="black", lw=0.6)
+                ax.text(x, y_comp + 0.37, f"{e['what'][0]}{e['block']}", fontsize=5,
+                        ha="center", va="bottom")
         for e in ops:
             c = OP_COLORS[e["op"]]
             ax.broken_barh([(1e3 * (e["launch"] - t0), 1e3 * (e["done"] - e["launch"]))],

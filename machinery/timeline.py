@@ -54,18 +54,19 @@ WARMUP = 2  # steps before the window: the first pays allocations, compile, the 
 
 class Tracer:
     """train.py --trace DIR: steps start+2 .. start+2+n-1 recorded. Outside the window it
-    does nothing; inside, every collective goes to collectives.recorder, torch.profiler runs,
-    and on CUDA the allocator records its history. Each traced step prints and logs its
+    does nothing; inside, every collective goes to collectives.recorder beside marks of each
+    block's forward end and backward begin, torch.profiler runs, and on CUDA the allocator
+    records its history. Each traced step prints and logs its
     exposed communication and overlap; the window's end writes, per rank, trace_rank{r}.json
     (Chrome trace: chrome://tracing or ui.perfetto.dev), collectives_rank{r}.jsonl and, on
     CUDA, memory_rank{r}.pickle (pytorch.org/memory_viz)."""
 
     def __init__(self, cfg, model, rank, device, metrics, print0, start_it):
-        self.dir, self.rank, self.device = cfg.trace, rank, device
+        self.model, self.dir, self.rank, self.device = model, cfg.trace, rank, device
         self.metrics, self.print0 = metrics, print0
         self.first = start_it + WARMUP
         self.last = min(self.first + cfg.trace_steps, cfg.max_iters) - 1  # the run may end first
-        self.model, self.rec, self.prof, self.hooks = model, None, None, []
+        self.rec, self.prof, self.hooks = None, None, []
         os.makedirs(self.dir, exist_ok=True)
 
     def begin(self, it):
@@ -73,15 +74,19 @@ class Tracer:
             return
         if it == self.first:
             self._start()
-        self.rec.step, self.rec.micro, self.rec.seq = it, -1, 0
+        # the step, before its first forward sets it (lifecycle.watch: the micro-steps too);
+        # the step's own collectives logged, not the logging's and saving's after it
+        collectives.position.step, collectives.position.micro = it, -1
+        collectives.recorder = self.rec
         self.rec.mark("step_begin")
 
     def end(self, it):
-        if self.rec is None or it != self.rec.step:
+        if self.rec is None or it != collectives.position.step:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels in its own span (a traced step syncs)
         self.rec.mark("step_end")
+        collectives.recorder = None  # a launched collective's wait is still noted (its Handle)
         events = [e for e in self.rec.events if e["step"] == it]
         s = per_step(events).get(it, dict(exposed_s=0.0, comm_s=0.0, overlap=0.0))
         step_s = events[-1]["t"] - events[0]["t"]
@@ -95,8 +100,11 @@ class Tracer:
             self._stop()
 
     def _start(self):
-        self.rec = collectives.recorder = collectives.Recorder()
-        self.hooks.append(self.model.register_forward_pre_hook(self._micro, prepend=True))
+        self.rec = collectives.Recorder()
+        blocks = getattr(self.model, "blocks", None)  # the model declares them (model.py)
+        for i, block in enumerate(blocks() if callable(blocks) else []):
+            self.hooks.append(block.register_forward_hook(
+                lambda m, args, out, i=i: self._forward_end(i, out)))
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -104,8 +112,15 @@ class Tracer:
         self.prof = torch.profiler.profile(activities=activities)
         self.prof.__enter__()
 
-    def _micro(self, module, args):
-        self.rec.micro += 1
+    def _forward_end(self, i, out):
+        """Compute beside the collectives: block i's forward ends (a recompute's too, under
+        --grad-ckpt), and, when the gradient of its output arrives, its backward begins."""
+        rec = collectives.recorder
+        if rec is None:
+            return  # an evaluation between traced steps
+        rec.mark("forward_end", block=i)
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: rec.mark("backward_begin", block=i))
 
     def _stop(self):
         self.prof.__exit__(None, None, None)
@@ -118,6 +133,6 @@ class Tracer:
               self.rank)
         for h in self.hooks:
             h.remove()
-        self.hooks, self.rec, collectives.recorder = [], None, None
+        self.rec, self.hooks = None, []
         self.print0(f"trace: {self.dir}/trace_rank*.json and collectives_rank*.jsonl "
                     f"(python -m bench.plots --timeline {self.dir})")

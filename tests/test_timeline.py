@@ -1,8 +1,9 @@
 """The lecture's order, read from the collective log (collectives.Recorder) on gloo: ZeRO-2's
 reduce-scatters launched during backward, at most two in flight; ZeRO-3's next block gathered
-while this one runs, and its weights freed after. gloo checks the order, not the speed: it runs
-a reduce-scatter as an all-reduce. Each test runs once on the engine and once on a
-deliberately serialized one, and asserts that the serialized one breaks the order."""
+while this one runs, and its weights freed after; stage 1's new weights waited for bucket by
+bucket in the next forward. gloo checks the order, not the speed: it runs a reduce-scatter as
+an all-reduce. Each test runs once on the engine and once on a deliberately serialized one,
+and asserts that the serialized one breaks the order."""
 import json
 
 import pytest
@@ -13,8 +14,10 @@ import zero as zero_module
 from conftest import make_zero, run_distributed
 from data.loader import get_batch
 from machinery import timeline
+from precision import GradScaler
 from test_train import TINY, run
 from test_zero import B, DATA, LR, SEED, T, make_model
+from train import update
 
 
 def traced_step(rank, world_size, stage, **kw):
@@ -83,10 +86,58 @@ def test_zero3_prefetches_the_next_block_and_frees_the_last():
         run_distributed(_zero3_prefetch, 2, False)
 
 
+def _stage1_publish(rank, world_size, serialized):
+    """Step 0 at ZeRO-1, its update publishing without waiting (train.update), then step 1's
+    forward with a mark as each block's forward begins (after the engine's pre-hook on it,
+    which waits for the buckets that block reads first). serialized: every bucket waited for
+    as it is published, before the next forward begins."""
+    mp = pytest.MonkeyPatch()
+    if serialized:
+        publish = zero_module.ZeRO.publish
+        mp.setattr(zero_module.ZeRO, "publish", lambda self, wait=True: publish(self, True))
+    rec = collectives.recorder = collectives.Recorder()
+    model = make_model()
+    zero = make_zero(model, 1, lr=LR, bucket_mb=0.002, rank=rank, world_size=world_size)
+    blocks = list(model.transformer.h)
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda m, args, i=i: rec.mark("forward_begin", block=i))
+    for step in (0, 1):
+        x, y = get_batch(DATA, SEED, step, 0, rank, world_size, B, T, 1)
+        loss = model(x, y)[1]
+        if step == 0:
+            zero.backward(loss)
+            update(zero, GradScaler(init_scale=1.0, dynamic=False), LR, 1.0)
+    collectives.recorder = None
+    mp.undo()
+    block_of = {id(p): i for i, blk in enumerate(blocks) for p in blk.parameters()}
+    first = {f"{b.label} (publish)": min(block_of.get(id(p), -1) for p in b.params)
+             for b in zero.buckets}  # the first block that reads each bucket; -1: the root
+    begins = {e["block"]: e["t"] for e in rec.events if e.get("what") == "forward_begin"}
+    gathers = [e for e in rec.events if e.get("label") in first]
+    assert len(gathers) == len(zero.buckets) >= 3
+    for e in gathers:  # each bucket has landed before the first block that reads it begins
+        if first[e["label"]] >= 0:
+            assert e["done"] <= begins[first[e["label"]]], e
+    later = [e for e in gathers if first[e["label"]] >= 1]
+    assert later  # buckets that no block before block 1 reads: waited for inside the forward
+    assert all(e["wait"] > begins[first[e["label"]] - 1] for e in later), \
+        "the publish all-gathers were all waited for before the forward began"
+
+
+@pytest.mark.parametrize("serialized", [False, True])
+def test_stage1_waits_for_each_published_bucket_in_the_forward(serialized):
+    if serialized:
+        with pytest.raises(Exception, match="before the forward began"):
+            run_distributed(_stage1_publish, 2, True)
+    else:
+        run_distributed(_stage1_publish, 2, False)
+
+
 def test_train_trace_writes_the_log_the_profile_and_the_overlap(data_root, tmp_path):
     """train.py --trace on 2 gloo ranks at ZeRO-3: steps 2-3 traced (2 warm-up steps), a
-    Chrome trace and a collective log per rank, and metrics.jsonl's trace rows whose exposed
-    communication is the log's own sum; the recorder is off again after the window."""
+    Chrome trace and a collective log per rank with each block's forward end and backward
+    begin, and metrics.jsonl's trace rows whose exposed communication is the log's own sum;
+    the recorder is off again after the window."""
     out, trace = tmp_path / "run", tmp_path / "run" / "trace"
     args = TINY + ["--data-root", data_root, "--dataset", "tiny", "--max-iters", "5",
                    "--eval-interval", "100", "--zero", "3", "--bucket-mb", "0.002",
@@ -101,6 +152,9 @@ def test_train_trace_writes_the_log_the_profile_and_the_overlap(data_root, tmp_p
     assert {e["step"] for e in ops} == {2, 3} and {"all_gather", "reduce_scatter"} <= {
         e["op"] for e in ops}
     assert all(e["micro"] >= 0 and e["bytes"] > 0 for e in ops)
+    marks = [(e["what"], e["block"]) for e in log if e.get("block") is not None and e["step"] == 2]
+    assert marks == [("forward_end", 0), ("forward_end", 1), ("backward_begin", 1),
+                     ("backward_begin", 0)], marks  # compute beside them: 2 blocks, in order
     for r in traced:
         mine = timeline.per_step(log)[r["iter"]]
         assert abs(r["exposed_comm_ms"] - 1e3 * mine["exposed_s"]) < 1e-6

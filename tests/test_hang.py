@@ -1,0 +1,239 @@
+"""A hang names itself: one rank stops issuing collectives (--hang-at, lifecycle.watch), and
+every other rank leaves within the timeout with one line naming the collective (its op and
+bucket or block), the step and micro-step, and the rank that never arrived. On 2 and 4 gloo
+ranks at every stage (the engine driven directly), and once end to end under torchrun, whose
+last checkpoint before the hang resumes. Every process here is bounded: a regression fails
+the test, it cannot hang the suite."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import collectives
+from conftest import ROOT, free_port, make_zero, run_train, zero_step
+from data.loader import get_batch
+from machinery import lifecycle
+from precision import GradScaler
+from test_train import TINY
+from test_zero import B, CLIP, DATA, LR, SEED, T, make_model
+
+TIMEOUT = 2.0  # seconds a collective waits here; lifecycle.grace(TIMEOUT) = 1 s to hear the others
+HANG_AT = 1  # the step the last rank stops at (step 0 runs whole: every collective once)
+# its own timeout, or (a rare race) a peer's, which closed the connection first
+TIMED_OUT = rf"(timed out after {TIMEOUT:g} s|failed \([^)]*\))"
+
+
+class Stuck(Exception):
+    """The hung rank's way out of its step, once the others have named it."""
+
+
+def _until_named(world_size, seconds):
+    """lifecycle.hang for these tests: the stuck rank waits until the others have named it
+    (lifecycle.exchange's read count), not the full sleep the real one takes."""
+    def hang(step, rank, timeout):
+        store, deadline = dist.distributed_c10d._get_default_store(), time.monotonic() + seconds
+        try:
+            while store.add(lifecycle.KEY + "read", 0) < world_size - 1 and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+        except RuntimeError:  # rank 0, the store's host, has read and left
+            pass
+        raise Stuck
+    return hang
+
+
+def _hang_once(rank, world_size, stage):
+    """Steps 0 and 1 of ZeRO `stage` with --hang-at 1: this rank's one line, or None on the
+    rank that hung."""
+    model = make_model()
+    zero = make_zero(model, stage, lr=LR, bucket_mb=0.002, rank=rank, world_size=world_size)
+    cfg = SimpleNamespace(hang_at=HANG_AT, collective_timeout=TIMEOUT)
+    lifecycle.watch(model, cfg, rank, world_size, grad_accum=1, start_it=0)
+    scaler = GradScaler(init_scale=1.0, dynamic=False)
+    try:
+        for step in range(HANG_AT + 1):
+            x, y = get_batch(DATA, SEED, step, 0, rank, world_size, B, T, 1)
+            zero.backward(model(x, y)[1])
+            zero_step(zero, scaler, LR, CLIP)
+    except Stuck:
+        assert rank == world_size - 1
+        return None
+    except collectives.CollectiveTimeout as e:
+        return lifecycle.name_hang(e)
+    raise AssertionError(f"rank {rank} ran step {HANG_AT} through: nobody hung")
+
+
+def _every_stage(rank, world_size, ports, out):
+    """One process group per stage (a timed-out gloo group is broken for good)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    mp_patch = pytest.MonkeyPatch()
+    mp_patch.setattr(lifecycle, "hang", _until_named(world_size, 3 * TIMEOUT))
+    lines = {}
+    for stage, port in zip(range(4), ports):
+        os.environ["MASTER_PORT"] = str(port)
+        collectives.position.seq = 0
+        collectives.init_process_group("gloo", TIMEOUT)
+        t0 = time.monotonic()
+        lines[stage] = (_hang_once(rank, world_size, stage), time.monotonic() - t0)
+        dist.destroy_process_group()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(lines, f)
+    os._exit(0)  # no interpreter teardown with gloo's broken pairs behind
+
+
+def spawn_bounded(fn, world_size, args, seconds):
+    """fn(rank, world_size, *args) on world_size processes; killed and failed after seconds."""
+    context = mp.start_processes(fn, args=(world_size, *args), nprocs=world_size, join=False,
+                                 start_method="forkserver")
+    deadline = time.monotonic() + seconds
+    try:
+        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"still running after {seconds} s: a hang")
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+
+
+def run_bounded(cmd, seconds):
+    """The command's CompletedProcess; past `seconds` every process it started is killed (its
+    session: torchrun's ranks too, whose SIGTERM only asks for a save) and the test fails."""
+    p = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise AssertionError(f"still running after {seconds} s: a hang")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+# the line each waiting rank prints, at every stage: the op and the bucket or block of the first
+# collective step 1 waits for (stage 0-2: the last bucket's reduction in backward; ZeRO-3: the
+# root unit's gather before the embeddings), the step and micro-step, and who never arrived
+FIRST = {0: "all_reduce of bucket 0", 1: "reduce_scatter of bucket 0",
+         2: "reduce_scatter of bucket 0", 3: "all_gather of root"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_hang_names_the_collective_the_step_and_the_missing_rank(world_size, tmp_path):
+    spawn_bounded(_every_stage, world_size, ([free_port() for _ in range(4)], str(tmp_path)),
+                  seconds=120)
+    last = world_size - 1
+    waiting = "rank 0" if world_size == 2 else f"ranks 0-{last - 1}"
+    for rank in range(world_size):
+        lines = json.load(open(tmp_path / f"rank{rank}.json"))
+        for stage in range(4):
+            line, seconds = lines[str(stage)]
+            if rank == last:
+                assert line is None
+                continue
+            assert re.fullmatch(
+                rf"rank {rank}: {FIRST[stage]} at step {HANG_AT}, micro-step 0 \(collective #\d+\)"
+                rf" {TIMED_OUT}: rank {last} never arrived \(in no collective: "
+                rf"busy, stuck or gone\) \({waiting} waited, --collective-timeout {TIMEOUT:g}\)",
+                line), (stage, line)
+            assert seconds < 4 * TIMEOUT + 5, (stage, seconds)  # bounded, not hours
+
+
+def test_a_rank_in_another_collective_is_named_with_where_it_waits():
+    """The report's logic on its own: the ranks that answered with another seq wait elsewhere,
+    those that did not answer are in no collective; a collective called on torch.distributed
+    directly is placed after the last of ours."""
+    here = dict(op="reduce_scatter", label="bucket 2", step=7, micro=1, seq=40)
+    there = dict(op="all_reduce", label="norm", step=7, micro=1, seq=41)
+    assert lifecycle.ranks_text([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
+    assert collectives.describe(there) == "all_reduce of norm at step 7, micro-step 1 " \
+                                          "(collective #41)"
+    assert collectives.describe(dict(there, step=-1)) == "all_reduce of norm before training " \
+                                                         "(collective #41)"
+    error = collectives.CollectiveTimeout(here, RuntimeError("[x.cc:1] Connection closed by peer"))
+    assert str(error) == ("reduce_scatter of bucket 2 at step 7, micro-step 1 (collective #40) "
+                          "failed (Connection closed by peer)")
+    heard = {0: here, 1: here, 3: there}
+    mp_patch = pytest.MonkeyPatch()
+    for key, value in dict(step=3, micro=-1, seq=12).items():  # an evaluation at step 3
+        mp_patch.setattr(collectives.position, key, value)
+    direct = collectives.CollectiveTimeout(None, RuntimeError("Timed out waiting 2000ms"))
+    assert str(direct) == ("a torch.distributed collective at step 3 (collective #12) failed "
+                           "(Timed out waiting 2000ms)")  # no timeout known: the backend's words
+    mp_patch.setattr(lifecycle, "exchange", lambda mine, rank, world_size, seconds: heard)
+    mp_patch.setattr(dist, "get_rank", lambda: 0)
+    mp_patch.setattr(dist, "get_world_size", lambda: 5)
+    mp_patch.setattr(collectives, "timeout_s", None)
+    try:
+        line = lifecycle.name_hang(error)
+    finally:
+        mp_patch.undo()
+    assert line == ("rank 0: reduce_scatter of bucket 2 at step 7, micro-step 1 (collective #40) "
+                    "failed (Connection closed by peer): ranks 2, 4 never arrived (in no "
+                    "collective: busy, stuck or gone); rank 3 never arrived (waiting in "
+                    "all_reduce of norm at step 7, micro-step 1 (collective #41)) (ranks 0-1 "
+                    "waited)")
+
+
+def test_the_timeout_reaches_the_group_and_nccl_gets_its_flight_recorder(monkeypatch):
+    """collectives.init_process_group: the group's timeout, and on NCCL the Flight Recorder's
+    settings under both names, a user's own (under either name) left alone; gloo gets none."""
+    made = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: made.append(kw))
+    monkeypatch.setattr(collectives, "timeout_s", None)
+    names = [n for row in collectives.FLIGHT_RECORDER for n in row[:2]]
+    env = {k: v for k, v in os.environ.items() if k not in names}
+    monkeypatch.setattr(os, "environ", dict(env))
+    collectives.init_process_group("gloo", 7.5)
+    assert made[-1]["timeout"] == timedelta(seconds=7.5) and collectives.timeout_s == 7.5
+    assert not set(names) & set(os.environ)
+    monkeypatch.setattr(os, "environ", dict(env, TORCH_FR_BUFFER_SIZE="50"))  # the user's
+    collectives.init_process_group("nccl", 60, device="cuda:0", dump_prefix="/r/nccl_trace_")
+    assert made[-1] == dict(timeout=timedelta(seconds=60), device_id="cuda:0")
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/r/nccl_trace_"
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == "/r/nccl_trace_"
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "50" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in \
+        os.environ
+
+
+@pytest.mark.slow
+def test_train_py_under_torchrun_exits_naming_the_hang_and_its_checkpoint_resumes(
+        data_root, tmp_path):
+    """torchrun, 2 gloo ranks, ZeRO-2, a checkpoint every 2 steps, rank 1 stuck at step 5:
+    rank 0 prints one line and exits 3 within the timeout; ckpt 4, the last before the hang,
+    resumes to the end."""
+    out = tmp_path / "run"
+    args = TINY + ["--data-root", data_root, "--dataset", "tiny", "--zero", "2",
+                   "--max-iters", "8", "--eval-interval", "100", "--save-interval", "2",
+                   "--collective-timeout", "3", "--out-dir", str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={free_port()}", "train.py"] + args + ["--hang-at", "5"]
+    r = run_bounded(cmd, seconds=150)  # torchrun's start included; the hang itself: 3 + 1 s
+    assert r.returncode != 0
+    ours = [line for line in r.stderr.splitlines() if line.startswith("train.py: error: rank 0")]
+    assert len(ours) == 1, r.stderr[-3000:]
+    assert re.fullmatch(r"train.py: error: rank 0: reduce_scatter of bucket 0 at step 5, "
+                        r"micro-step 0 \(collective #\d+\) (timed out after 3 s|failed \(.*\)): "
+                        r"rank 1 never arrived .*", ours[0]), ours[0]
+    assert 'train.py", line' not in r.stderr  # no traceback of ours
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert max(r["iter"] for r in rows if "loss" in r) == 4  # step 5 never finished
+    # the last checkpoint before the hang is whole: a resume goes on from it to the end
+    run_train(args + ["--resume"], 2)
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    resumed = [r for r in rows if r.get("event") == "resume"]
+    assert [r["iter"] for r in resumed] == [4] and "ckpt-0000004" in resumed[0]["from"]
+    assert max(r["iter"] for r in rows if "loss" in r) == 7
