@@ -20,7 +20,6 @@ A hang names itself (the end of this file): every collective here counts one on 
 carries its label (a bucket, a block, "norm"); one that times out tells, on each rank that
 waits in it, which ranks never arrived, in one line.
 """
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -150,6 +149,14 @@ def all_gather_object(obj, world_size, label=None):
                 raise stalled(handle, e) from e
             raise
     return out
+
+
+def broadcast(x, src, world_size, group=None, label=None):
+    """Rank src's x (src: a rank of `group`) into every rank's x, in place."""
+    if world_size > 1:
+        root = src if group is None else dist.get_global_rank(group, src)
+        issue("broadcast", label, x, dist.broadcast, x, root, group=group).wait()
+    return x
 
 
 def barrier(world_size, label=None):

@@ -37,7 +37,7 @@ import torch
 
 import optim
 from collectives import (Traffic, all_gather_list, all_gather_params, all_reduce_grads,
-                         all_reduce_sum, gather_group, reduce_scatter_grads)
+                         all_reduce_sum, broadcast, gather_group, reduce_scatter_grads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,10 +202,9 @@ def broadcast_weights(tensors, src, world_size, group=None):
     that built their weights apart (another seed each) then start from one model."""
     if world_size == 1:
         return
-    root = src if group is None else dist.get_global_rank(group, src)
     for t in tensors:
         buf = t.detach().contiguous()  # t itself when contiguous
-        dist.broadcast(buf, root, group=group)
+        broadcast(buf, src, world_size, group, label="broadcast weights")
         if buf.data_ptr() != t.data_ptr():
             t.detach().copy_(buf)
 
