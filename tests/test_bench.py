@@ -22,7 +22,8 @@ BAD_FLAGS = [("costs", ["--lora", "lora,full"]), ("costs", ["--stages", "0,4"]),
              ("nanogpt", []), ("plots", ["--costs", "no-such.json"]),
              ("head", ["--rows", "0"]), ("zeropp", ["--steps", "5"]),
              ("zeropp", ["--seeds", "1,b"]), ("fp8", ["--steps", "5"]),
-             ("fp8", ["--models", "x"])]
+             ("fp8", ["--models", "x"]), ("optimizers", ["--zero3-ranks", "5"]),
+             ("optimizers", ["--optimizers", "adafactor"])]
 
 
 def run_main(module, argv):
