@@ -2,7 +2,7 @@
 Muon at ZeRO-3 against DeepSpeed's, on the CPU: our GPT, 2 gloo ranks, fp32, the same
 batches of shakespeare_char and the same hyperparameters. Ours is beyond/muon.py's
 WholeZeRO3 (each block matrix dealt whole to one rank: no communication of its own);
-DeepSpeed's is ZeRO-3 with "optimizer": {"type": "Muon"} (stage3.py all-gathers each Muon
+DeepSpeed's is ZeRO-3 with "optimizer": {"type": "Muon"} (its stage 3 all-gathers each Muon
 matrix's gradient and momentum, orthogonalises round robin, all-gathers the updates).
 
     python -m bench.muon_deepspeed --ds-path DIR              # DIR: where deepspeed is installed
