@@ -2,7 +2,8 @@
 Training checkpoints: save, resume, reshard; streamed, never the whole model on one rank.
 
 A piece is an element range [lo, hi) of a flattened tensor with its values: the fp32 master
-weight and every optimizer state tensor by its key (trainable), or the value (frozen). A
+weight and every optimizer state tensor by its key (trainable), or the value (frozen); from
+--offload-optimizer delayed also the weights in use, one update behind the master ("in_use"). A
 checkpoint is a folder OUT_DIR/ckpt-ITER of pieces in one format:
   shard-NNNNN.safetensors  the pieces, each a 1-D tensor named "TENSOR/KEY", written by the
                            safetensors package; --ckpt-format says how many files:
@@ -89,18 +90,35 @@ def set_step_count(opt, params, step):
             opt.state[p]["step"].fill_(step)
 
 
+def lagging(zero):
+    """Does the engine publish weights one update behind its master between steps (beyond/
+    offload_optimizer.py's DelayedUpdate)? Its checkpoints then save those weights in use too,
+    as "in_use" (fp32), each piece beside its master: a resume publishes them, exactly."""
+    return hasattr(zero, "in_use")
+
+
+def source(zero, s, key):
+    """Segment s's tensor under a checkpoint key: its fp32 master, the weights in use (where
+    they lag the master), or an optimizer state tensor."""
+    if key == "master":
+        return s.flat
+    return zero.in_use(s).float() if key == "in_use" else zero.opt.state[s.master][key]
+
+
 def owned_pieces(zero, shapes):
     """This rank's pieces, copied to the host: {name: {"lo", "hi", "master", each optimizer state
-    key}} for trainable tensors and {name: {"lo", "hi", "value"}} for frozen ones. Up to stage 2
-    the frozen tensors are whole on every rank, at stage 0 all tensors: rank 0 owns them."""
+    key (and "in_use" where lagging)}} for trainable tensors and {name: {"lo", "hi", "value"}}
+    for frozen ones. Up to stage 2 the frozen tensors are whole on every rank, at stage 0 all
+    tensors: rank 0 owns them."""
     out = {}
+    extra = ["in_use"] if lagging(zero) else []
     for s in zero.segments if zero.stage >= 1 or zero.rank == 0 else ():
         lo, hi = stored(shapes, s.name, s.lo, s.hi)
         if lo < hi:
-            state, n = zero.opt.state[s.master], hi - lo
+            n = hi - lo
             out[s.name] = {"lo": lo, "hi": hi, "master": s.flat[:n].detach().cpu().clone(),
-                           **{k: state_piece(state[k], n).cpu().clone()
-                              for k in opt_state_keys(zero.opt, s.master)}}
+                           **{k: state_piece(source(zero, s, k), n).cpu().clone()
+                              for k in opt_state_keys(zero.opt, s.master) + extra}}
     if zero.stage == 3 or zero.rank == 0:
         for name, lo, hi, values in zero.frozen_pieces():
             lo, stop = stored(shapes, name, lo, hi)
@@ -145,13 +163,14 @@ def full_tensors(zero, shapes, keys, keys_of=None):
     for b in zero.buckets:
         for key in keys:
             owned = torch.zeros(b.hi - b.lo, dtype=torch.float32, device=zero.device)
-            has = lambda name: key == "master" or key in (keys_of or {}).get(name, ())
+            every = key in ("master", "in_use")  # every trainable tensor has one
+            has = lambda name: every or key in (keys_of or {}).get(name, ())
             if not any(has(zero.names[id(p)]) for p in b.params):
                 continue  # the same collectives on every rank: keys_of is agreed
             for s in b.segments:
                 if has(s.name):
-                    src = s.flat if key == "master" else zero.opt.state[s.master][key]
-                    owned[s.start:s.start + s.hi - s.lo] = state_piece(src, s.hi - s.lo)
+                    owned[s.start:s.start + s.hi - s.lo] = state_piece(source(zero, s, key),
+                                                                       s.hi - s.lo)
             with _gathered(zero, b, owned) as full:
                 if zero.rank == 0:
                     for p, offset in zip(b.params, b.offsets):
@@ -268,6 +287,7 @@ def save(out_dir, it, zero, model, scaler=None, header=None, fmt="consolidated",
         pieces, n_files = owned_pieces(zero, shapes), world_size
     else:  # rank 0 every tensor whole: one piece [0, numel) of each
         keys = sorted({k for ks in opt_header["state_keys"].values() for k in ks})
+        keys += ["in_use"] if lagging(zero) else []
         full = full_tensors(zero, shapes, ("master", *keys), opt_header["state_keys"])
         pieces, n_files = {name: {"lo": 0, "hi": int(np.prod(shapes[name])),
                                   **{k: t.reshape(-1) for k, t in entry.items()}}
@@ -285,7 +305,8 @@ def save(out_dir, it, zero, model, scaler=None, header=None, fmt="consolidated",
     head = dict(header, format=ckpt_reader.FORMAT, iter=it, save_id=save_id,
                 world_size=world_size, stage=zero.stage, scaler=scaler.state_dict(),
                 shapes=shapes, frozen=[name for name in shapes if name not in trainable],
-                **opt_header, files=files, layout=[e["layout"] for e in every[:n_files]],
+                **opt_header, delayed=lagging(zero),  # "in_use" beside every master
+                files=files, layout=[e["layout"] for e in every[:n_files]],
                 crc=[e["crc"] for e in every[:n_files]], rng=[e["rng"] for e in every],
                 fp8=None if fp8 is None else {"settings": fp8["settings"],
                                               "history": sorted(fp8["history"])})
@@ -356,8 +377,10 @@ def check_compatible(*args):
 
 def _read_owned(reader, zero, shapes):
     """Each piece this rank owns, as stored (padded vocabulary rows are not: they stay zero):
-    ([(segment, {key: tensor})], [(frozen values, tensor)])."""
+    ([(segment, {key: tensor})], [(frozen values, tensor)]). The weights in use ("in_use")
+    where the checkpoint and this run both lag the master by an update."""
     trainable, frozen = [], []
+    extra = ("in_use",) if reader.header.get("delayed") and lagging(zero) else ()
     for s in zero.segments:
         saved, mine = validate.keys_of(reader.header, s.name), opt_state_keys(zero.opt, s.master)
         if tuple(mine) != saved:
@@ -366,7 +389,7 @@ def _read_owned(reader, zero, shapes):
                             "same --optimizer and torch are needed to resume")
         lo, hi = stored(shapes, s.name, s.lo, s.hi)
         if lo < hi:
-            keys = ("master",) + saved
+            keys = ("master",) + saved + extra
             trainable.append((s, {k: reader.read(s.name, k, lo, hi) for k in keys}))
     for name, lo, hi, values in zero.frozen_pieces():
         lo, hi = stored(shapes, name, lo, hi)
@@ -403,21 +426,27 @@ def restore(path, zero, model, scaler=None, config=None, model_args=None, vocab_
     for s, saved in trainable:
         n, state = len(saved["master"]), zero.opt.state[s.master]
         s.flat[:n].copy_(saved["master"])
-        for k in saved.keys() - {"master"}:  # a per-tensor statistic: its first elements
-            m = min(n, state[k].numel())
+        for k in saved.keys() - {"master", "in_use"}:  # a per-tensor statistic: its first
+            m = min(n, state[k].numel())  # elements
             state[k].view(-1)[:m].copy_(saved[k][:m])
     set_step_count(zero.opt, [s.master for s in zero.segments], h["opt_step"])
     for values, saved in frozen:
         values[:len(saved)].copy_(saved)
+    if h.get("delayed") and lagging(zero):  # the weights in use, one update behind
+        zero.restore_in_use([(s, saved["in_use"]) for s, saved in trainable])
     zero.publish()
-    note = None
+    notes = []
+    if h.get("delayed") and not lagging(zero):
+        notes.append(f"{path} was saved by --offload-optimizer delayed, whose weights in use lag "
+                     "its master by one update: without the delay this run starts from the "
+                     "master")
     old = (h["config"].get("dtype"), h["config"].get("loss_scale"))
     same_precision = old == (config.get("dtype"), config.get("loss_scale"))
     if scaler is not None and same_precision:
         scaler.load_state_dict(h["scaler"])
     elif scaler is not None:
-        note = (f"{path} was saved with --dtype {old[0]} --loss-scale {old[1]}: this run's "
-                f"--dtype {config.get('dtype')} starts a fresh loss scaler")
+        notes.append(f"{path} was saved with --dtype {old[0]} --loss-scale {old[1]}: this run's "
+                     f"--dtype {config.get('dtype')} starts a fresh loss scaler")
     if rng is not None:  # the same ranks again: dropout continues exactly
         set_rng_state(rng, zero.device)
-    return h["iter"], "; ".join(n for n in (note, fp8()) if n) or None, h
+    return h["iter"], "; ".join(n for n in (*notes, fp8()) if n) or None, h

@@ -4,6 +4,7 @@ Will my model fit, and which flags do I need? Memory per GPU, from the same code
   python -m bench.lecture                                  # the lecture's tables, from these
   python memory.py --config config/gpt2_124m.py --dtype bf16 --world-size 8 --zero 2 --gpu-mem 80GB
   python memory.py --params 7e9 --world-size 8 --gpu-mem 80GB --advise  # which flags, as a command
+  python memory.py --config config/gpt2_124m.py --world-size 4 --zero 3 --optimizer adafactor
 
 The arithmetic is footprint.py's (model state, exact) and activations.py's (saved for backward,
 per module kind), both counted on the model the flags describe and held to measurement by
@@ -13,11 +14,14 @@ GPUs. Not estimated: the CUDA context and allocator fragmentation: --advise keep
 the GPU free for them. --advise walks the lecture's decision flow and ends in a train.py
 command that runs what it estimated. Sizes are decimal: 1 GB = 1e9 bytes. A fork's model
 (model.GPT edited) is counted by its own formulas: docs/forking.md, "memory.py for a fork".
+--optimizer takes train.py's names and, here only, adafactor: torch's Adafactor on
+beyond/muon.py's whole-tensor layout, which a fork's own loop builds (docs/forking.md).
 """
 import bisect
 import sys
 
 from configurator import UserError
+from optim import OPTIMIZERS
 from machinery.estimator import (GB, HEADROOM, advise_plans, breakdown, command, dataset_note,
                                  fits, model_from_flags, parse_bytes, parse_flags, print_run,
                                  save_flags)
@@ -43,17 +47,18 @@ def offload_cost(e, world_size, host):
 
 
 def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), batch_tokens=0,
-           host_bytes=256e9, chunked_loss=True):
+           host_bytes=256e9, chunked_loss=True, optimizer="adamw"):
     """The lecture's decision flow, each step checked with estimate(): (lines, command or None).
     The cheapest stage that fits wins, at its largest micro-batch: ZeRO-2 before ZeRO-3
     (advise_plans). LoRA keeps the ZeRO stage the steps before chose: on ZeRO-3 its frozen
     base is sharded too. The command saves sharded checkpoints when rank 0's host could not
-    assemble a consolidated one (save_flags)."""
+    assemble a consolidated one (save_flags). Muon and Adafactor are estimated on their
+    whole-tensor layout (beyond/muon.py), padding included; Adafactor's LoRA is not."""
     N = world_size
 
     def est(**run):
         return estimate(cfg, **{"world_size": N, "dtype": dtype, "psi": psi,
-                                 "chunked_loss": chunked_loss, **run})
+                                 "chunked_loss": chunked_loss, "optimizer": optimizer, **run})
 
     scaler = ("with the loss scaler (this GPU has no bf16)" if dtype == "fp16" else
               "(Ampere or newer; on older GPUs pass --dtype fp16: fp16 with the loss scaler)")
@@ -72,6 +77,8 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
                      f"{zero2['state']['params'] / GB:.2f} GB): no micro-batch fits")
     best = None  # (run, micro-batch): the cheapest plan that fits
     plans = advise_plans(N, fits(one, gpu_bytes), zero2_fits)
+    if optimizer == "adafactor":  # estimated for a full fine-tune only (footprint.estimate)
+        plans = [plan for plan in plans if not plan[2]]
     for stage, ckpt, r, quant, offload, why in plans:
         if best and (stage, ckpt) != (3, best[0]["grad_ckpt"]):
             break  # a fitting ZeRO-2 competes only with ZeRO-3 at the same checkpointing
@@ -112,13 +119,28 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
     if best is None:
         return lines, None
     run, b = best
-    saving = save_flags(est(batch=b, **run)["trainable"], "adamw", host_bytes)
+    extra = last_steps(lines, est(batch=b, **run)["trainable"], host_bytes, optimizer,
+                       run["stage"])
+    return lines, command(N, [*shape_args, *extra], run["stage"], dtype, b, run["grad_ckpt"],
+                          run["lora_rank"] > 0, run["quantize"], offload=run["offload"])
+
+
+def last_steps(lines, trainable, host_bytes, optimizer, stage):
+    """--advise's closing lines (appended to lines) and the command's flags they add: sharded
+    checkpoints where rank 0's host could not assemble a consolidated one (save_flags); the
+    optimizer, or for Adafactor, which train.py does not take, where to build it."""
+    saving = save_flags(trainable, "adamw", host_bytes)
     if saving:
         lines.append(f"{len(lines) + 1}. checkpoints: --ckpt-format sharded (a consolidated save "
                      f"would gather 12 bytes a parameter on rank 0's host, over half of "
                      f"--host-mem {host_bytes / GB:.0f} GB)")
-    return lines, command(N, [*shape_args, *saving], run["stage"], dtype, b, run["grad_ckpt"],
-                          run["lora_rank"] > 0, run["quantize"], offload=run["offload"])
+    if optimizer == "adafactor":
+        lines.append(f"{len(lines) + 1}. Adafactor is not a train.py --optimizer: build "
+                     f"beyond.muon.{'WholeZeRO3' if stage == 3 else 'WholeZeRO'} with "
+                     "optimizer=torch.optim.Adafactor in your own loop (docs/forking.md), at "
+                     "the stage, micro-batch and checkpointing of this command")
+    named = [f"--optimizer {optimizer}"] if optimizer in OPTIMIZERS[1:] else []  # not adamw
+    return saving + named
 
 
 def main(argv=None):
@@ -131,7 +153,7 @@ def main(argv=None):
     # --advise: mixed precision always, bf16 unless fp16 is asked for
     dtype = "fp16" if tc.dtype == "fp16" else "bf16"
     lines, cmd = advise(cfg, a.world_size, gpu, dtype, psi, model_flags, tc.batch_tokens,
-                        parse_bytes(a.host_mem, "--host-mem"), tc.chunked_loss)
+                        parse_bytes(a.host_mem, "--host-mem"), tc.chunked_loss, tc.optimizer)
     print("\n".join(lines) + ("\n\n" + cmd if cmd else ""))
     for note in dataset_note(model_flags, cfg.vocab_size, cmd, a.params):
         print(note)

@@ -6,6 +6,13 @@ DeepSpeedCPUAdam; ours is beyond/offload_optimizer.py's OffloadZeRO with torch's
 
     python -m bench.offload_deepspeed --ds-path DIR           # DIR: where deepspeed is installed
     python -m bench.offload_deepspeed --ds-path DIR --steps 40 --rounds 5
+    python -m bench.offload_deepspeed --ds-path DIR --model gpt --bf16
+
+--model gpt trains our GPT (model.py, 2 layers of 64, shakespeare_char's batches as train.py
+draws them) instead of the MLP; --bf16 runs both sides in bf16: DeepSpeed casts the module to
+bf16 itself ("bf16": {"enabled": true}) and makes its fp32 master from those bf16 weights, so
+ours does the same (the model cast first, no master_weights=: a 16-bit master, PITFALLS 24,
+on both sides alike).
 
 DeepSpeed is not a requirement of this repository: install it apart, for example with
 `pip install --target DIR --no-deps deepspeed hjson ninja py-cpuinfo pydantic psutil msgpack
@@ -27,6 +34,8 @@ if __package__ in (None, ""):  # run as a script: import from the repository roo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDTH, HIDDEN, BATCH, LR, CLIP, WARM = 64, 256, 16, 1e-2, 1.0, 3
+LRS = {"mlp": LR, "gpt": 1e-3}  # the GPT at train.py's lr: at 1e-2 its loss spikes, and the
+# spikes grow a last-bit difference of the two AdamW kernels to 1e-2 within 20 steps
 
 
 def mlp():
@@ -36,17 +45,38 @@ def mlp():
                                torch.nn.Linear(HIDDEN, WIDTH))
 
 
-def batches(steps, rank, world_size):
-    """Each step's (x, y) slice of this rank: the same global batch on both sides."""
+def gpt():
     import torch
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=65,
+                         dropout=0.0, bias=False))
+
+
+def batches(steps, rank, world_size, kind):
+    """Each step's (x, y) slice of this rank: the same global batch on both sides (gpt: of
+    shakespeare_char, as data/loader.py draws it for train.py)."""
+    import numpy as np
+    import torch
+    from data.loader import get_batch
     g = torch.Generator().manual_seed(1)
     per = BATCH // world_size
-    for _ in range(steps):
+    data = np.memmap(os.path.join(ROOT, "data", "shakespeare_char", "train.bin"),
+                     dtype=np.uint16, mode="r") if kind == "gpt" else None
+    for step in range(steps):
+        if kind == "gpt":
+            yield get_batch(data, 1337, step, 0, rank, world_size, per, 32, 1)
+            continue
         x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
         yield x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
 
 
-def ours(steps):
+def loss_of(model, x, y, kind):
+    import torch
+    return model(x, y)[1] if kind == "gpt" else torch.nn.functional.mse_loss(model(x), y)
+
+
+def ours(steps, kind, bf16):
     import torch
     import torch.distributed as dist
     from beyond.offload_optimizer import OffloadZeRO
@@ -54,38 +84,43 @@ def ours(steps):
     from train import update
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = mlp()
-    zero = OffloadZeRO(model, 2, lr=LR, betas=(0.9, 0.95), weight_decay=0.0, rank=rank,
+    model = gpt() if kind == "gpt" else mlp()
+    if bf16:  # the master from the bf16 weights, as DeepSpeed makes its own
+        model = model.to(torch.bfloat16)
+    zero = OffloadZeRO(model, 2, lr=LRS[kind], betas=(0.9, 0.95), weight_decay=0.0, rank=rank,
                        world_size=world_size)
     scaler = GradScaler(init_scale=1.0, dynamic=False)
     losses, ms = [], []
-    for x, y in batches(steps, rank, world_size):
+    for x, y in batches(steps, rank, world_size, kind):
         t = time.perf_counter()
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        if bf16 and kind == "mlp":
+            x, y = x.bfloat16(), y.bfloat16()
+        loss = loss_of(model, x, y, kind)
         zero.backward(loss)
-        update(zero, scaler, LR, CLIP)
+        update(zero, scaler, LRS[kind], CLIP)
         zero.wait_published()
         ms.append((time.perf_counter() - t) * 1000)
         losses.append(loss.item())
     return losses, ms
 
 
-def deepspeed_side(steps):
+def deepspeed_side(steps, kind, bf16):
     import deepspeed
-    import torch
     deepspeed.init_distributed(dist_backend="gloo")
-    model = mlp()
+    model = gpt() if kind == "gpt" else mlp()
     cfg = {"train_micro_batch_size_per_gpu": BATCH // int(os.environ["WORLD_SIZE"]),
-           "gradient_clipping": CLIP, "steps_per_print": 10**9,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95],
+           "gradient_clipping": CLIP, "steps_per_print": 10**9, "bf16": {"enabled": bf16},
+           "optimizer": {"type": "AdamW", "params": {"lr": LRS[kind], "betas": [0.9, 0.95],
                                                       "eps": 1e-8, "weight_decay": 0.0}},
            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=cfg)
     losses, ms = [], []
-    for x, y in batches(steps, engine.global_rank, engine.world_size):
+    for x, y in batches(steps, engine.global_rank, engine.world_size, kind):
         t = time.perf_counter()
-        loss = torch.nn.functional.mse_loss(engine(x), y)
+        if bf16 and kind == "mlp":
+            x, y = x.bfloat16(), y.bfloat16()
+        loss = loss_of(engine, x, y, kind)
         engine.backward(loss)
         engine.step()
         ms.append((time.perf_counter() - t) * 1000)
@@ -93,23 +128,26 @@ def deepspeed_side(steps):
     return losses, ms
 
 
-def worker(side, steps, out):
+def worker(side, steps, out, kind, bf16):
     import torch
     torch.set_num_threads(1)
-    losses, ms = (ours if side == "ours" else deepspeed_side)(steps)
+    losses, ms = (ours if side == "ours" else deepspeed_side)(steps, kind, bf16)
     if int(os.environ.get("RANK", 0)) == 0:
         with open(out, "w") as f:
             json.dump({"losses": losses, "ms": ms}, f)
+    import torch.distributed as dist
+    dist.barrier()  # leave together: a rank exiting under gloo's threads can abort the other
+    dist.destroy_process_group()
 
 
-def run_side(side, steps, ds_path, port):
+def run_side(side, steps, ds_path, port, kind="mlp", bf16=False):
     out = tempfile.mktemp(suffix=".json")
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                PYTHONPATH=os.pathsep.join([ROOT, ds_path]),
                PATH=os.pathsep.join([os.path.join(ds_path, "bin"), os.environ["PATH"]]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            f"--master_port={port}", os.path.abspath(__file__), "--worker", side,
-           "--steps", str(steps), "--out", out]
+           "--steps", str(steps), "--out", out, "--model", kind] + (["--bf16"] if bf16 else [])
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if r.returncode:
         raise SystemExit(f"{side} failed:\n{r.stderr[-3000:]}")
@@ -124,11 +162,13 @@ def main(argv=None):
     p.add_argument("--ds-path", default="", help="the folder deepspeed is installed in")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
+    p.add_argument("--bf16", action="store_true", help="both sides in bf16 (fp32 masters)")
     p.add_argument("--worker", choices=("ours", "deepspeed"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        return worker(a.worker, a.steps, a.out)
+        return worker(a.worker, a.steps, a.out, a.model, a.bf16)
     import socket
     ratios, diffs = [], None
     for i in range(a.rounds):
@@ -137,7 +177,7 @@ def main(argv=None):
             with socket.socket() as s:  # a free port for this pair of ranks
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            runs[side] = run_side(side, a.steps, a.ds_path, port)
+            runs[side] = run_side(side, a.steps, a.ds_path, port, a.model, a.bf16)
         diffs = [abs(o - d) for o, d in zip(runs["ours"]["losses"], runs["deepspeed"]["losses"])]
         ms = {k: statistics.median(v["ms"][WARM:]) for k, v in runs.items()}
         ratios.append(ms["ours"] / ms["deepspeed"])

@@ -310,16 +310,31 @@ def ns_flops(shape):
     return NS_STEPS * (2 * m * m * n + m ** 3)
 
 
+def state_of(model, muon=True):
+    """The fp32 optimizer state of a tensor stepped whole, in bytes, as a function of the
+    tensor. Muon: its momentum, 4 bytes an element of the block matrices; AdamW's two moments,
+    8, for the rest. torch's Adafactor: the factored second moment (Shazeer & Stern 2018,
+    Sec. 3), a row mean (..., r, 1) and a column mean (..., 1, c) of a matrix (..., r, c),
+    one value an element of a 1-D tensor, and no first moment (its beta1 is None)."""
+    if muon:
+        mats = block_matrices(model)
+        return lambda p: (4 if id(p) in mats else 8) * p.numel()
+    return lambda p: 4 * (p.numel() // p.shape[-1] + p.numel() // p.shape[-2] if p.dim() > 1
+                          else p.numel())
+
+
 def zero3_cost(model, world_size, muon=True):
     """WholeZeRO3's layout of a model (a meta-device one will do), unit by unit as zero3.py
     cuts it, root first: each as (real numel, padded numel); per rank the Newton-Schulz work
-    (Muon's matrices: ns_flops) and Muon's optimizer state bytes (4 a matrix element, AdamW's
-    8 for the rest: machinery/footprint.py's estimate). With muon the root (embeddings:
-    AdamW's) is cut flat, padded to a multiple of N only; else (Adafactor) it is dealt too."""
+    (Muon's matrices: ns_flops) and the optimizer state bytes (state_of: Muon's, or
+    Adafactor's; machinery/footprint.py's estimate). With muon the root (embeddings: AdamW's,
+    8 bytes an element) is cut flat, padded to a multiple of N only; else (Adafactor) it is
+    dealt too."""
     blocks = [list(blk.parameters()) for blk in declared_blocks(model)]
     in_blocks = {id(p) for params in blocks for p in params}
     root = [p for p in model.parameters() if id(p) not in in_blocks]
     mats, N = block_matrices(model) if muon else set(), world_size
+    whole = state_of(model, muon)
     units, work, state = [], [0] * N, [0] * N
     for i, params in enumerate([root] + blocks):
         numels = [p.numel() for p in params]
@@ -331,9 +346,12 @@ def zero3_cost(model, world_size, muon=True):
         units.append((sum(numels), numel))
         S = numel // N
         for p, o, n in zip(params, offsets, numels):
-            for r in range(o // S, (o + n - 1) // S + 1):  # the ranks holding a piece of p
-                state[r] += (4 if id(p) in mats else 8) * (min(o + n, (r + 1) * S) - max(o, r * S))
-            if id(p) in mats:  # dealt: one rank
+            if params is root and muon:  # AdamW's moments on the pieces each rank holds
+                for r in range(o // S, (o + n - 1) // S + 1):
+                    state[r] += 8 * (min(o + n, (r + 1) * S) - max(o, r * S))
+                continue
+            state[o // S] += whole(p)  # dealt: whole on one rank
+            if id(p) in mats:
                 work[o // S] += ns_flops(p.shape)
     return units, work, state
 

@@ -287,7 +287,9 @@ class DelayedUpdate(OffloadOptimizer):
                steps gradient t; publish the snapshot
     The fp32 gradient slice is double-buffered: the next backward's copies go to the spare
     while the thread reads this one. A save (wait_published() with no buckets) joins first:
-    the checkpoint's master then holds update t, one ahead of the weights last published."""
+    the checkpoint's master then holds update t, one ahead of the weights in use (the
+    snapshot). So it saves those too, by (tensor, range) as the master (in_use, checkpoint.py),
+    and a resume publishes them rather than the master: k + save + resume + k == 2k."""
 
     def __init__(self, model, stage, **kwargs):
         super().__init__(model, stage, **kwargs)
@@ -295,6 +297,23 @@ class DelayedUpdate(OffloadOptimizer):
         self.snapshot = [self._host(m.numel(), self.dtype) for m in self.master]
         self.pending = None  # the thread stepping the last gradient
         self.error = None
+        self.restored = False  # the snapshot is a checkpoint's: publish it, do not retake it
+        self.bucket_of = {id(s): i for i, b in enumerate(self.buckets) for s in b.segments}
+
+    def in_use(self, s):
+        """Segment s's piece of the weights in use (the snapshot: between steps one update
+        behind its master), flat, in the working dtype."""
+        return self.snapshot[self.bucket_of[id(s)]][s.start:s.start + s.hi - s.lo]
+
+    def restore_in_use(self, pieces):
+        """A checkpoint's weights in use, [(segment, values)]: the snapshot is the master's
+        but for these pieces' stored elements, and the restore's publish sends it."""
+        self._join()
+        for i in range(len(self.master)):
+            self._take_snapshot(i)
+        for s, values in pieces:
+            self.in_use(s)[:len(values)].copy_(values)
+        self.restored = True
 
     def _join(self):
         if self.pending is not None:
@@ -314,7 +333,7 @@ class DelayedUpdate(OffloadOptimizer):
         self.snapshot[i].copy_(self.master[i])
 
     def _staged(self, i):
-        if self.pending is None:  # no step in flight (a restore's publish): the master itself
+        if self.pending is None and not self.restored:  # no step in flight: the master itself
             self._take_snapshot(i)
         return self.snapshot[i]  # else taken in step(), before the thread began to change it
 
@@ -322,6 +341,7 @@ class DelayedUpdate(OffloadOptimizer):
     def step(self, lr=None, found_inf=None):
         self.master_grads()  # zero.py's: finishes the backward, or refuses a step without one
         self._join()
+        self.restored = False
         for i in range(len(self.master)):  # the weights of update t-1: forward t+1's
             self._take_snapshot(i)
         for g in self.opt.param_groups if lr is not None else ():

@@ -158,10 +158,15 @@ def parse_flags(argv):
             raise UserError(f"--{name.replace('_', '-')} {value:g}: use a number in "
                             f"[1, {most:g}]")
     tc = config_from(a)
-    try:
-        check_optimizer(tc.optimizer)
+    try:  # and torch's Adafactor, which a fork's loop builds (footprint.WHOLE)
+        if tc.optimizer != "adafactor":
+            check_optimizer(tc.optimizer)
     except ValueError as e:
-        raise UserError(str(e))
+        raise UserError(str(e) + " (memory.py: or adafactor)")
+    if tc.optimizer == "adafactor" and (a.params or tc.lora):  # its state is per matrix
+        raise UserError("--optimizer adafactor is counted on the model's shapes, for a full "
+                        "fine-tune: give --config or --n-layer/--n-embd/--n-head, not --params, "
+                        "and no --lora")
     if tc.quantize == "int8":
         raise UserError("memory.py models the nf4 base (QLoRA's): use --quantize nf4")
     return a, tc
@@ -275,9 +280,21 @@ def print_run(a, tc, cfg, psi, gpu):
           f"{e['trainable']:,} trainable; {tc.dtype}, ZeRO-{tc.zero}, {a.world_size} GPU(s), "
           f"micro-batch {batch} x {cfg.block_size} tokens{extras}")
     print_estimate(e, cfg, gpu, tc.optimizer)
+    if e["padded"] and tc.zero:  # Muon's or Adafactor's dealt layout (beyond/muon.py)
+        print(dealt_line(e, a.world_size, tc.optimizer))
     if tc.offload_optimizer != "none":
         print(offload_host_line(e["host"], a.world_size, parse_bytes(a.host_mem, "--host-mem")))
     return e
+
+
+def dealt_line(e, world_size, optimizer):
+    """Where --optimizer muon or adafactor deals whole tensors to ranks (beyond/muon.py): the
+    buffers' padding, held in every rank's slices and moved by every collective."""
+    padded, real = e["padded"], e["trainable"]
+    return (f"{optimizer} steps whole tensors (beyond/muon.py): each dealt to one rank's slice, "
+            f"every slice as long as the longest: the buffers hold {padded:,} elements for "
+            f"{real:,} parameters, {padded / real - 1:.1%} of padding on {world_size} rank(s), "
+            f"in the weights, gradients and master of every rank and in the traffic\n")
 
 
 def offload_host_line(host, world_size, host_bytes, per_node=8):

@@ -30,6 +30,9 @@ from zero import MAX_IN_FLIGHT, plan_buckets
 # and an fp32 absmax per block of 64 (4.5 bits). Not modelled: --double-quant, where quant.py
 # codes each scale in 8 bits on a log scale (4.129 bits), so the estimate is 0.37 bits high.
 QUANT_BYTES = {"nf4": 0.5 + 4 / 64}
+# optimizers stepping tensors whole, on beyond/muon.py's layout: Muon (train.py's --optimizer
+# muon) and torch's Adafactor (memory.py's --optimizer adafactor only: a fork's loop builds it)
+WHOLE = ("muon", "adafactor")
 
 # NCCL's own memory, an estimate: each communicator a process joins keeps its buffers and
 # proxy state on the GPU, outside torch's allocator (no torch.cuda counter sees it). One
@@ -188,38 +191,47 @@ def state_bytes_per_param(optimizer):
     return int(per) if per.is_integer() else per
 
 
-def muon_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32_grad_accum,
-                     offload=False):
-    """Model state under --optimizer muon (beyond/muon.py): Muon's momentum (4 bytes) for each
-    block-matrix element, AdamW's moments (8) for the rest; at stages 1-2 WholeZeRO's layout, the
-    rest in buckets of bucket_mb, the block matrices as plan_whole() puts them, dealt whole;
-    at stage 3 WholeZeRO3's units as beyond.muon.zero3_cost lays them out."""
-    from beyond.muon import block_matrices, plan_whole, zero3_cost
-    if stage == 3:  # every part 1/N of the padded units: this rank's slices
-        E = BYTES[dtype]
-        units, _, state = zero3_cost(shapes_only(cfg, build), world_size)
-        owned = sum(numel // world_size for _, numel in units)
-        out = {"params": E * owned, "grads": (4 if fp32_grad_accum else E) * owned,
-               # fp32 weights are their own master (offloaded: a copy on the host)
-               "master": 0 if E == 4 and not offload else 4 * owned, "optimizer": state[rank]}
-        out["total"] = sum(out.values())
-        return out
-    model = shapes_only(cfg, build)
-    mats = block_matrices(model)
-    params = list(model.parameters())  # in named_parameters() order, a tied weight once
-    rest = [p.numel() for p in params if id(p) not in mats]
-    mat = [p.shape for p in params if id(p) in mats]
-    cap = max(1, int(bucket_mb * 2**20 / BYTES[dtype]))
-    rest_buckets = [sum(rest[i] for i in b) for b in plan_buckets(rest, cap)]
-    mat_buckets = [[math.prod(mat[i]) for i in b] for b in plan_whole(mat, cap, world_size)]
-    mat_sizes = [sum(b) for b in mat_buckets]
-    parts = [model_state_bytes(sum(rest), stage, world_size, dtype, rest_buckets, rank,
-                               fp32_grad_accum=fp32_grad_accum, optimizer="adamw",
-                               offload=offload),
-             model_state_bytes(sum(mat_sizes), stage, world_size, dtype, mat_sizes,
-                               rank, fp32_grad_accum=fp32_grad_accum, optimizer="muon",
-                               dealt=mat_buckets, offload=offload)]
-    return {k: parts[0][k] + parts[1][k] for k in parts[0]}
+def whole_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp32_grad_accum,
+                      offload=False, optimizer="muon"):
+    """Model state under an optimizer that steps tensors whole (beyond/muon.py): Muon, or
+    torch's Adafactor (not a train.py --optimizer: a fork's loop, docs/forking.md). The state
+    of each tensor is beyond.muon.state_of's. Stages 1-2: WholeZeRO's layout, the dealt
+    tensors (Muon's block matrices, Adafactor's every one) as plan_whole() puts them, each
+    whole in one rank's slice, the rest (Muon's AdamW part) in flat buckets of bucket_mb.
+    Stage 3: WholeZeRO3's units as beyond.muon.zero3_cost lays them out. Returns (the state,
+    as ZeRO.state_bytes() counts it; the elements of every buffer, padding included)."""
+    from beyond.muon import block_matrices, deal, plan_whole, state_of, zero3_cost
+    model, E, N, muon = shapes_only(cfg, build), BYTES[dtype], world_size, optimizer == "muon"
+    if stage == 3:
+        units, _, state = zero3_cost(model, N, muon)
+        P, mine = sum(numel for _, numel in units), state[rank]
+    else:
+        params = list(model.parameters())  # in named_parameters() order, a tied weight once
+        dealt = block_matrices(model) if muon else {id(p) for p in params}
+        of = state_of(model, muon)
+        whole = [p for p in params if id(p) in dealt]
+        rest = [p.numel() for p in params if id(p) not in dealt]  # Muon's AdamW part
+        P, mine = sum(rest), 8 * sum(rest)
+        if stage == 0:  # every rank owns every tensor, in zero.py's buckets
+            P, mine = P + sum(p.numel() for p in whole), mine + sum(of(p) for p in whole)
+        else:
+            cap = max(1, int(bucket_mb * 2**20 / BYTES[dtype]))
+            flat = [sum(rest[i] for i in b) for b in plan_buckets(rest, cap)]
+            padded = [math.ceil(n / N) * N for n in flat]
+            P = sum(padded)  # each cut in N: AdamW's moments for the real elements of a slice
+            mine = 8 * sum(max(0, min(n, (rank + 1) * p // N) - rank * p // N)
+                           for n, p in zip(flat, padded))
+            for b in plan_whole([p.shape for p in whole], cap, N):
+                offsets, numel = deal([whole[i].numel() for i in b], N)
+                P += numel
+                mine += sum(of(whole[i]) for i, o in zip(b, offsets) if o // (numel // N) == rank)
+    owned = P // N if stage >= 1 else P
+    out = {"params": E * (owned if stage == 3 else P),
+           "grads": (4 if fp32_grad_accum else E) * (owned if stage >= 2 else P),
+           # fp32 weights are their own master (offloaded: a copy on the host)
+           "master": 0 if E == 4 and not offload else 4 * owned, "optimizer": mine}
+    out["total"] = sum(out.values())
+    return out, P
 
 
 def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_ckpt=False,
@@ -250,12 +262,18 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
         if stage == 3 and params:
             layout = frozen_buckets(cfg, dtype, quantize, build)
     fp32_grad_accum = fp32_grad_accum and E != 4
-    if optimizer == "muon" and params and not lora_rank:  # its own layout and state
-        state = muon_state_bytes(cfg, build, stage, N, dtype, bucket_mb, rank, fp32_grad_accum,
-                                 offload)
+    padded = None  # the elements of the trainable buffers, padding included: of a dealt layout
+    if optimizer in WHOLE and params and not lora_rank:  # its own layout and state
+        state, padded = whole_state_bytes(cfg, build, stage, N, dtype, bucket_mb, rank,
+                                          fp32_grad_accum, offload, optimizer)
         if stage == 3:  # the units padded as dealt: gathered and reduced at that size
             from beyond.muon import zero3_cost
-            buckets = [numel for _, numel in zero3_cost(shapes_only(cfg, build), N)[0]]
+            buckets = [numel for _, numel in
+                       zero3_cost(shapes_only(cfg, build), N, optimizer == "muon")[0]]
+    elif optimizer == "adafactor":  # its state is per matrix: counted on the shapes only
+        raise ValueError("memory.py counts Adafactor's state on the model's own shapes, for a "
+                         "full fine-tune: give the shape (--n-layer, --n-embd, --n-head or "
+                         "--config), not --params, and no --lora")
     else:
         state = model_state_bytes(trainable, stage, N, dtype, buckets, rank, frozen, quantized,
                                   quantize, layout, fp32_grad_accum, optimizer, offload=offload)
@@ -301,7 +319,7 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
     return {"psi": total, "trainable": trainable, "state": state, "activations": acts,
             "gathered": gathered, "head": head, "in_flight": in_flight, "step": step,
             "fp8_state": fp8_state, "fp8_cast": cast, "nccl": nccl,
-            "communicators": communicators, "peak": peak, "host": host}
+            "communicators": communicators, "peak": peak, "host": host, "padded": padded}
 
 
 def offload_host_bytes(state, E, offload):

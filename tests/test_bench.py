@@ -22,7 +22,8 @@ BAD_FLAGS = [("costs", ["--lora", "lora,full"]), ("costs", ["--stages", "0,4"]),
              ("nanogpt", []), ("plots", ["--costs", "no-such.json"]),
              ("head", ["--rows", "0"]), ("zeropp", ["--steps", "5"]),
              ("zeropp", ["--seeds", "1,b"]), ("fp8", ["--steps", "5"]),
-             ("fp8", ["--models", "x"])]
+             ("fp8", ["--models", "x"]), ("optimizers", ["--zero3-ranks", "5"]),
+             ("optimizers", ["--optimizers", "adafactor"]), ("muon_deepspeed", ["--steps", "2"])]
 
 
 def run_main(module, argv):
@@ -243,3 +244,26 @@ def test_fp8_casts_are_timed_and_counted_without_their_products():
     assert fp8._scaled_mm is real and set(ms) == {"fp32", "bf16", "casts"}
     elements = 32 * 32 + 48 * 32 + 32 * 48  # x, w, the output gradient
     assert bench_fp8.cast_bytes(M, K, N) > 10 * elements
+
+
+def test_muon_deepspeed_pins_deepspeeds_groups_to_our_muon():
+    """bench.muon_deepspeed without DeepSpeed: the param groups it hands DeepSpeed's Muon cover
+    every parameter once; Muon's are beyond.muon.block_matrices, one group a shape, whose lr
+    times DeepSpeed's scale sqrt(max(1, r / c)) is ours, LR x 0.2 sqrt(max(r, c)), and whose
+    lr x weight decay is ours; AdamW's keep our decay split (embeddings yes, gains no)."""
+    import math
+    from beyond.muon import block_matrices
+    from bench import muon_deepspeed as md
+    model = md.gpt()
+    groups = md.deepspeed_groups(model)
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters())
+    mats, muon = block_matrices(model), groups[2:]
+    assert {id(p) for g in muon for p in g["params"]} == mats and len(muon) == 4  # GPT's shapes
+    for g in muon:
+        rows, cols = g["params"][0].shape
+        theirs = g["lr"] * math.sqrt(max(1.0, rows / cols))
+        assert math.isclose(theirs, md.LR * 0.2 * math.sqrt(max(rows, cols)), rel_tol=1e-12)
+        assert math.isclose(g["lr"] * g["weight_decay"], md.LR * md.WD, rel_tol=1e-12)
+    assert groups[0]["weight_decay"] == md.WD and groups[1]["weight_decay"] == 0.0
+    assert all(p.dim() < 2 for p in groups[1]["params"])

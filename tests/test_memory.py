@@ -81,6 +81,51 @@ def test_model_state_exact_two_ranks():
     run_distributed(check_state, 2)
 
 
+def check_whole_state(rank, world_size):
+    """Muon and torch's Adafactor on beyond/muon.py's layout (WholeZeRO at stages 0-2,
+    WholeZeRO3 at 3): each tensor dealt whole to one rank, every slice padded to the longest.
+    The estimate equals what the engine allocates, Adafactor's row and column means included,
+    and its buffers' elements, padding included, are the engine's."""
+    import functools
+    adafactor = functools.partial(torch.optim.Adafactor, lr=1e-2)
+    for name, optimizer in (("muon", "muon"), ("adafactor", adafactor)):
+        for dtype in DTYPES:
+            for stage in range(4):
+                torch.manual_seed(0)
+                model = GPT(GPTConfig(**SMALL)).to(DTYPES[dtype])
+                zero = make_zero(model, stage, bucket_mb=0.0003, rank=rank,
+                                 world_size=world_size, optimizer=optimizer)
+                est = estimate(GPTConfig(**SMALL), world_size, stage, dtype, bucket_mb=0.0003,
+                               rank=rank, optimizer=name)
+                case = (name, dtype, stage, rank)
+                assert est["state"] == zero.state_bytes(), case
+                buffers = zero.buckets if stage < 3 else [u.buckets[0] for u in zero.all_units]
+                assert est["padded"] == sum(b.numel for b in buffers), case
+                assert (est["padded"] > est["psi"]) == (stage > 0), case  # odd sizes: padded
+
+
+def test_muon_and_adafactor_state_exact_two_and_three_ranks():
+    run_distributed(check_whole_state, 2)
+    run_distributed(check_whole_state, 3)
+
+
+def test_cli_counts_adafactor_on_its_layout(capsys):
+    """memory.py --optimizer adafactor (not a train.py optimizer): the state on the dealt
+    layout and its padding printed; a bare --params or --lora is refused in one line (its state
+    is a row and a column mean per matrix: counted on the shapes)."""
+    flags = ["--n-layer", "2", "--n-embd", "9", "--n-head", "3", "--block-size", "7",
+             "--vocab", "13", "--bias", "--world-size", "2", "--zero", "3"]
+    e = main(flags + ["--optimizer", "adafactor"])
+    out = capsys.readouterr().out
+    assert f"the buffers hold {e['padded']:,} elements for {e['psi']:,} parameters" in out
+    assert e["state"] == estimate(GPTConfig(**SMALL), 2, 3, "fp32", optimizer="adafactor")["state"]
+    for bad in (["--params", "1e9"], ["--lora"]):
+        with pytest.raises(UserError, match="--optimizer adafactor is counted on the model's"):
+            main(flags + bad + ["--optimizer", "adafactor"])
+    lines, cmd = advise(GPTConfig(**SMALL), 2, 1e6, "bf16", optimizer="adafactor")
+    assert "Adafactor is not a train.py --optimizer" in lines[-1] and "--lora" not in cmd
+
+
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_zero3_gathered_units(prefetch):
     """The ZeRO-3 working set: the root plus one block, plus the prefetched next one."""

@@ -101,11 +101,13 @@ def _parity(rank, world_size):
             model, zero, norms = train(3, rank, world_size, dtype, optimizer)
             assert isinstance(zero, WholeZeRO3)
             units = check_layout(zero, world_size)
-            if optimizer == "muon":  # memory.py's estimate: what the engine holds, padding too
-                est = estimate(GPTConfig(**CFG), world_size, 3, DTYPES[dtype], rank=rank,
-                               optimizer="muon")
-                assert zero.state_bytes() == est["state"], (zero.state_bytes(), est["state"])
-                assert zero.peak_gathered_bytes == est["gathered"]
+            # memory.py's estimate (--optimizer muon or adafactor): what the engine holds,
+            # the padding of its dealt units too
+            est = estimate(GPTConfig(**CFG), world_size, 3, DTYPES[dtype], rank=rank,
+                           optimizer=optimizer)
+            assert zero.state_bytes() == est["state"], (zero.state_bytes(), est["state"])
+            assert zero.peak_gathered_bytes == est["gathered"]
+            assert est["padded"] == sum(b.numel for b in units)
             got = master_weights(zero, world_size)
             # the traffic: 3x the padded units a micro-step, but the root's re-gather skipped
             # and its gather once a step (it stays gathered across the micro-steps)

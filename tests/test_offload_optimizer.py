@@ -4,6 +4,7 @@ plain and the overlapped copy; the bytes each way per step; an inf in one rank's
 skipping the step on every rank; and train.main resuming offload on <-> off."""
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -324,3 +325,36 @@ def test_delayed_update_equals_the_plain_loop_of_it(stage):
     # loss differs from the undelayed run's
     assert runs[True][0] == runs[False][0]
     assert all(a != b for a, b in zip(runs[True][1:], runs[False][1:]))
+
+
+@pytest.mark.slow
+def test_a_delayed_run_resumes_exactly(data_root, tmp_path):
+    """--offload-optimizer delayed: at a save the master holds update t while the weights in
+    use (the snapshot the next forward reads) hold update t-1. The checkpoint keeps both, so
+    k + save + resume + k == 2k bitwise (losses and weights), sharded and consolidated alike.
+    The same checkpoint resumed without delay starts from the master, and says so in one line
+    (its resume row's note); resumed delayed at ZeRO-3 on 3 ranks (resharded, the same global
+    batch) it continues the 2-rank run to the summation order's rounding."""
+    from test_checkpoint import losses as ckpt_losses, resumes_exactly, run
+    args = [a for a in TINY if a != "--bf16"] + ["--data-root", data_root, "--zero", "2",
+                                                 "--batch-size", "6"]
+    delayed = ["--offload-optimizer", "delayed"]
+    full = resumes_exactly(args + delayed + ["--ckpt-format", "sharded"], tmp_path, 2)
+    resumes_exactly(args + delayed + ["--bf16"], tmp_path / "bf16", 2)
+    split = tmp_path / "split"
+    for name, flags, nproc in (("undelayed", ["--offload-optimizer", "overlap"], 2),
+                               ("three", delayed + ["--zero", "3", "--batch-size", "4"], 3)):
+        out = tmp_path / name
+        out.mkdir()
+        ckpt = sorted(p for p in split.iterdir() if p.name.startswith("ckpt-"))[0]
+        shutil.copytree(ckpt, out / ckpt.name)
+        run(args + flags + ["--max-iters", "8", "--resume"], out, nproc)
+        got = ckpt_losses(out)
+        note = [r.get("note") or "" for r in metrics(out) if r.get("event") == "resume"][0]
+        if name == "undelayed":
+            assert "weights in use lag its master by one update" in note, note
+            assert got[4] != full[4]  # the weights in use jumped one update ahead
+        else:
+            assert "weights in use lag" not in note, note
+            np.testing.assert_allclose([got[i] for i in range(4, 8)],
+                                       [full[i] for i in range(4, 8)], rtol=1e-5)
