@@ -234,6 +234,23 @@ def whole_state_bytes(cfg, build, stage, world_size, dtype, bucket_mb, rank, fp3
     return out, P
 
 
+def whole_layout(cfg, build, stage, N, dtype, bucket_mb, rank, fp32_grad_accum, offload,
+                 optimizer, params, lora_rank, buckets):
+    """estimate()'s model state under Muon or Adafactor, on their own layout: (the state, the
+    padded elements, the buckets as gathered: at stage 3 the units padded as dealt)."""
+    if not params or lora_rank:  # Adafactor's state is per matrix: counted on the shapes only
+        raise ValueError("memory.py counts Adafactor's state on the model's own shapes, for a "
+                         "full fine-tune: give the shape (--n-layer, --n-embd, --n-head or "
+                         "--config), not --params, and no --lora")
+    state, padded = whole_state_bytes(cfg, build, stage, N, dtype, bucket_mb, rank,
+                                      fp32_grad_accum, offload, optimizer)
+    if stage == 3:  # the units padded as dealt: gathered and reduced at that size
+        from beyond.muon import zero3_cost
+        buckets = [numel for _, numel in
+                   zero3_cost(shapes_only(cfg, build), N, optimizer == "muon")[0]]
+    return state, padded, buckets
+
+
 def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_ckpt=False,
              lora_rank=0, lora_targets=("q", "v"), quantize=None, psi=None, bucket_mb=25.0, rank=0,
              prefetch=True, fp32_grad_accum=False, device="cuda", optimizer="adamw", build=None,
@@ -263,17 +280,10 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
             layout = frozen_buckets(cfg, dtype, quantize, build)
     fp32_grad_accum = fp32_grad_accum and E != 4
     padded = None  # the elements of the trainable buffers, padding included: of a dealt layout
-    if optimizer in WHOLE and params and not lora_rank:  # its own layout and state
-        state, padded = whole_state_bytes(cfg, build, stage, N, dtype, bucket_mb, rank,
-                                          fp32_grad_accum, offload, optimizer)
-        if stage == 3:  # the units padded as dealt: gathered and reduced at that size
-            from beyond.muon import zero3_cost
-            buckets = [numel for _, numel in
-                       zero3_cost(shapes_only(cfg, build), N, optimizer == "muon")[0]]
-    elif optimizer == "adafactor":  # its state is per matrix: counted on the shapes only
-        raise ValueError("memory.py counts Adafactor's state on the model's own shapes, for a "
-                         "full fine-tune: give the shape (--n-layer, --n-embd, --n-head or "
-                         "--config), not --params, and no --lora")
+    if optimizer in WHOLE and (optimizer == "adafactor" or (params and not lora_rank)):
+        state, padded, buckets = whole_layout(cfg, build, stage, N, dtype, bucket_mb, rank,
+                                              fp32_grad_accum, offload, optimizer, params,
+                                              lora_rank, buckets)
     else:
         state = model_state_bytes(trainable, stage, N, dtype, buckets, rank, frozen, quantized,
                                   quantize, layout, fp32_grad_accum, optimizer, offload=offload)
