@@ -124,11 +124,13 @@ def hang(step, rank, timeout):
 KEY = "nanozero/hang/"  # + rank: where that rank waits; + "read": how many read the others
 
 
-def grace(timeout):
+def grace(timeout, timed_out=True):
     """How long a rank whose collective failed listens for the others' reports: the ranks
     waiting with it fail within the spread of their arrivals (or at once, when a peer's timeout
-    closes the connections). A quarter of the timeout, 1 to 30 s."""
-    return min(30.0, max(1.0, (timeout or 1800) / 4))
+    closes the connections). A quarter of the timeout, 1 to 30 s; 1 s when this rank's own wait
+    did not time out but lost its peer (a rank that crashed or was killed closes every
+    connection, and torchrun stops the rest within seconds: a survivor must not linger)."""
+    return min(30.0 if timed_out else 1.0, max(1.0, (timeout or 1800) / 4))
 
 
 def name_hang(error):
@@ -136,7 +138,7 @@ def name_hang(error):
     where it waited, why, and which ranks never arrived, heard through c10d's store."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mine = error.where
-    heard = exchange(mine, rank, world_size, grace(collectives.timeout_s))
+    heard = exchange(mine, rank, world_size, grace(collectives.timeout_s, error.timed_out))
     absent = [r for r in range(world_size) if r not in heard]
     elsewhere = {}  # where -> the ranks waiting there
     for r, w in heard.items():
