@@ -23,7 +23,8 @@ BAD_FLAGS = [("costs", ["--lora", "lora,full"]), ("costs", ["--stages", "0,4"]),
              ("head", ["--rows", "0"]), ("zeropp", ["--steps", "5"]),
              ("zeropp", ["--seeds", "1,b"]), ("fp8", ["--steps", "5"]),
              ("fp8", ["--models", "x"]), ("optimizers", ["--zero3-ranks", "5"]),
-             ("optimizers", ["--optimizers", "adafactor"]), ("muon_deepspeed", ["--steps", "2"])]
+             ("optimizers", ["--optimizers", "adafactor"]), ("muon_deepspeed", ["--steps", "2"]),
+             ("cpu_adam", ["--ds-path", "/nonexistent"])]
 
 
 def run_main(module, argv):
