@@ -233,6 +233,13 @@ class ZeRO3(ZeRO):
         finally:
             self.keep_root = False
 
+    def _to_step(self):
+        """The step begins (zero.py's phase): no micro-step follows, so a root kept gathered for
+        one (no_sync() around the last micro-step too) is freed now, whichever engine then
+        steps and publishes (beyond/offload_optimizer.py's too): its weights change."""
+        super()._to_step()
+        self._free(self.root.buckets)
+
     def finish_backward(self):
         super().finish_backward()
         for unit in self.all_units:  # the root (after the step's last micro-step), and the
@@ -243,7 +250,6 @@ class ZeRO3(ZeRO):
     @torch.no_grad()
     def publish(self, wait=True):
         """(7) step: the updated fp32 master -> the shard; the next forward gathers it."""
-        self._free(self.root.buckets)  # a root kept from a micro-step would be stale now
         self.unpublished = False
         for b, master in zip(self.buckets, self.master):
             if master.data_ptr() != b.shard.data_ptr():  # in fp32 the shard is the master

@@ -2,6 +2,7 @@
 stages 1-3, fp32 and bf16, accumulation 1 and 4 (--fp32-grad-accum too), clipping on, the
 plain and the overlapped copy; the bytes each way per step; an inf in one rank's host slice
 skipping the step on every rank; and train.main resuming offload on <-> off."""
+import contextlib
 import json
 import os
 import shutil
@@ -358,3 +359,36 @@ def test_a_delayed_run_resumes_exactly(data_root, tmp_path):
             assert "weights in use lag" not in note, note
             np.testing.assert_allclose([got[i] for i in range(4, 8)],
                                        [full[i] for i in range(4, 8)], rtol=1e-5)
+
+
+def check_root_kept_across_micro_steps(rank, world_size):
+    """ZeRO-3 keeps the root unit gathered across the micro-steps of a step (zero3.py). A loop
+    of one's own may call no_sync() around every micro-step, the last included: the root is
+    then still gathered at step(), and the next forward must not read its old weights. Every
+    ZeRO-3 engine, offloaded and delayed too, lands bitwise where the loop without it does."""
+    from beyond.offload_optimizer import offload_engine
+    from zero3 import ZeRO3
+    for Engine in (ZeRO3, offload_engine(ZeRO3), offload_engine(ZeRO3, delayed=True)):
+        runs = []
+        for every in (False, True):
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(**CFG))
+            zero = Engine(model, 3, lr=LR, weight_decay=0.1, bucket_mb=0.002, rank=rank,
+                          world_size=world_size)
+            for step in range(3):
+                for micro in range(2):
+                    x, y = get_batch(DATA, SEED, step, micro, rank, world_size, B, T, 2)
+                    with zero.no_sync() if every or micro == 0 else contextlib.nullcontext():
+                        (model(x, y)[1] / 2).backward()
+                        zero.finish_backward()
+                zero.step()
+            zero.wait_published()
+            runs.append(weights(zero))
+        for mine, theirs in zip(*runs):
+            assert torch.equal(mine, theirs), Engine.__name__
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_root_kept_across_micro_steps_is_never_stale(world_size):
+    run_distributed(check_root_kept_across_micro_steps, world_size)
+
