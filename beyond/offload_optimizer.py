@@ -354,6 +354,8 @@ class DelayedUpdate(OffloadOptimizer):
         self.zero_grad()  # the device's buffers: the next backward starts from zero
         self.host_grad, self.spare_grad = self.spare_grad, self.host_grad  # the next copies
         self.unpublished = True
+        if self.publish_in_step:  # parameters, not a module (zero.Params): no forward waits
+            self.publish()
 
     def _host_step(self, skip):
         """The thread: the optimizer on the host master (torch's kernels release the GIL)."""

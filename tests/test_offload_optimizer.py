@@ -392,3 +392,26 @@ def check_root_kept_across_micro_steps(rank, world_size):
 def test_a_root_kept_across_micro_steps_is_never_stale(world_size):
     run_distributed(check_root_kept_across_micro_steps, world_size)
 
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_an_engine_over_parameters_publishes_in_step(delayed):
+    """ZeRO(model.parameters(), ...) has no forward to publish in, so step() publishes: the
+    offloaded engine, delayed or not, trains the parameters as it trains the module (the
+    same losses, bitwise: each forward reads the weights the module's would have waited for)."""
+    from beyond.offload_optimizer import offload_engine
+    from zero import ZeRO
+    runs = []
+    for over_params in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**CFG))
+        zero = offload_engine(ZeRO, delayed=delayed)(
+            model.parameters() if over_params else model, 1, lr=LR, bucket_mb=0.002)
+        losses = []
+        for step in range(4):
+            x, y = get_batch(DATA, SEED, step, 0, 0, 1, B, T, 1)
+            loss = model(x, y)[1]
+            loss.backward()
+            zero.step()
+            losses.append(loss.item())
+        runs.append(losses)
+    assert runs[0] == runs[1] and runs[1][0] != runs[1][-1], runs
