@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 import optim
 from collectives import (Traffic, all_gather_list, all_gather_params, all_reduce_grads,
@@ -335,9 +336,8 @@ class HeldGrad(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        flat = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]
-        name = next(a.param_name for a in flat if isinstance(a, HeldGrad))
-        raise touched(f"{name}.grad", "read or changed")
+        held = [a for a in tree_leaves((args, kwargs)) if isinstance(a, HeldGrad)]  # out= too
+        raise touched(f"{held[0].param_name}.grad", "read or changed")
 
     def __repr__(self):
         return f"HeldGrad({self.param_name}: held by ZeRO until step())"

@@ -108,6 +108,14 @@ def grad_scaled_in_place(model, e, loss):
     e.step()
 
 
+def grad_written_through_out(model, e, loss):  # p.grad only as a keyword argument
+    model.zero_grad()
+    loss(0).backward()
+    e.finish_backward()
+    torch.mul(torch.ones_like(model.out.weight), 2, out=model.out.weight.grad)
+    e.step()
+
+
 def zero_grad_before_finish(model, e, loss):
     model.zero_grad()
     loss(0).backward()
@@ -222,6 +230,7 @@ ROWS = {
     grad_set_after_finish: "out.weight.grad was",
     grad_replaced_before_finish: "out.weight.grad was",
     grad_scaled_in_place: "out.weight.grad was",
+    grad_written_through_out: "out.weight.grad was",
     zero_grad_before_finish: "zero_grad",
     zero_grad_between_micro_steps: None,
     zero_grad_before_step: "zero_grad",
