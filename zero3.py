@@ -250,6 +250,7 @@ class ZeRO3(ZeRO):
     @torch.no_grad()
     def publish(self, wait=True):
         """(7) step: the updated fp32 master -> the shard; the next forward gathers it."""
+        self._free(self.root.buckets)  # a root kept by a loop stopped mid-step, too
         self.unpublished = False
         for b, master in zip(self.buckets, self.master):
             if master.data_ptr() != b.shard.data_ptr():  # in fp32 the shard is the master

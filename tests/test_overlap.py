@@ -207,7 +207,8 @@ def test_zero3_gathers_the_root_once_a_step():
     """ZeRO-3's root unit (embeddings, ln_f, the tied head) changes only at the step: gathered
     at the first micro-step's forward, kept through the others (backward(sync=False)), freed
     after the last, so 4 micro-steps gather it once, not 4 times. Between micro-steps only
-    the root is held; a step whose last backward was never synced frees it at publish."""
+    the root is held; a step whose last backward was never synced frees it when it begins,
+    a loop that stops mid-step at publish."""
     model = make_model()
     zero = make_zero(model, 3, lr=LR)
     gathers, launch = [], zero._launch_gather
