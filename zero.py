@@ -326,7 +326,8 @@ class HeldGrad(torch.Tensor):
     2-3: this rank's shard of the sum; fp32 accumulation: the fp32 bucket). p's shape, no
     storage, and any use is one line. Were p.grad None instead, a loop that scales it, or
     torch.nn.utils.clip_grad_norm_, would find nothing there and silently do nothing.
-    model.zero_grad() sets it to None: the engine sees that the loop cleared the gradient."""
+    model.zero_grad() sets it to None: the engine sees that the loop cleared the gradient.
+    From step() (zero_grad()) to the next backward the engine holds none: p.grad is None."""
 
     @staticmethod
     def __new__(cls, p, name):
@@ -787,6 +788,9 @@ class ZeRO:
         for b in self.buckets:
             (b.flat_grad if b.flat_grad is not None else b.grad_shard).zero_()
             b.carry = None
+            for p in b.params:  # no gradient held: None, as torch's zero_grad() leaves it
+                if isinstance(p.grad, HeldGrad):  # (model.zero_grad(set_to_none=False) too)
+                    p.grad = None
         self.phase, self.prepared = STEPPED, False
 
     # -- a loop of one's own: where the step is -----------------------------------------------

@@ -116,6 +116,13 @@ def grad_written_through_out(model, e, loss):  # p.grad only as a keyword argume
     e.step()
 
 
+def zero_grad_in_place_each_step(model, e, loss):  # torch < 2.0's default, still common
+    model.zero_grad(set_to_none=False)
+    loss(0).backward()
+    e.finish_backward()
+    e.step()
+
+
 def zero_grad_before_finish(model, e, loss):
     model.zero_grad()
     loss(0).backward()
@@ -231,6 +238,7 @@ ROWS = {
     grad_replaced_before_finish: "out.weight.grad was",
     grad_scaled_in_place: "out.weight.grad was",
     grad_written_through_out: "out.weight.grad was",
+    zero_grad_in_place_each_step: None,
     zero_grad_before_finish: "zero_grad",
     zero_grad_between_micro_steps: None,
     zero_grad_before_step: "zero_grad",
