@@ -328,7 +328,9 @@ def expected_by_link(psi, world_size, node_size, parts=(), **kwargs):
 
 def link_theory(zero, zeropp, qgz_bits, grad_accum=1):
     """train.py's log: expected_by_link for this run's step (stage 3 and ZeRO++ only; None
-    for the other stages, whose 2Ψ all crosses the world group)."""
+    for the other stages, whose 2Ψ all crosses the world group), as our ZeRO-3 sends it: the
+    root unit (zero3.py) is gathered once a step, kept across the micro-steps and through
+    backward, never re-gathered; a frozen base is gathered with its unit."""
     if zero.stage != 3 or zero.world_size == 1:
         return {"intra": None, "inter": None}
     node_size = zero.traffic.node_size or zero.world_size
@@ -338,19 +340,24 @@ def link_theory(zero, zeropp, qgz_bits, grad_accum=1):
     out = expected_by_link(zero.psi, zero.world_size, node_size, parts, qgz_bits=qgz_bits,
                            dtype_bytes=e, reduce_bytes=g)
     world = "inter" if zero.world_size > node_size else "intra"
-    for unit in zero.all_units:  # a frozen base: gathered in forward and (not the root) backward
-        for b in (b for b in unit.buckets if b.frozen):
+    root = 0.0  # the root's bytes, gathered once a step
+    for unit in zero.all_units:
+        for b in unit.buckets:
             raw = b.numel * b.flat.element_size()
             codes = "qwz" in parts and b.flat.dtype == zero.dtype and \
                 all(isinstance(t, torch.nn.Parameter) for t in b.params)
-            out[world] += b.numel * (1 + 4 / QWZ_BLOCK) if codes else raw
-            if unit.root:
-                continue
-            if "hpz" in parts:
-                out["intra"] += raw if node_size > 1 else 0
-            else:
-                out[world] += b.numel * (1 + 4 / QWZ_BLOCK) if codes else raw
-    return {link: round(v * grad_accum) for link, v in out.items()}
+            sent = b.numel * (1 + 4 / QWZ_BLOCK) if codes else raw
+            again = ("intra", raw if node_size > 1 else 0) if "hpz" in parts else (world, sent)
+            if unit.root:  # out of the micro-steps' count (expected_by_link has its Ψ)
+                root += sent
+                sign = 0 if b.frozen else -1
+            else:  # a block's: expected_by_link has the trainable ones, not a frozen base
+                sign = 1 if b.frozen else 0
+            out[world] += sign * sent
+            out[again[0]] += sign * again[1]  # the backward gather, in its link
+    out = {link: v * grad_accum for link, v in out.items()}
+    out[world] += root
+    return {link: round(v) for link, v in out.items()}
 
 
 def working_bytes(block_numels, world_size, node_size, dtype_bytes, parts):
