@@ -19,14 +19,15 @@ Stages 0-2 move the same 2Ψ elements per step. A ring all-reduce *is* a
 reduce-scatter followed by an all-gather; stages 1-2 do the two halves at
 different times, and update only their own shard in between.
 
-Read this file in four parts:
+Read this file in five parts:
   0. the table's numbers as functions: zero_formula (bytes), traffic_formula (elements sent)
   1. NaiveZeRO: the idea in one screen, synchronous, after a plain backward
   2. the layout: parameters packed into flat buckets, the pieces a rank owns
   3. ZeRO, the engine train.py runs: the same four steps, overlapped with backward
-     and with the next forward, its protocol numbered (1)-(6) on the code lines; then
-     where a loop of one's own is in its step (phase), so that a misuse means what plain
-     PyTorch means on one process, or is one line
+     and with the next forward, its protocol numbered (1)-(6) on the code lines
+  4. a loop of one's own (the engine's last methods, then HeldGrad and Params): the engine
+     knows where its step is (phase), so that a misuse means what plain PyTorch means on
+     one process, or is one line
 """
 import math
 from contextlib import contextmanager, nullcontext
@@ -319,52 +320,6 @@ STEPPED = "stepped"    # no gradient since the last step() or zero_grad() (or th
 BACKWARD = "backward"  # a backward's gradients arrive and are reduced; not all landed yet
 LOCAL = "local"        # gradients accumulated on this rank only (no_sync at stages 0-1)
 FINISHED = "finished"  # every gradient reduced and landed: step() may run
-
-
-class HeldGrad(torch.Tensor):
-    """p.grad while the engine holds p's gradient where p.grad cannot be a view of it (stages
-    2-3: this rank's shard of the sum; fp32 accumulation: the fp32 bucket). p's shape, no
-    storage, and any use is one line. Were p.grad None instead, a loop that scales it, or
-    torch.nn.utils.clip_grad_norm_, would find nothing there and silently do nothing.
-    model.zero_grad() sets it to None: the engine sees that the loop cleared the gradient.
-    From step() (zero_grad()) to the next backward the engine holds none: p.grad is None."""
-
-    @staticmethod
-    def __new__(cls, p, name):
-        held = torch.Tensor._make_wrapper_subclass(cls, p.shape, dtype=p.dtype, device=p.device)
-        held.param_name = name
-        return held
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        held = [a for a in tree_leaves((args, kwargs)) if isinstance(a, HeldGrad)]  # out= too
-        raise touched(f"{held[0].param_name}.grad", "read or changed")
-
-    def __repr__(self):
-        return f"HeldGrad({self.param_name}: held by ZeRO until step())"
-
-
-def touched(what, how):
-    """The one line for a gradient the loop changed while the engine held it."""
-    return RuntimeError(f"{what} was {how} after loss.backward(): from backward to step() the "
-                        "engine holds the gradients (stages 2-3: a shard of each). Clip with "
-                        "zero.clip_grad_norm_(max_norm); change gradients in place through "
-                        "zero.master_grads(), this rank's fp32 pieces")
-
-
-class Params(torch.nn.Module):
-    """A list of parameters as a module, for ZeRO(model.parameters(), ...) as torch's
-    ZeroRedundancyOptimizer(params, ...) takes them (names "0", "1", ...). Nothing calls its
-    forward, so the engine cannot wait for new weights there: step() publishes them at once."""
-
-    def __init__(self, params):
-        super().__init__()
-        params = list(params)
-        if not all(isinstance(p, torch.nn.Parameter) for p in params):
-            raise ValueError("ZeRO takes a module or its nn.Parameters (model.parameters()); "
-                             "param group dicts: pass decay= and the optimizer's own settings")
-        for i, p in enumerate(params):
-            self.register_parameter(str(i), p)
 
 
 class ZeRO:
@@ -793,10 +748,35 @@ class ZeRO:
                     p.grad = None
         self.phase, self.prepared = STEPPED, False
 
-    # -- a loop of one's own: where the step is -----------------------------------------------
+    # -- for checkpoints and measurement ----------------------------------------------------
+
+    def frozen_pieces(self):
+        """(name, lo, hi, flat view) of the frozen tensors this rank holds: all, whole."""
+        return [(self.names[id(t)], 0, t.numel(), t.detach().view(-1)) for t in self.frozen]
+
+    def weight_bytes(self):
+        """The working weights this rank holds: every bucket and frozen tensor, whole."""
+        tensors = [b.flat for b in self.buckets] + self.frozen
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def state_bytes(self):
+        """Model-state bytes this rank holds, by summing the tensors actually allocated. The
+        optimizer's scalar step counters (AdamW's: 4 bytes each) are left out."""
+        nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)
+        grads = [b.flat_grad if b.flat_grad is not None else b.grad_shard for b in self.buckets]
+        master = [] if self.dtype == torch.float32 else self.master
+        moments = [t for s in self.opt.state.values() for t in s.values()
+                   if torch.is_tensor(t) and t.dim() > 0]  # scalars: step counts
+        out = {"params": self.weight_bytes(), "grads": nbytes(grads),
+               "master": nbytes(master), "optimizer": nbytes(moments)}
+        out["total"] = sum(out.values())
+        return out
+
+    # -- 4. a loop of one's own: where the step is --------------------------------------------
     #
-    # Hooks and checks at the entry points, around the lecture's steps above. What each
-    # misuse of a loop means, stage by stage, is docs/forking.md's table (tests/test_misuse.py).
+    # Hooks and checks at the entry points, around the lecture's steps above; what a loop
+    # meets of them (HeldGrad, Params) follows the class. What each misuse of a loop means,
+    # stage by stage, is docs/forking.md's table (tests/test_misuse.py).
 
     def _viewed(self, b):  # stages 0-1 (no fp32 accumulation): p.grad views into the bucket
         return b.flat_grad is not None and b.flat_grad.dtype == self.dtype
@@ -908,28 +888,53 @@ class ZeRO:
             self.sync = True  # no_sync around the last micro-step too: the sync happens here
             self.finish_backward()
 
-    # -- for checkpoints and measurement ----------------------------------------------------
 
-    def frozen_pieces(self):
-        """(name, lo, hi, flat view) of the frozen tensors this rank holds: all, whole."""
-        return [(self.names[id(t)], 0, t.numel(), t.detach().view(-1)) for t in self.frozen]
+# ----------------------------------------------------------------------------------------------
+# 4. A loop of one's own: what p.grad is, and the engine over parameters
+#
+# The engine's last methods, just above, keep the phase; these are what a loop meets of it.
 
-    def weight_bytes(self):
-        """The working weights this rank holds: every bucket and frozen tensor, whole."""
-        tensors = [b.flat for b in self.buckets] + self.frozen
-        return sum(t.numel() * t.element_size() for t in tensors)
+class HeldGrad(torch.Tensor):
+    """p.grad while the engine holds p's gradient where p.grad cannot be a view of it (stages
+    2-3: this rank's shard of the sum; fp32 accumulation: the fp32 bucket). p's shape, no
+    storage, and any use is one line. Were p.grad None instead, a loop that scales it, or
+    torch.nn.utils.clip_grad_norm_, would find nothing there and silently do nothing.
+    model.zero_grad() sets it to None: the engine sees that the loop cleared the gradient.
+    From step() (zero_grad()) to the next backward the engine holds none: p.grad is None."""
 
-    def state_bytes(self):
-        """Model-state bytes this rank holds, by summing the tensors actually allocated. The
-        optimizer's scalar step counters (AdamW's: 4 bytes each) are left out."""
-        nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)
-        grads = [b.flat_grad if b.flat_grad is not None else b.grad_shard for b in self.buckets]
-        master = [] if self.dtype == torch.float32 else self.master
-        moments = [t for s in self.opt.state.values() for t in s.values()
-                   if torch.is_tensor(t) and t.dim() > 0]  # scalars: step counts
-        out = {"params": self.weight_bytes(), "grads": nbytes(grads),
-               "master": nbytes(master), "optimizer": nbytes(moments)}
-        out["total"] = sum(out.values())
-        return out
+    @staticmethod
+    def __new__(cls, p, name):
+        held = torch.Tensor._make_wrapper_subclass(cls, p.shape, dtype=p.dtype, device=p.device)
+        held.param_name = name
+        return held
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        held = [a for a in tree_leaves((args, kwargs)) if isinstance(a, HeldGrad)]  # out= too
+        raise touched(f"{held[0].param_name}.grad", "read or changed")
+
+    def __repr__(self):
+        return f"HeldGrad({self.param_name}: held by ZeRO until step())"
 
 
+def touched(what, how):
+    """The one line for a gradient the loop changed while the engine held it."""
+    return RuntimeError(f"{what} was {how} after loss.backward(): from backward to step() the "
+                        "engine holds the gradients (stages 2-3: a shard of each). Clip with "
+                        "zero.clip_grad_norm_(max_norm); change gradients in place through "
+                        "zero.master_grads(), this rank's fp32 pieces")
+
+
+class Params(torch.nn.Module):
+    """A list of parameters as a module, for ZeRO(model.parameters(), ...) as torch's
+    ZeroRedundancyOptimizer(params, ...) takes them (names "0", "1", ...). Nothing calls its
+    forward, so the engine cannot wait for new weights there: step() publishes them at once."""
+
+    def __init__(self, params):
+        super().__init__()
+        params = list(params)
+        if not all(isinstance(p, torch.nn.Parameter) for p in params):
+            raise ValueError("ZeRO takes a module or its nn.Parameters (model.parameters()); "
+                             "param group dicts: pass decay= and the optimizer's own settings")
+        for i, p in enumerate(params):
+            self.register_parameter(str(i), p)
