@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from collectives import all_gather_params
-from zero import BACKWARD, Bucket, ZeRO, declared_blocks, frozen_tensors
+from zero import BACKWARD, Bucket, Params, ZeRO, declared_blocks, frozen_tensors
 
 
 class ShardedBucket(Bucket):
@@ -79,7 +79,7 @@ class ZeRO3(ZeRO):
     STAGES = (3,)
 
     def __init__(self, model, stage=3, prefetch=True, **kwargs):
-        if not isinstance(model, torch.nn.Module):
+        if not isinstance(model, torch.nn.Module) or isinstance(model, Params):
             raise ValueError("ZeRO-3 gathers the weights in the model's forward hooks: pass the "
                              "model, not its parameters")
         self.prefetch, self.in_backward, self.keep_root = prefetch, False, False

@@ -273,8 +273,11 @@ def test_the_engines_doors():
         ZeRO(ToyBlocks(), 3)
     with pytest.raises(ValueError, match=r"beyond.muon.WholeZeRO3 \(the same arguments\)"):
         WholeZeRO(ToyBlocks(), 3, optimizer="muon")
-    with pytest.raises(ValueError, match="pass the model, not its parameters"):
-        ZeRO3(ToyBlocks().parameters(), 3)
+    from beyond.muon import WholeZeRO3
+    from beyond.offload_optimizer import offload_engine
+    for Engine in (ZeRO3, WholeZeRO3, offload_engine(ZeRO3)):  # the last two wrap them first
+        with pytest.raises(ValueError, match="pass the model, not its parameters"):
+            Engine(ToyBlocks().parameters(), 3)
     with pytest.raises(ValueError, match="declare Toy.blocks().*the LM head"):
         WholeZeRO(Toy(), 1, optimizer="muon")  # its head, an nn.Linear, would go to Muon
     # a class or a function: one group, the optimizer's own settings, unless asked for more
