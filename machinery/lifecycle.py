@@ -90,19 +90,27 @@ def watch(model, cfg, rank, world_size, grad_accum, start_it):
     """Where the run is, for a collective that times out to name (collectives.position): the
     step and micro-step of each training forward, counted from start_it; an evaluation's
     forward is at the coming step, in no micro-step. A pre-hook on the model, ahead of the
-    engine's own (ZeRO-3's first gather is then in this step). --hang-at STEP: the last rank
-    stops issuing collectives at that step's first forward (hang below)."""
+    engine's own (ZeRO-3's first gather is then in this step). The first forward after the
+    run's first step tightens every collective's wait to --collective-timeout (the first step
+    compiles and warms up under collectives.START_S). --hang-at STEP: the last rank stops
+    issuing collectives at that step's first forward (hang below)."""
     if cfg.hang_at >= 0 and world_size == 1:
         raise UserError(f"--hang-at {cfg.hang_at} stops one rank while the others wait: run "
                         "2 or more ranks (torchrun --nproc_per_node=2)")
+    if cfg.hang_at >= 0 and not start_it < cfg.hang_at < cfg.max_iters:
+        raise UserError(f"--hang-at {cfg.hang_at}: give a step after this run's first "
+                        f"({start_it}: it compiles and warms up under a longer timeout) and "
+                        f"before --max-iters {cfg.max_iters}")
     forwards, where = [start_it * grad_accum], collectives.position
 
     def hook(module, args):
         if not (module.training and torch.is_grad_enabled()):
             where.step, where.micro = forwards[0] // grad_accum, -1  # evaluation
-            return
-        where.step, where.micro = divmod(forwards[0], grad_accum)
-        forwards[0] += 1
+        else:
+            where.step, where.micro = divmod(forwards[0], grad_accum)
+            forwards[0] += 1
+        if where.step > start_it:
+            collectives.warmed_up(world_size)
         if where.step == cfg.hang_at and where.micro == 0 and rank == world_size - 1:
             hang(cfg.hang_at, rank, cfg.collective_timeout)
 
