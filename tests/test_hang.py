@@ -295,3 +295,30 @@ def test_train_py_under_torchrun_exits_naming_the_hang_and_its_checkpoint_resume
     resumed = [r for r in rows if r.get("event") == "resume"]
     assert [r["iter"] for r in resumed] == [4] and "ckpt-0000004" in resumed[0]["from"]
     assert max(r["iter"] for r in rows if "loss" in r) == 7
+
+
+def test_zeropp_node_groups_get_the_runs_timeout(monkeypatch):
+    """ZeRO++'s node and cross-node groups wait --collective-timeout like the rest, and
+    warmed_up() tightens the ones this rank is in. dist.new_group without a timeout gave them
+    torch's default (30 min on gloo, 10 on NCCL): a hang in an hpZ gather outwaited the flag."""
+    from beyond import zeropp
+    made, tightened = [], []
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append((ranks, kw)) or
+                        tuple(ranks))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist.distributed_c10d, "_set_pg_timeout",
+                        lambda timeout, group: tightened.append((group, timeout)), raising=False)
+    monkeypatch.setattr(dist, "set_timeout", lambda timeout, group: tightened.append(
+        (group, timeout)), raising=False)
+    monkeypatch.setattr(collectives, "barrier", lambda world_size, label=None: None)
+    monkeypatch.setattr(zeropp, "_node_groups", {})
+    monkeypatch.setattr(collectives, "_groups", [])
+    monkeypatch.setattr(collectives, "_steady", 7.0)
+    monkeypatch.setattr(collectives, "timeout_s", collectives.START_S)
+    mine = zeropp.node_groups(4, 2, rank=1)
+    assert mine == ((0, 1), (1, 3))
+    assert [r for r, _ in made] == [[0, 1], [2, 3], [0, 2], [1, 3]]
+    assert all(kw["timeout"] == timedelta(seconds=collectives.START_S) for _, kw in made), made
+    collectives.warmed_up(4)
+    assert tightened == [(None, timedelta(seconds=7)), ((0, 1), timedelta(seconds=7)),
+                         ((1, 3), timedelta(seconds=7))]
