@@ -236,7 +236,10 @@ def check_memory(cfg, device):
     """A UserError, before any work, when this run cannot fit in the memory it has: half of
     memory.py's estimate of one rank's peak (footprint.for_run, the one estimator) times the
     ranks sharing a host, so that a refusal is never a close call. The data set, and with it
-    the vocabulary, is not read yet: the estimate takes the smallest, a need at least."""
+    the vocabulary, is not read yet: the estimate takes the smallest, a need at least. On NCCL
+    the default group's communicator is made already (init_process_group's device_id= makes it
+    at once): its memory is gone from `free` and in the estimate's NCCL allowance too, at half
+    weight, an error on the side of a refusal."""
     from dataclasses import asdict
     from machinery.footprint import for_run
     from machinery.validate import check_model_args
@@ -273,8 +276,9 @@ def out_of_memory(e):
     nccl = ""
     if isinstance(e, torch.OutOfMemoryError) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         from machinery.footprint import NCCL_BYTES
-        nccl = (f", NCCL's communicators included (2 a rank, ~{NCCL_BYTES / 1e9:.1f} GB each "
-                "outside PyTorch's allocator: an estimate; docs/gpus.md)")
+        nccl = (f", NCCL's communicators included (1 a rank at ZeRO-0, 2 at stages 1-3, 4 "
+                f"under ZeRO++ across nodes; ~{NCCL_BYTES / 1e9:.1f} GB each outside PyTorch's "
+                "allocator: an estimate; docs/gpus.md)")
     return (f"out of memory ({text.strip().splitlines()[0][:160]}): lower --batch-size "
             "(--grad-accum keeps the batch), or add --grad-ckpt or --zero 3; `python memory.py` "
             "with these flags estimates the need" + nccl)
