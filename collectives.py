@@ -380,8 +380,10 @@ class CollectiveTimeout(RuntimeError):
         # closure" when another of this rank's collectives timed out first
         self.where = where
         self.timed_out = "timed out" in first.lower() or "timeout" in first.lower()
+        # gloo prefixes a source path and may add a sentence of advice: the first sentence
+        said = first.split("] ")[-1].split(". ")[0][:80]
         self.why = (f"timed out after {timeout_s:g} s" if self.timed_out and timeout_s else
-                    f"failed ({first.split('] ')[-1][:80]})")  # gloo prefixes a source path
+                    f"failed ({said})")
         super().__init__(f"{describe(where)} {self.why}")
 
 

@@ -221,6 +221,10 @@ def test_a_rank_in_another_collective_is_named_with_where_it_waits():
     error = collectives.CollectiveTimeout(here, RuntimeError("[x.cc:1] Connection closed by peer"))
     assert str(error) == ("reduce_scatter of bucket 2 at step 7, micro-step 1 (collective #40) "
                           "failed (Connection closed by peer)")
+    reset = collectives.CollectiveTimeout(here, RuntimeError(  # a killed peer, gloo's words
+        "[../gloo/transport/tcp/pair.cc:553] Read error [127.0.0.1]:41861: Connection reset by "
+        "peer. This is typically caused by a crash of the peer"))
+    assert str(reset).endswith("failed (Read error [127.0.0.1]:41861: Connection reset by peer)")
     heard = {0: here, 1: here, 3: there}
     mp_patch = pytest.MonkeyPatch()
     for key, value in dict(step=3, micro=-1, seq=12).items():  # an evaluation at step 3
