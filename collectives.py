@@ -338,7 +338,7 @@ recorder = None  # a Recorder while tracing
 
 class Recorder:
     def __init__(self):
-        self.events = []
+        self.events, self.handles = [], []
 
     def mark(self, what, **info):
         self.events.append(dict(kind="mark", what=what, step=position.step,
@@ -351,7 +351,17 @@ class Recorder:
                      numel=0 if tensor is None else tensor.numel(), bytes=nbytes,
                      launch=time.perf_counter(), wait=None, done=None)
         self.events.append(event)
+        self.handles.append(handle)
         return event
+
+    def land(self):
+        """Wait for every collective launched while recording: the backend's work, the log left
+        as it is (a stage 1-2 publish launched at a step's end is waited for in the next
+        forward). torch.profiler stopped while a gloo collective of its window is still in
+        flight crashes the process when that collective completes (SIGSEGV; torch 2.13, about
+        1 run in 4 of --trace at ZeRO-2): machinery/timeline.py lands them before it stops."""
+        for handle in self.handles:
+            handle.work.wait()
 
 
 # ----------------------------------------------------------------------------------------------
