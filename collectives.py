@@ -169,15 +169,27 @@ def barrier(world_size, label=None):
 # collective (a data-dependent branch, a skipped module, a crash) leaves the others waiting in
 # it: by torch's default 30 minutes on gloo, then a traceback per rank from deep in the
 # backend. Here every group gets --collective-timeout, and a timeout is explained (below).
+#
+# Not from the start, though. A collective waits for the slowest rank's *skew*, and the first
+# step is where ranks drift apart: inductor compiles for minutes (--compile), NCCL opens its
+# connections, cuDNN and the allocator warm up, rank 0 prepares the data. So the groups are
+# made with at least START_S, and warmed_up() tightens every one of them to --collective-timeout
+# once the first step is behind, after a barrier under the old value: a rank still finishing
+# its first step must not meet a peer that already waits the short one (torchtitan's init and
+# train timeouts, torchtitan#149).
 
-timeout_s = None  # seconds a collective may wait for the slowest rank (None: torch's default)
+timeout_s = None  # seconds a collective may wait for the slowest rank now (None: torch's default)
+START_S = 1800.0  # ... before the first step is behind, at least: torch's own default on gloo
+_steady = None  # --collective-timeout: timeout_s once warmed_up() has run
+_groups = []  # the groups made here that this rank is in (the default group aside)
 
 # NCCL runs collectives on the GPU: wait() only orders streams, so no Python-level wait ever
 # times out there. The watchdog thread does: past the timeout it tears the process down
 # (TORCH_NCCL_ASYNC_ERROR_HANDLING's default). Its Flight Recorder keeps each rank's last
 # collectives in a ring buffer and dumps them on a timeout, a file per rank, from which
-# `torchfrtrace` names the ranks that never joined (docs/debugging.md). Each setting is set
-# under its name before torch 2.9 and after, unless the user set either.
+# `torchfrtrace` names the ranks that never joined (docs/debugging.md). Later torch reads
+# TORCH_FR_* first and the older names after: each setting is set under both, unless the user
+# set either.
 FLIGHT_RECORDER = (("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE", "2000"),
                    ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
                    ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE", None))
@@ -185,15 +197,39 @@ FLIGHT_RECORDER = (("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE", "200
 
 def init_process_group(backend, seconds, device=None, dump_prefix="/tmp/nccl_trace_rank_"):
     """The default group, from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR): each
-    collective on it, and on the groups made here, may wait `seconds` for the slowest rank.
-    On NCCL the Flight Recorder is on too, its dumps named dump_prefix + rank."""
-    global timeout_s
+    collective on it, and on the groups made here, may wait `seconds` for the slowest rank once
+    warmed_up() has run, max(seconds, START_S) before. On NCCL the Flight Recorder is on too,
+    its dumps named dump_prefix + rank."""
+    global timeout_s, _steady
     if backend == "nccl":
         for old, new, value in FLIGHT_RECORDER:
             if old not in os.environ and new not in os.environ:
                 os.environ[old] = os.environ[new] = value or dump_prefix
-    timeout_s = seconds
-    dist.init_process_group(backend, timeout=timedelta(seconds=seconds), device_id=device)
+    timeout_s, _steady, _groups[:] = max(seconds, START_S), seconds, []
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device)
+
+
+def new_group(ranks, backend=None):
+    """dist.new_group with this run's timeout, tightened by warmed_up() too. Every rank calls it
+    for every group, in the same order; a rank outside `ranks` gets a non-member."""
+    group = dist.new_group(ranks=ranks, backend=backend, timeout=_timedelta())
+    if ranks is None or dist.get_rank() in ranks:
+        _groups.append(group)
+    return group
+
+
+def warmed_up(world_size):
+    """The first step is behind: from here every group waits --collective-timeout. A barrier
+    first, under the allowance. Every rank calls it at the same point; a no-op the second time."""
+    global timeout_s
+    if world_size == 1 or _steady is None or timeout_s == _steady:
+        return
+    barrier(world_size, label="the first step")
+    timeout_s = _steady
+    # torch 2.3-2.13's private name; later torch makes it public as set_timeout
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    for group in [None] + _groups:
+        set_timeout(_timedelta(), group)
 
 
 def _timedelta():
@@ -224,7 +260,7 @@ def gather_group(group, device, world_size):
     if key not in _gather_groups:
         ranks = None if group is None else dist.get_process_group_ranks(group)
         backend = "nccl" if device.type == "cuda" else dist.get_backend(group)
-        _gather_groups[key] = dist.new_group(ranks=ranks, backend=backend, timeout=_timedelta())
+        _gather_groups[key] = new_group(ranks, backend)
     return _gather_groups[key]
 
 
@@ -302,7 +338,7 @@ recorder = None  # a Recorder while tracing
 
 class Recorder:
     def __init__(self):
-        self.events = []
+        self.events, self.handles = [], []
 
     def mark(self, what, **info):
         self.events.append(dict(kind="mark", what=what, step=position.step,
@@ -315,7 +351,17 @@ class Recorder:
                      numel=0 if tensor is None else tensor.numel(), bytes=nbytes,
                      launch=time.perf_counter(), wait=None, done=None)
         self.events.append(event)
+        self.handles.append(handle)
         return event
+
+    def land(self):
+        """Wait for every collective launched while recording: the backend's work, the log left
+        as it is (a stage 1-2 publish launched at a step's end is waited for in the next
+        forward). torch.profiler stopped while a gloo collective of its window is still in
+        flight crashes the process when that collective completes (SIGSEGV; torch 2.13, about
+        1 run in 4 of --trace at ZeRO-2): machinery/timeline.py lands them before it stops."""
+        for handle in self.handles:
+            handle.work.wait()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,8 +390,10 @@ class CollectiveTimeout(RuntimeError):
         # closure" when another of this rank's collectives timed out first
         self.where = where
         self.timed_out = "timed out" in first.lower() or "timeout" in first.lower()
+        # gloo prefixes a source path and may add a sentence of advice: the first sentence
+        said = first.split("] ")[-1].split(". ")[0][:80]
         self.why = (f"timed out after {timeout_s:g} s" if self.timed_out and timeout_s else
-                    f"failed ({first.split('] ')[-1][:80]})")  # gloo prefixes a source path
+                    f"failed ({said})")
         super().__init__(f"{describe(where)} {self.why}")
 
 

@@ -48,7 +48,8 @@ RANGES = {"> 0": (lambda v: 0 < v < math.inf, "must be a positive number"),
           ">= 0": (lambda v: 0 <= v < math.inf, "must be a number >= 0"),
           "[0, 1)": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
           "int >= 1": (lambda v: v >= 1, "must be at least 1"),
-          "int >= 0": (lambda v: v >= 0, "must not be negative")}
+          "int >= 0": (lambda v: v >= 0, "must not be negative"),
+          "int >= -1": (lambda v: v >= -1, "must be a step, or -1 for none")}
 
 
 @dataclass
@@ -182,15 +183,18 @@ class TrainConfig:
     peak_tflops: float = opt(0.0, "peak TFLOP/s per device for MFU; 0 = look the GPU up",
                              check=">= 0")
     seed: int = opt(1337, "the batch at step t depends only on (seed, t)")
-    nan_at: int = opt(-1, "a lesson in skipped steps: make the last rank's loss NaN at this step")
+    nan_at: int = opt(-1, "a lesson in skipped steps: make the last rank's loss NaN at this step",
+                      check="int >= -1")
     collective_timeout: float = opt(600.0, "seconds a collective waits for the slowest rank "
                                            "before the run stops, naming the collective and "
                                            "the ranks that never arrived; generous, as a step, "
-                                           "an evaluation, a save or rank 0 preparing --input "
-                                           "must fit in it (NCCL: also its Flight Recorder, "
-                                           "docs/debugging.md)", check="(0, 2**20]")
+                                           "an evaluation or a save must fit in it. The first "
+                                           "step (a compile, rank 0 preparing --input) waits "
+                                           "at least 30 min (docs/debugging.md)",
+                                    check="(0, 2**20]")
     hang_at: int = opt(-1, "a lesson in hangs: the last rank stops issuing collectives at "
-                           "this step; the others name it after --collective-timeout")
+                           "this step (after the run's first); the others name it after "
+                           "--collective-timeout", check="int >= -1")
     trace: str = opt("", "a timeline into this folder: a torch.profiler trace per rank and the "
                          "collective log of --trace-steps steps after 2 warm-up steps, each "
                          "step's exposed communication and overlap (docs/debugging.md)")

@@ -30,6 +30,8 @@ are all skipped looks healthy but never moves.
 import torch
 import torch.distributed as dist
 
+from collectives import all_reduce_max, all_reduce_sum
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -64,7 +66,7 @@ def grad_zero_frac(grads, group=None):
     if dist.is_initialized():  # ranks holding the same gradients (stage 0) leave it unchanged
         if dist.get_backend(group) == "nccl":  # host gradients (an offloaded optimizer)
             counts = counts.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(counts, group=group)
+        all_reduce_sum(counts, dist.get_world_size(group), group, label="zero fraction")
     return counts[0] / counts[1].clamp(min=1)
 
 
@@ -116,8 +118,9 @@ class GradScaler:
             found_inf.copy_(found_host)
         elif grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)  # all skip together
+        if dist.is_initialized():  # all skip together
+            all_reduce_max(found_inf, dist.get_world_size(self.group), self.group,
+                           label="found_inf")
         return found_inf
 
     @torch.no_grad()

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from collectives import all_reduce_max, all_reduce_sum
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2  # "fn": finite only, no inf
 ROWS = ("x", "w", "grad")  # the three casts of a linear: input, weight, output gradient
 FORMAT = {"x": E4M3, "w": E4M3, "grad": E5M2}
@@ -288,8 +290,8 @@ def end_step(model, group=None):
         return
     history = torch.stack([m.history for m in ms])  # (linears, 3, steps + 1)
     now = history[:, :, 0].contiguous()  # (linears, 3): this step's amaxes
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(now, op=dist.ReduceOp.MAX, group=group)
+    if dist.is_initialized():
+        all_reduce_max(now, dist.get_world_size(group), group, label="amax")
     shifted = torch.cat([torch.zeros_like(now)[..., None], now[..., None], history[..., 1:-1]],
                         dim=2)
     torch._foreach_copy_([m.history for m in ms], list(shifted.unbind(0)))
@@ -304,8 +306,8 @@ def read_stats(model, group=None):
     if not ms:
         return {}
     counts = torch.stack([m.stats for m in ms]).sum(0).double()  # (3, 4)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(counts, group=group)
+    if dist.is_initialized():
+        all_reduce_sum(counts, dist.get_world_size(group), group, label="fp8 statistics")
     for m in ms:
         m.stats.zero_()
     out = {}

@@ -14,9 +14,8 @@ import os
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from collectives import all_gather_object
+from collectives import all_gather_object, all_reduce_sum
 from configurator import UserError
 from data.prepare import DATASETS, load_meta, prepare, rebuild_command
 from machinery.lifecycle import agreed_error
@@ -214,8 +213,7 @@ def estimate_loss(model, train, val, cfg, rank, world_size, device):
             _, loss = model(x.to(device), y.to(device))
             if k < cfg.eval_iters:
                 total += torch.stack([loss.double(), torch.ones_like(total[0])])
-        if world_size > 1:
-            dist.all_reduce(total)
+        all_reduce_sum(total, world_size, label=f"the {split} loss")
         out[split] = (total[0] / total[1]).item()
     model.train()
     return out

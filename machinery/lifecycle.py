@@ -90,19 +90,27 @@ def watch(model, cfg, rank, world_size, grad_accum, start_it):
     """Where the run is, for a collective that times out to name (collectives.position): the
     step and micro-step of each training forward, counted from start_it; an evaluation's
     forward is at the coming step, in no micro-step. A pre-hook on the model, ahead of the
-    engine's own (ZeRO-3's first gather is then in this step). --hang-at STEP: the last rank
-    stops issuing collectives at that step's first forward (hang below)."""
+    engine's own (ZeRO-3's first gather is then in this step). The first forward after the
+    run's first step tightens every collective's wait to --collective-timeout (the first step
+    compiles and warms up under collectives.START_S). --hang-at STEP: the last rank stops
+    issuing collectives at that step's first forward (hang below)."""
     if cfg.hang_at >= 0 and world_size == 1:
         raise UserError(f"--hang-at {cfg.hang_at} stops one rank while the others wait: run "
                         "2 or more ranks (torchrun --nproc_per_node=2)")
+    if cfg.hang_at >= 0 and not start_it < cfg.hang_at < cfg.max_iters:
+        raise UserError(f"--hang-at {cfg.hang_at}: give a step after this run's first "
+                        f"({start_it}: it compiles and warms up under a longer timeout) and "
+                        f"before --max-iters {cfg.max_iters}")
     forwards, where = [start_it * grad_accum], collectives.position
 
     def hook(module, args):
         if not (module.training and torch.is_grad_enabled()):
             where.step, where.micro = forwards[0] // grad_accum, -1  # evaluation
-            return
-        where.step, where.micro = divmod(forwards[0], grad_accum)
-        forwards[0] += 1
+        else:
+            where.step, where.micro = divmod(forwards[0], grad_accum)
+            forwards[0] += 1
+        if where.step > start_it:
+            collectives.warmed_up(world_size)
         if where.step == cfg.hang_at and where.micro == 0 and rank == world_size - 1:
             hang(cfg.hang_at, rank, cfg.collective_timeout)
 
@@ -228,7 +236,10 @@ def check_memory(cfg, device):
     """A UserError, before any work, when this run cannot fit in the memory it has: half of
     memory.py's estimate of one rank's peak (footprint.for_run, the one estimator) times the
     ranks sharing a host, so that a refusal is never a close call. The data set, and with it
-    the vocabulary, is not read yet: the estimate takes the smallest, a need at least."""
+    the vocabulary, is not read yet: the estimate takes the smallest, a need at least. On NCCL
+    the default group's communicator is made already (init_process_group's device_id= makes it
+    at once): its memory is gone from `free` and in the estimate's NCCL allowance too, at half
+    weight, an error on the side of a refusal."""
     from dataclasses import asdict
     from machinery.footprint import for_run
     from machinery.validate import check_model_args
@@ -265,8 +276,9 @@ def out_of_memory(e):
     nccl = ""
     if isinstance(e, torch.OutOfMemoryError) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         from machinery.footprint import NCCL_BYTES
-        nccl = (f", NCCL's communicators included (2 a rank, ~{NCCL_BYTES / 1e9:.1f} GB each "
-                "outside PyTorch's allocator: an estimate; docs/gpus.md)")
+        nccl = (f", NCCL's communicators included (1 a rank at ZeRO-0, 2 at stages 1-3, 4 "
+                f"under ZeRO++ across nodes; ~{NCCL_BYTES / 1e9:.1f} GB each outside PyTorch's "
+                "allocator: an estimate; docs/gpus.md)")
     return (f"out of memory ({text.strip().splitlines()[0][:160]}): lower --batch-size "
             "(--grad-accum keeps the batch), or add --grad-ckpt or --zero 3; `python memory.py` "
             "with these flags estimates the need" + nccl)

@@ -21,7 +21,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from collectives import all_reduce_sum
+from collectives import all_gather_object, all_reduce_sum
 from machinery import meter
 # the model's count and MFU, or the defaults for a fork that declares neither (declared.py);
 # train.py prints num_params from here
@@ -282,9 +282,7 @@ def check_replicas(zero, model, metrics, it, print0):
     """Every rank must hold bitwise the same full parameters (under ZeRO-3 none holds them)."""
     zero.wait_published()
     digest = "sharded" if zero.stage == 3 else replica_digest(model)
-    digests = [digest] * zero.world_size
-    if zero.world_size > 1:
-        dist.all_gather_object(digests, digest)
+    digests = all_gather_object(digest, zero.world_size, label="the replica check")
     if len(set(digests)) > 1:
         print0(f"WARNING: ranks hold different parameters: {digests}")
     metrics.log({"event": "end", "iter": it, "replica_sha256": digests})

@@ -30,6 +30,7 @@ import socket
 
 import torch.distributed as dist
 
+import collectives
 from configurator import UserError
 from machinery.validate import is_int
 
@@ -313,8 +314,7 @@ def write_save(out_dir, final, write, rank, world_size, any_rank, keep_last):
 
 
 def _barrier(world_size):
-    if world_size > 1:
-        dist.barrier()
+    collectives.barrier(world_size, label="a save")
 
 
 def clear_stale_saves(out_dir):

@@ -123,6 +123,7 @@ class Tracer:
             out.register_hook(lambda grad: rec.mark("backward_begin", block=i))
 
     def _stop(self):
+        self.rec.land()  # nothing of the window still in flight (collectives.Recorder.land)
         self.prof.__exit__(None, None, None)
         self.prof.export_chrome_trace(os.path.join(self.dir, f"trace_rank{self.rank}.json"))
         if self.device.type == "cuda":

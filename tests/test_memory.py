@@ -364,5 +364,6 @@ def test_out_of_memory_on_several_gpus_names_nccl(monkeypatch):
     cpu = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9")
     assert "NCCL" not in out_of_memory(cuda)
     monkeypatch.setenv("WORLD_SIZE", "8")
-    assert "NCCL's communicators included (2 a rank, ~1.6 GB each" in out_of_memory(cuda)
+    assert "NCCL's communicators included (1 a rank at ZeRO-0, 2 at stages 1-3, 4 under ZeRO++" \
+        " across nodes; ~1.6 GB each" in out_of_memory(cuda)  # footprint.nccl_communicators
     assert "NCCL" not in out_of_memory(cpu) and "lower --batch-size" in out_of_memory(cpu)

@@ -11,7 +11,7 @@ import torch
 
 import collectives
 import zero as zero_module
-from conftest import make_zero, run_distributed
+from conftest import make_zero, run_distributed, run_train
 from data.loader import get_batch
 from machinery import timeline
 from precision import GradScaler
@@ -160,3 +160,49 @@ def test_train_trace_writes_the_log_the_profile_and_the_overlap(data_root, tmp_p
         assert abs(r["exposed_comm_ms"] - 1e3 * mine["exposed_s"]) < 1e-6
         assert 0 <= r["overlap"] <= 1
     assert collectives.recorder is None
+
+
+class _Noted:
+    """A collective's backend work whose wait() is noted."""
+
+    def __init__(self, work):
+        self.work, self.waited = work, False
+
+    def wait(self, *args, **kwargs):
+        self.waited = True
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def _profiler_stops_with_nothing_in_flight(main, argv):
+    """main(argv) with each traced collective's work noted, and torch.profiler's stop refused
+    while one of them was never waited for."""
+    noted, launched = [], collectives.Recorder.launched
+
+    def noting(self, handle, tensor):
+        handle.work = _Noted(handle.work)
+        noted.append(handle.work)
+        return launched(self, handle, tensor)
+
+    def stop(self, *exc):
+        assert all(n.waited for n in noted), "torch.profiler stopped with a collective in flight"
+        return profile_exit(self, *exc)
+
+    profile_exit = torch.profiler.profile.__exit__
+    collectives.Recorder.launched = noting
+    torch.profiler.profile.__exit__ = stop
+    main(argv)
+
+
+def test_the_profiler_stops_with_no_collective_in_flight(data_root, tmp_path):
+    """--trace at ZeRO-2: the window's last step launches its publish all-gathers, waited for in
+    the next forward; torch.profiler stopped with them in flight crashed a rank when they
+    completed (SIGSEGV, about 1 run in 4 of debugging.md's command on torch 2.13). The tracer
+    lands every collective of the window before it stops the profiler."""
+    args = TINY + ["--data-root", data_root, "--dataset", "tiny", "--max-iters", "4",
+                   "--eval-interval", "100", "--zero", "2", "--bucket-mb", "0.002",
+                   "--trace", str(tmp_path / "trace"), "--trace-steps", "1",
+                   "--out-dir", str(tmp_path)]
+    run_train(args, 2, wrap=_profiler_stops_with_nothing_in_flight)
