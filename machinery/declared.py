@@ -11,6 +11,7 @@ declare. docs/forking.md has the whole table.
   config            the instance the model keeps: checkpoints save it as model_args
   stored_shapes()   each tensor's shape as files hold it (default: the state dict's, a tied
                     tensor once)
+  config.n_embd     what bounds a LoRA rank (width(); default: the narrowest side of LINEARS)
   load_weights(sd)  a state dict in, as files hold it (default: a copy by stored_shapes)
   num_params()      the console's count (default: every parameter once)
   flops_per_token() MFU's numerator (default: none, so MFU is not shown)
@@ -156,6 +157,17 @@ def load_weights(model, weights):
         if target.shape != source.shape:  # a padded vocabulary: the stored rows
             target = target[:shape[0]]
         target.copy_(source)
+
+
+def width(model):
+    """What bounds a LoRA rank (a larger one lowers no rank): the config's n_embd, else the
+    narrowest side of the linear layers LINEARS declares in the first block (a fork's config
+    may name its width otherwise)."""
+    n = getattr(getattr(model, "config", None), "n_embd", None)
+    if n is not None:
+        return n
+    block = model.blocks()[0]
+    return min(min(block.get_submodule(path).weight.shape) for path, _ in model.LINEARS)
 
 
 # ----------------------------------------------------------------------------------------------
