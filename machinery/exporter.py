@@ -36,7 +36,7 @@ def rebuild(reader, weights=None):
     model_args, cfg = reader.model_args(), h["config"]
     weights = reader.weights() if weights is None else weights
     try:  # a fork's, if model.py was edited: its own config class (declared.py)
-        model = declared.build(model_py.GPT, model_args)
+        model = declared.build(model_py.GPT, model_args, h["shapes"])
     except ValueError as e:
         raise UserError(f"{reader.path}: {e}")
     if cfg.get("lora"):

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import llama
 import mlpfork
 import tinyfork
 from checkpoint import Reader, list_checkpoints
+from machinery import ckpt_reader
 from conftest import make_zero, run_distributed, run_train
 from machinery.activations import activation_bytes
 from machinery.footprint import estimate
@@ -309,6 +311,23 @@ def test_a_fork_that_is_not_a_gpt_samples_exports_and_is_estimated(data_root, tm
     assert sample.main(["--ckpt", path, "--max-new-tokens", "5"]) == 2
     assert "holds a 'tinyfork' model, model.py builds 'gpt2'" in capsys.readouterr().err
     monkeypatch.setattr(model, "GPT", tinyfork.TinyFork)
+    # a header edited (and resealed) to a width its tensors do not have: one line before the
+    # model is built at that width (GPT-2's is held by validate.check_shapes_fit; a fork's
+    # fields have no bounds: built first, a header could ask for any size)
+    edited = tmp_path / "edited"
+    shutil.copytree(path, edited)
+    header = json.load(open(edited / "checkpoint.json"))
+    header.pop("header_crc")
+    ckpt_reader.write_header(str(edited / "checkpoint.json"),
+                             {**header, "model_args": {**header["model_args"], "n_embd": 2048}})
+    monkeypatch.setattr(model, "GPT", Built)
+    with pytest.raises(UserError, match=r"describe tok.weight as \[54, 2048\], its tensors "
+                                        r"hold \[54, 32\]"):
+        export.export(str(edited), "safetensors", str(tmp_path / "e.safetensors"))
+    assert sample.main(["--ckpt", str(edited), "--max-new-tokens", "5"]) == 2
+    assert "describe tok.weight as [54, 2048]" in capsys.readouterr().err
+    assert Built.builds == [(2048, "meta")] * 2, Built.builds  # never allocated at 2048 wide
+    monkeypatch.setattr(model, "GPT", tinyfork.TinyFork)
     cfg = tinyfork.TinyConfig(**TINYFORK)
     fork = tinyfork.TinyFork(cfg)  # MFU: unknown, unless it counts its FLOPs
     assert declared.estimate_mfu(fork, 1e3, 1e12) is None
@@ -332,6 +351,15 @@ def test_a_fork_that_is_not_a_gpt_samples_exports_and_is_estimated(data_root, tm
             want = activation_bytes(cfg, 3, 16, "fp32", grad_ckpt, lora, "all", device="cpu",
                                     build=tinyfork.TinyFork)
             assert want["total"] == saved[0], (lora, grad_ckpt, want, saved[0])
+
+
+class Built(tinyfork.TinyFork):
+    """TinyFork that records each build's width and the device its weights went to."""
+    builds = []
+
+    def __init__(self, config):
+        super().__init__(config)
+        Built.builds.append((config.n_embd, self.tok.weight.device.type))
 
 
 def _own_loop(rank, world_size, tmp):
