@@ -95,8 +95,8 @@ def advise_plans(N, one_fits, zero2_fits):
     z, sharded = (3, " (ZeRO-3 still shards it)") if N > 1 else (0, "")
     offload = (max(z, 1), True, 0, None, True, "+ ZeRO-Offload (--offload-optimizer; after "
                "ZeRO-3 and checkpointing, before LoRA: every weight still trains): the fp32 "
-               "master and the optimizer state in host memory, 12 of 16 bytes a parameter, "
-               "the step on the CPU (Ren et al. 2021)")
+               "master and the optimizer state in host memory (AdamW's: 12 of 16 bytes a "
+               "parameter), the step on the CPU (Ren et al. 2021)")
     return plans + [offload,
                     (z, True, 8, None, False, "+ LoRA on q,v, r=8: only the adapters train, no "
                      f"gradients or optimizer state for the base{sharded}"),

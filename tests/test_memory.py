@@ -124,6 +124,14 @@ def test_cli_counts_adafactor_on_its_layout(capsys):
             main(flags + bad + ["--optimizer", "adafactor"])
     lines, cmd = advise(GPTConfig(**SMALL), 2, 1e10, "bf16", optimizer="adafactor")
     assert "Adafactor is not a train.py --optimizer" in lines[-1] and "--lora" not in cmd
+    # where the plan offloads (a 7B on one 80 GB GPU), what to build says so, and the CPU step
+    # is priced at AdamW's rate, named as such (was: 'build beyond.muon.WholeZeRO', 'CPU AdamW')
+    seven = GPTConfig(block_size=2048, vocab_size=50257, n_layer=32, n_head=32, n_embd=4096)
+    lines, cmd = advise(seven, 1, 80e9, "bf16", optimizer="adafactor")
+    assert "--offload-optimizer" in cmd and "of CPU adafactor (at AdamW's rate) a step" in \
+        lines[-2], lines
+    assert "build beyond.offload_optimizer.offload_engine(beyond.muon.WholeZeRO) with " \
+        "optimizer=torch.optim.Adafactor" in lines[-1], lines
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
