@@ -107,12 +107,8 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
             best = (run, b)
         if best and best[0]["stage"] != 2:
             break
-    if best is None:  # would a full fine-tune fit on more of these GPUs?
-        more = [n for n in (2**k for k in range(13))
-                if fits(est(world_size=n, stage=3, grad_ckpt=True), gpu_bytes)]
-        lines.append("does not fit: shorten the sequence or take bigger GPUs" + (
-            f"; a full fine-tune with ZeRO-3 + checkpointing fits on {more[0]} of these GPUs"
-            if more else ""))
+    if best is None:  # one GPU alone, or more of these GPUs
+        best, N = fallback(lines, est, fits(one, gpu_bytes), gpu_bytes, N)
     elif best[0]["stage"] == 2 and not fits(one, gpu_bytes):  # where we leave the flowchart
         lines.append("the lecture's flowchart goes to ZeRO-3 once batch 1 does not fit one GPU; "
                      "ZeRO-2 fits here for the traffic of data parallelism, not 1.5x: stage 3 "
@@ -125,6 +121,25 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
                        run["stage"], run["offload"])
     return lines, command(N, [*shape_args, *extra], run["stage"], dtype, b, run["grad_ckpt"],
                           run["lora_rank"] > 0, run["quantize"], offload=run["offload"])
+
+
+def fallback(lines, est, one_fits, gpu_bytes, N):
+    """Where no plan on the N GPUs fits: (a plan and the GPUs it runs on, or None), its line
+    appended. One GPU where it holds batch 1 and N do not: on N each rank joins NCCL's
+    communicators, which can take more than ZeRO-2 saves a small model. Else: whether a full
+    fine-tune would fit on more of these GPUs."""
+    if one_fits and N > 1:
+        b = max_batch(lambda b: fits(est(world_size=1, batch=b), gpu_bytes))
+        lines.append(f"one GPU, not {N}: on {N} each rank joins NCCL's communicators, an "
+                     f"allowance of {est(stage=2)['nccl'] / GB:.1f} GB, and no micro-batch "
+                     f"fits; one GPU alone fits micro-batch up to {b}")
+        return (dict(stage=0, grad_ckpt=False, lora_rank=0, quantize=None, offload=False), b), 1
+    more = [n for n in (2**k for k in range(13))
+            if fits(est(world_size=n, stage=3, grad_ckpt=True), gpu_bytes)]
+    lines.append("does not fit: shorten the sequence or take bigger GPUs" + (
+        f"; a full fine-tune with ZeRO-3 + checkpointing fits on {more[0]} of these GPUs"
+        if more else ""))
+    return None, N
 
 
 def last_steps(lines, trainable, host_bytes, optimizer, stage, offload=False):

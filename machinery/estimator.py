@@ -77,7 +77,7 @@ def advise_plans(N, one_fits, zero2_fits):
     from beyond.activation_dial import Policy  # selective, every K-th block
     if one_fits:
         return [(2, False, 0, None, False, f"yes: ZeRO-2 on {N} GPUs (the traffic of data "
-                 "parallelism, less memory) and a larger micro-batch")] if N > 1 else \
+                 "parallelism, its model state sharded)")] if N > 1 else \
             [(0, False, 0, None, False, "yes: one GPU has nothing to shard; a larger "
               "micro-batch")]
     stages = {2: f"ZeRO-2 on {N} GPUs: gradients and optimizer state sharded, the 16-bit "

@@ -374,3 +374,19 @@ def test_out_of_memory_on_several_gpus_names_nccl(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     assert "NCCL's communicators included (2 a rank, ~1.6 GB each" in out_of_memory(cuda)
     assert "NCCL" not in out_of_memory(cpu) and "lower --batch-size" in out_of_memory(cpu)
+
+
+def test_advise_keeps_one_gpu_where_nccls_allowance_leaves_several_no_room():
+    """A small model on small GPUs: one holds it, but on two each rank also joins NCCL's
+    communicators (3.2 GB allowed), and no micro-batch fits. --advise says so and prints the
+    one-GPU command; before, it said "does not fit ... fits on 1 of these GPUs" and gave no
+    command."""
+    cfg = GPTConfig(**SMALL)
+    lines, cmd = advise(cfg, 2, 2e9)
+    assert "one GPU, not 2: on 2 each rank joins NCCL's communicators" in lines[-1], lines
+    assert cmd.startswith("python train.py ") and "--zero" not in cmd, cmd
+    b = int(cmd.split("--batch-size ")[1].split()[0])
+    one = lambda b: estimate(cfg, 1, 0, "bf16", batch=b, chunked_loss=True)  # advise's
+    assert estimator.fits(one(b), 2e9) and (b == 4096 or not estimator.fits(one(b + 1), 2e9))
+    lines, cmd = advise(cfg, 2, 10e9)  # room for NCCL: ZeRO-2 on both, as before
+    assert cmd.startswith("torchrun --nproc_per_node=2 train.py") and "--zero 2" in cmd
