@@ -62,9 +62,11 @@ def breakdown(est):
             f"{g(work)} of activations and working set")
     nccl = (f" + NCCL {g(est['nccl'])} ({est['communicators']} communicators, an estimate)"
             if est["nccl"] else "")
+    per = round(st["total"] / psi)  # 16 with AdamW; Muon's and Adafactor's state is smaller
+    lecture = "the lecture's" if per == 16 else "the lecture's is AdamW's 16"
     return (f"= weights {g(st['params'])} + gradients {g(st['grads'])} + master and optimizer "
-            f"{g(st['master'] + st['optimizer'])}: {st['total'] / psi:.0f} B/parameter, the "
-            f"lecture's; + {last}{nccl}: {est['peak'] / psi:.0f} B/parameter")
+            f"{g(st['master'] + st['optimizer'])}: {per} B/parameter, {lecture}; + "
+            f"{last}{nccl}: {est['peak'] / psi:.0f} B/parameter")
 
 
 def advise_plans(N, one_fits, zero2_fits):

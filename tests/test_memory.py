@@ -128,6 +128,7 @@ def test_cli_counts_adafactor_on_its_layout(capsys):
     # is priced at AdamW's rate, named as such (was: 'build beyond.muon.WholeZeRO', 'CPU AdamW')
     seven = GPTConfig(block_size=2048, vocab_size=50257, n_layer=32, n_head=32, n_embd=4096)
     lines, cmd = advise(seven, 1, 80e9, "bf16", optimizer="adafactor")
+    assert "8 B/parameter, the lecture's is AdamW's 16;" in lines[1], lines[1]
     assert "--offload-optimizer" in cmd and "of CPU adafactor (at AdamW's rate) a step" in \
         lines[-2], lines
     assert "build beyond.offload_optimizer.offload_engine(beyond.muon.WholeZeRO) with " \
