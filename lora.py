@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GPT
+import model as model_py  # model.GPT when called: a fork's edit of model.py is read
 from quant import QuantizedWeight, declared_linears, linear
 
 
@@ -27,12 +27,19 @@ def targets_of(linears):
     return tuple(name for _, slices in linears for name in slices)
 
 
-TARGETS = targets_of(GPT.LINEARS)  # model.py's: q, k, v, attn_out, mlp_fc, mlp_proj
+# model.py's: q, k, v, attn_out, mlp_fc, mlp_proj (a fork without LINEARS has none)
+TARGETS = targets_of(getattr(model_py.GPT, "LINEARS", None) or ())
 
 
-def parse_targets(spec, linears=GPT.LINEARS):
+def parse_targets(spec, linears=None):
     """'q,v' | 'all' | ('q', 'v') -> a tuple of the model's target names (targets_of(linears);
-    model.py's TARGETS by default), in their order."""
+    by default model.GPT's, read when called: a fork's, where model.py was edited), in their
+    order. A ValueError, one line, for a name it lacks or a model class that declares none."""
+    if linears is None:
+        linears = getattr(model_py.GPT, "LINEARS", None)
+        if linears is None:
+            raise ValueError(f"{model_py.GPT.__name__} declares no LINEARS: each block's linear "
+                             "layers, for LoRA, --quantize and FP8 (see docs/forking.md)")
     TARGETS = targets_of(linears)
     if spec == "all":
         names = TARGETS
@@ -131,8 +138,8 @@ def _named_blocks(model):
     return [(names[id(b)], b) for b in model.blocks()]
 
 
-def _replace(block, name, new):  # "attn.c_attn" -> block.attn.c_attn = new
-    parent, child = name.rsplit(".", 1)
+def _replace(block, name, new):  # "attn.c_attn" -> block.attn.c_attn = new; "fc" -> block.fc
+    parent, _, child = name.rpartition(".")
     setattr(block.get_submodule(parent), child, new)
 
 

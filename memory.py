@@ -36,14 +36,16 @@ def max_batch(fits_at, limit=4096):
     return bisect.bisect_left(range(1, limit + 1), True, key=lambda b: not fits_at(b))
 
 
-def offload_cost(e, world_size, host):
+def offload_cost(e, world_size, host, optimizer="adamw"):
     """--offload-optimizer's price per step, predicted: the host bytes, the copies each way on
-    PCIe, the CPU's AdamW (rates in beyond/offload_optimizer.py, with their sources)."""
+    PCIe, the CPU's step at AdamW's rate (rates in beyond/offload_optimizer.py, with their
+    sources; no other optimizer's is measured)."""
     from beyond.offload_optimizer import CPU_ADAM_PER_CORE, PCIE_BYTES_PER_S
     slice_ = e["trainable"] / world_size  # the owned slice, less its padding
+    step = "CPU AdamW" if optimizer == "adamw" else f"CPU {optimizer} (at AdamW's rate)"
     return (f"{host / GB:.1f} GB of host memory, {2 * slice_ / GB:.1f} GB each way on PCIe "
             f"(~{2 * slice_ / PCIE_BYTES_PER_S:.2f} s at {PCIE_BYTES_PER_S / GB:.0f} GB/s), "
-            f"{slice_ / CPU_ADAM_PER_CORE:.1f} core-seconds of CPU AdamW a step")
+            f"{slice_ / CPU_ADAM_PER_CORE:.1f} core-seconds of {step} a step")
 
 
 def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), batch_tokens=0,
@@ -89,7 +91,7 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
                          f"{host_bytes / GB:.0f} GB")
             continue
         if offload:  # its price: host memory, PCIe and the CPU's step (offload_cost)
-            why += "; " + offload_cost(est(**run), N, host)
+            why += "; " + offload_cost(est(**run), N, host, optimizer)
         b = max_batch(lambda b: fits(est(batch=b, **run), gpu_bytes))
         if batch_tokens:  # --batch-tokens: a micro-batch whose global micro-step divides it
             per_b = cfg.block_size * N
@@ -105,12 +107,8 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
             best = (run, b)
         if best and best[0]["stage"] != 2:
             break
-    if best is None:  # would a full fine-tune fit on more of these GPUs?
-        more = [n for n in (2**k for k in range(13))
-                if fits(est(world_size=n, stage=3, grad_ckpt=True), gpu_bytes)]
-        lines.append("does not fit: shorten the sequence or take bigger GPUs" + (
-            f"; a full fine-tune with ZeRO-3 + checkpointing fits on {more[0]} of these GPUs"
-            if more else ""))
+    if best is None:  # one GPU alone, or more of these GPUs
+        best, N = fallback(lines, est, fits(one, gpu_bytes), gpu_bytes, N)
     elif best[0]["stage"] == 2 and not fits(one, gpu_bytes):  # where we leave the flowchart
         lines.append("the lecture's flowchart goes to ZeRO-3 once batch 1 does not fit one GPU; "
                      "ZeRO-2 fits here for the traffic of data parallelism, not 1.5x: stage 3 "
@@ -120,25 +118,48 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
         return lines, None
     run, b = best
     extra = last_steps(lines, est(batch=b, **run)["trainable"], host_bytes, optimizer,
-                       run["stage"])
+                       run["stage"], run["offload"])
     return lines, command(N, [*shape_args, *extra], run["stage"], dtype, b, run["grad_ckpt"],
                           run["lora_rank"] > 0, run["quantize"], offload=run["offload"])
 
 
-def last_steps(lines, trainable, host_bytes, optimizer, stage):
+def fallback(lines, est, one_fits, gpu_bytes, N):
+    """Where no plan on the N GPUs fits: (a plan and the GPUs it runs on, or None), its line
+    appended. One GPU where it holds batch 1 and N do not: on N each rank joins NCCL's
+    communicators, which can take more than ZeRO-2 saves a small model. Else: whether a full
+    fine-tune would fit on more of these GPUs."""
+    if one_fits and N > 1:
+        b = max_batch(lambda b: fits(est(world_size=1, batch=b), gpu_bytes))
+        lines.append(f"one GPU, not {N}: on {N} each rank joins NCCL's communicators, an "
+                     f"allowance of {est(stage=2)['nccl'] / GB:.1f} GB, and no micro-batch "
+                     f"fits; one GPU alone fits micro-batch up to {b}")
+        return (dict(stage=0, grad_ckpt=False, lora_rank=0, quantize=None, offload=False), b), 1
+    more = [n for n in (2**k for k in range(13))
+            if fits(est(world_size=n, stage=3, grad_ckpt=True), gpu_bytes)]
+    lines.append("does not fit: shorten the sequence or take bigger GPUs" + (
+        f"; a full fine-tune with ZeRO-3 + checkpointing fits on {more[0]} of these GPUs"
+        if more else ""))
+    return None, N
+
+
+def last_steps(lines, trainable, host_bytes, optimizer, stage, offload=False):
     """--advise's closing lines (appended to lines) and the command's flags they add: sharded
     checkpoints where rank 0's host could not assemble a consolidated one (save_flags); the
-    optimizer, or for Adafactor, which train.py does not take, where to build it."""
+    optimizer, or for Adafactor, which train.py does not take, what to build (offloaded, where
+    the plan is ZeRO-Offload)."""
     saving = save_flags(trainable, "adamw", host_bytes)
     if saving:
         lines.append(f"{len(lines) + 1}. checkpoints: --ckpt-format sharded (a consolidated save "
                      f"would gather 12 bytes a parameter on rank 0's host, over half of "
                      f"--host-mem {host_bytes / GB:.0f} GB)")
     if optimizer == "adafactor":
+        engine = f"beyond.muon.{'WholeZeRO3' if stage == 3 else 'WholeZeRO'}"
+        if offload:  # train.py's make_engine: the offloading class of the same engine
+            engine = f"beyond.offload_optimizer.offload_engine({engine})"
         lines.append(f"{len(lines) + 1}. Adafactor is not a train.py --optimizer: build "
-                     f"beyond.muon.{'WholeZeRO3' if stage == 3 else 'WholeZeRO'} with "
-                     "optimizer=torch.optim.Adafactor in your own loop (docs/forking.md), at "
-                     "the stage, micro-batch and checkpointing of this command")
+                     f"{engine} with optimizer=torch.optim.Adafactor in your own loop "
+                     "(docs/forking.md), at the stage, micro-batch and checkpointing of this "
+                     "command")
     named = [f"--optimizer {optimizer}"] if optimizer in OPTIMIZERS[1:] else []  # not adamw
     return saving + named
 

@@ -179,7 +179,7 @@ def quantize_base(model, mode="nf4", double_quant=False, block=64):
                                  "LoRA merged in")
             qw = QuantizedWeight(m.weight, mode, double_quant, block)
             if isinstance(m, nn.Linear):
-                parent, child = name.rsplit(".", 1)
+                parent, _, child = name.rpartition(".")  # "" for a block's own child
                 setattr(blk.get_submodule(parent), child, QuantLinear(qw, m.bias))
             else:  # a wrapper that computes with .weight (LoRALinear): the buffers take its name
                 del m.weight

@@ -257,7 +257,7 @@ def convert(model, scaling="dynamic", history=16):
             if isinstance(m, LoRALinear):
                 m.base_matmul = fp8
             else:
-                parent, child = name.rsplit(".", 1)
+                parent, _, child = name.rpartition(".")  # "" for a block's own child
                 setattr(block.get_submodule(parent), child, FP8Linear(m.weight, m.bias, fp8))
             names.append(full)
     model.fp8_settings = {"scaling": scaling, "history": history}

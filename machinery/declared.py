@@ -11,11 +11,13 @@ declare. docs/forking.md has the whole table.
   config            the instance the model keeps: checkpoints save it as model_args
   stored_shapes()   each tensor's shape as files hold it (default: the state dict's, a tied
                     tensor once)
+  config.n_embd     what bounds a LoRA rank (width(); default: the narrowest side of LINEARS)
   load_weights(sd)  a state dict in, as files hold it (default: a copy by stored_shapes)
   num_params()      the console's count (default: every parameter once)
   flops_per_token() MFU's numerator (default: none, so MFU is not shown)
   generate(...)     sample.py's loop (default: model.py's loop over forward's logits)
 """
+import contextlib
 from dataclasses import asdict, fields, is_dataclass
 
 import torch
@@ -86,10 +88,11 @@ def model_args(owner, config=None):
     return {"arch": arch, **args} if arch is not None else args
 
 
-def build(cls, args):
+def build(cls, args, shapes=None):
     """The model a file's model_args describe (sample.py, export.py): its architecture, keys
     and sizes checked against cls's ARCH, its config's fields and validate.BOUNDS before
-    anything is built. A ValueError, one line."""
+    anything is built; for a fork, against the file's tensors too (shapes: {name: shape}). A
+    ValueError, one line."""
     config, args = config_class(cls), dict(args)
     arch, ours = args.get("arch"), getattr(cls, "ARCH", None)
     if arch is not None and ours is not None and arch != ours:
@@ -98,10 +101,31 @@ def build(cls, args):
     if "arch" not in {f.name for f in fields(config)}:  # model_args() added it: the ARCH
         args.pop("arch", None)
     check_model_args(args, config)
+    if shapes is not None and arch != "gpt2":  # (GPT-2's: validate.check_shapes_fit)
+        check_holds(_make(cls, config, args, "meta"), shapes)
+    return _make(cls, config, args)
+
+
+def _make(cls, config, args, device=None):
     try:
-        return cls(config(**args))
+        with torch.device(device) if device else contextlib.nullcontext():
+            return cls(config(**args))
     except (TypeError, AttributeError, ValueError, RuntimeError) as e:
         raise ValueError(f"{cls.__name__}({config.__name__}(...)) failed: {e}")
+
+
+def check_holds(meta_model, shapes):
+    """A fork's config has fields no bound knows (d_model, n_experts): the model its file's
+    model_args describe, built on the meta device (nothing allocated), must be one its tensors
+    hold, each of its tensors there at its shape (a quantized one as its pieces, NAME.codes),
+    before the real one is built. A header edited to 10^5 wide would allocate first."""
+    for name, shape in stored_shapes(meta_model).items():
+        held = shapes.get(name)
+        if held is None and any(k.startswith(f"{name}.") for k in shapes):
+            continue  # a quantized base: its codes and scales
+        if held is None or list(held) != list(shape):
+            raise ValueError(f"its model_args describe {name} as {list(shape)}, its tensors "
+                             f"hold {'none' if held is None else list(held)}")
 
 
 def check_model(model, flags):
@@ -156,6 +180,17 @@ def load_weights(model, weights):
         if target.shape != source.shape:  # a padded vocabulary: the stored rows
             target = target[:shape[0]]
         target.copy_(source)
+
+
+def width(model):
+    """What bounds a LoRA rank (a larger one lowers no rank): the config's n_embd, else the
+    narrowest side of the linear layers LINEARS declares in the first block (a fork's config
+    may name its width otherwise)."""
+    n = getattr(getattr(model, "config", None), "n_embd", None)
+    if n is not None:
+        return n
+    block = model.blocks()[0]
+    return min(min(block.get_submodule(path).weight.shape) for path, _ in model.LINEARS)
 
 
 # ----------------------------------------------------------------------------------------------

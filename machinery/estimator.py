@@ -3,10 +3,10 @@ Guards memory.py's command line: sizes parsed and bounded, a bare --params given
 shape, the estimate printed term by term. The arithmetic itself is footprint.py's.
 """
 import math
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 from configurator import UserError, config_from, load_preset, make_parser
-from machinery.declared import config_for
+from machinery.declared import MODEL_FLAGS, config_for
 from machinery.footprint import NCCL_BYTES, estimate, for_run, state_bytes_per_param
 from machinery.validate import BOUNDS, check_model_args, check_optimizer
 import model as model_py  # model.GPT when called: a fork's edit of it is estimated
@@ -62,9 +62,11 @@ def breakdown(est):
             f"{g(work)} of activations and working set")
     nccl = (f" + NCCL {g(est['nccl'])} ({est['communicators']} communicators, an estimate)"
             if est["nccl"] else "")
+    per = round(st["total"] / psi)  # 16 with AdamW; Muon's and Adafactor's state is smaller
+    lecture = "the lecture's" if per == 16 else "the lecture's is AdamW's 16"
     return (f"= weights {g(st['params'])} + gradients {g(st['grads'])} + master and optimizer "
-            f"{g(st['master'] + st['optimizer'])}: {st['total'] / psi:.0f} B/parameter, the "
-            f"lecture's; + {last}{nccl}: {est['peak'] / psi:.0f} B/parameter")
+            f"{g(st['master'] + st['optimizer'])}: {per} B/parameter, {lecture}; + "
+            f"{last}{nccl}: {est['peak'] / psi:.0f} B/parameter")
 
 
 def advise_plans(N, one_fits, zero2_fits):
@@ -77,7 +79,7 @@ def advise_plans(N, one_fits, zero2_fits):
     from beyond.activation_dial import Policy  # selective, every K-th block
     if one_fits:
         return [(2, False, 0, None, False, f"yes: ZeRO-2 on {N} GPUs (the traffic of data "
-                 "parallelism, less memory) and a larger micro-batch")] if N > 1 else \
+                 "parallelism, its model state sharded)")] if N > 1 else \
             [(0, False, 0, None, False, "yes: one GPU has nothing to shard; a larger "
               "micro-batch")]
     stages = {2: f"ZeRO-2 on {N} GPUs: gradients and optimizer state sharded, the 16-bit "
@@ -95,8 +97,8 @@ def advise_plans(N, one_fits, zero2_fits):
     z, sharded = (3, " (ZeRO-3 still shards it)") if N > 1 else (0, "")
     offload = (max(z, 1), True, 0, None, True, "+ ZeRO-Offload (--offload-optimizer; after "
                "ZeRO-3 and checkpointing, before LoRA: every weight still trains): the fp32 "
-               "master and the optimizer state in host memory, 12 of 16 bytes a parameter, "
-               "the step on the CPU (Ren et al. 2021)")
+               "master and the optimizer state in host memory (AdamW's: 12 of 16 bytes a "
+               "parameter), the step on the CPU (Ren et al. 2021)")
     return plans + [offload,
                     (z, True, 8, None, False, "+ LoRA on q,v, r=8: only the adapters train, no "
                      f"gradients or optimizer state for the base{sharded}"),
@@ -188,11 +190,16 @@ def model_from_flags(a, tc, psi):
         check_model_args(asdict(cfg), type(cfg))  # validate.BOUNDS: 10^5 layers is no model
     except ValueError as e:  # e.g. a width its heads do not divide
         raise UserError(str(e).replace("model_args ", "--").replace("_", "-"))
+    names = {f.name for f in fields(cfg)}  # a fork's config may lack GPT's sizes: as train.py,
+    lost = [k for k in MODEL_FLAGS if k in tc.explicit and k not in names]  # a flag it lacks
+    if lost:  # would change nothing; the command would carry it to train.py, which refuses it
+        raise UserError(f"--{lost[0].replace('_', '-')}: {type(cfg).__name__} has no field "
+                        f"{lost[0]}, so the flag would change nothing; drop it")
     check_countable(tc, cfg, a.world_size, psi, a.advise)
     preset = a.config and not psi
     flags = [f"--config {a.config}"] if preset else []
     for k, v in {**shape, "block_size": block}.items():
-        if not preset or getattr(a, k):
+        if (not preset or getattr(a, k)) and k in names:
             flags.append(f"--{k.replace('_', '-')} {v}")
     if "dataset" in tc.explicit and not (preset and tc.dataset == load_preset(a.config).get(
             "dataset")):
@@ -241,8 +248,8 @@ def print_estimate(e, cfg, gpu, optimizer="adamw"):
             ("optimizer state", st["optimizer"], "fp32 (AdamW: exp_avg, exp_avg_sq)"
              if optimizer == "adamw" else f"fp32, {optimizer}'s"),
             ("model state", st["total"], "= ZeRO.state_bytes() at start-up"),
-            ("activations", act["total"],
-             f"{cfg.n_layer} layers x {fmt(act['per_layer'])} + the rest, below"),
+            ("activations", act["total"], f"{getattr(cfg, 'n_layer', 'its')} layers x "
+             f"{fmt(act['per_layer'])} + the rest, below"),
             ("ZeRO-3 gathered units", e["gathered"], "root + a block (+ the prefetched one)"
              " (+ ZeRO++'s second shards and codes)"),
             ("loss head, transient", e["head"], "the logits' gradient + fp32 work"),
@@ -264,6 +271,15 @@ def print_estimate(e, cfg, gpu, optimizer="adamw"):
     table([[k, fmt(v)] for k, v in terms.items() if v], ["term", "bytes"])
 
 
+def sizes(cfg):
+    """The model's sizes for the estimate's first line: GPT's L, h and a, or the integer fields
+    of a fork's own config (which may name none of them)."""
+    if all(hasattr(cfg, k) for k in ("n_layer", "n_embd", "n_head")):
+        return f"L={cfg.n_layer}, h={cfg.n_embd}, a={cfg.n_head}"
+    return ", ".join(f"{k}={v}" for k, v in asdict(cfg).items()
+                     if type(v) is int and k not in ("vocab_size", "block_size"))
+
+
 def print_run(a, tc, cfg, psi, gpu):
     """memory.py without --advise: the estimate of the run these flags describe."""
     from beyond.activation_dial import Policy
@@ -275,8 +291,8 @@ def print_run(a, tc, cfg, psi, gpu):
               if r else "") + (f", {tc.quantize} base" if tc.quantize else "")
               + (", --fp8" if tc.fp8 else ""))
     bias = ", bias" if getattr(cfg, "bias", False) else ""
-    print(f"{model_py.GPT.__name__}: {e['psi']:,} parameters (L={cfg.n_layer}, h={cfg.n_embd}, "
-          f"a={cfg.n_head}, vocab {cfg.vocab_size}, block {cfg.block_size}{bias}), "
+    print(f"{model_py.GPT.__name__}: {e['psi']:,} parameters ({sizes(cfg)}, vocab "
+          f"{cfg.vocab_size}, block {cfg.block_size}{bias}), "
           f"{e['trainable']:,} trainable; {tc.dtype}, ZeRO-{tc.zero}, {a.world_size} GPU(s), "
           f"micro-batch {batch} x {cfg.block_size} tokens{extras}")
     print_estimate(e, cfg, gpu, tc.optimizer)

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from checkpoint import Reader, check_compatible, stored_shapes
-from lora import apply_lora, merge_lora, parse_targets
+from lora import apply_lora, merge_lora, parse_targets, targets_of
 from safetensors.torch import save_file
 
 from machinery import adapters, declared, hf
@@ -36,7 +36,7 @@ def rebuild(reader, weights=None):
     model_args, cfg = reader.model_args(), h["config"]
     weights = reader.weights() if weights is None else weights
     try:  # a fork's, if model.py was edited: its own config class (declared.py)
-        model = declared.build(model_py.GPT, model_args)
+        model = declared.build(model_py.GPT, model_args, h["shapes"])
     except ValueError as e:
         raise UserError(f"{reader.path}: {e}")
     if cfg.get("lora"):
@@ -44,7 +44,7 @@ def rebuild(reader, weights=None):
             settings = dict(rank=cfg["lora_rank"], alpha=cfg["lora_alpha"],
                             dropout=cfg["lora_dropout"],
                             targets=list(parse_targets(cfg["lora_targets"])))
-            check_adapter(settings, model_args["n_embd"])
+            check_adapter(settings, declared.width(model), targets_of(model.LINEARS))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise UserError(f"{reader.path}: its LoRA flags are not valid ({e})")
         apply_lora(model, **settings)

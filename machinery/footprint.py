@@ -360,9 +360,10 @@ def for_run(tc, cfg, world_size, rank=0, psi=None, batch=None, device="cuda"):
     if tc.grad_ckpt != "none":  # a technique from after the lecture: asked for by the flag
         from beyond.activation_dial import Policy
         ckpt = Policy(tc.grad_ckpt, tc.grad_ckpt_every)
+    targets = parse_targets(tc.lora_targets) if r else ()  # the model's LINEARS: LoRA's only
     return estimate(cfg, world_size, tc.zero, tc.dtype, batch,
-                    getattr(cfg, "block_size", tc.block_size), ckpt, r,
-                    parse_targets(tc.lora_targets), tc.quantize or None, psi, tc.bucket_mb, rank,
+                    getattr(cfg, "block_size", tc.block_size), ckpt, r, targets,
+                    tc.quantize or None, psi, tc.bucket_mb, rank,
                     fp32_grad_accum=tc.fp32_grad_accum and accum > 1,
                     zeropp=parse_zeropp(tc.zeropp), node_size=tc.node_size, fp8=tc.fp8,
                     fp8_history=tc.fp8_amax_history, chunked_loss=tc.chunked_loss,

@@ -236,7 +236,8 @@ def model_of(ckpt):
     """The GPT a loaded checkpoint describes, holding its weights; its sizes are checked
     before anything is built (a header may claim 10^5 layers), its weights are finite."""
     try:  # model.GPT: a fork's, if model.py was edited, with its own config (declared.py)
-        model = declared.build(model_py.GPT, ckpt["model_args"])
+        shapes = {k: list(getattr(t, "shape", ())) for k, t in dict(ckpt["model"]).items()}
+        model = declared.build(model_py.GPT, ckpt["model_args"], shapes)
         declared.load_weights(model, ckpt["model"])  # strict: every name and shape must match
     except (TypeError, ValueError, RuntimeError) as e:
         raise UserError("checkpoint does not fit model.py: " + " ".join(str(e).split()))

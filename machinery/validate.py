@@ -94,7 +94,8 @@ def check_model_args(args, config=GPTConfig):
 def check_shapes_fit(args, shapes):
     """The model a header's model_args describe must be the one its shapes hold: as many blocks,
     that width, context and vocabulary (so the model can be built at the size of the file).
-    GPT-2's names only: a fork's model (another arch) is held to its BOUNDS alone."""
+    GPT-2's names only: a fork's model (another arch), built on the meta device, is held to
+    its tensors by declared.check_holds."""
     if args.get("arch", "gpt2") != "gpt2":
         return
     blocks = {int(m.group(1)) for m in map(re.compile(r"transformer\.h\.(\d+)\.").match, shapes)

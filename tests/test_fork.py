@@ -8,14 +8,17 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
 import torch
 
 import llama
+import mlpfork
 import tinyfork
 from checkpoint import Reader, list_checkpoints
+from machinery import ckpt_reader
 from conftest import make_zero, run_distributed, run_train
 from machinery.activations import activation_bytes
 from machinery.footprint import estimate
@@ -308,6 +311,23 @@ def test_a_fork_that_is_not_a_gpt_samples_exports_and_is_estimated(data_root, tm
     assert sample.main(["--ckpt", path, "--max-new-tokens", "5"]) == 2
     assert "holds a 'tinyfork' model, model.py builds 'gpt2'" in capsys.readouterr().err
     monkeypatch.setattr(model, "GPT", tinyfork.TinyFork)
+    # a header edited (and resealed) to a width its tensors do not have: one line before the
+    # model is built at that width (GPT-2's is held by validate.check_shapes_fit; a fork's
+    # fields have no bounds: built first, a header could ask for any size)
+    edited = tmp_path / "edited"
+    shutil.copytree(path, edited)
+    header = json.load(open(edited / "checkpoint.json"))
+    header.pop("header_crc")
+    ckpt_reader.write_header(str(edited / "checkpoint.json"),
+                             {**header, "model_args": {**header["model_args"], "n_embd": 2048}})
+    monkeypatch.setattr(model, "GPT", Built)
+    with pytest.raises(UserError, match=r"describe tok.weight as \[54, 2048\], its tensors "
+                                        r"hold \[54, 32\]"):
+        export.export(str(edited), "safetensors", str(tmp_path / "e.safetensors"))
+    assert sample.main(["--ckpt", str(edited), "--max-new-tokens", "5"]) == 2
+    assert "describe tok.weight as [54, 2048]" in capsys.readouterr().err
+    assert Built.builds == [(2048, "meta")] * 2, Built.builds  # never allocated at 2048 wide
+    monkeypatch.setattr(model, "GPT", tinyfork.TinyFork)
     cfg = tinyfork.TinyConfig(**TINYFORK)
     fork = tinyfork.TinyFork(cfg)  # MFU: unknown, unless it counts its FLOPs
     assert declared.estimate_mfu(fork, 1e3, 1e12) is None
@@ -331,6 +351,15 @@ def test_a_fork_that_is_not_a_gpt_samples_exports_and_is_estimated(data_root, tm
             want = activation_bytes(cfg, 3, 16, "fp32", grad_ckpt, lora, "all", device="cpu",
                                     build=tinyfork.TinyFork)
             assert want["total"] == saved[0], (lora, grad_ckpt, want, saved[0])
+
+
+class Built(tinyfork.TinyFork):
+    """TinyFork that records each build's width and the device its weights went to."""
+    builds = []
+
+    def __init__(self, config):
+        super().__init__(config)
+        Built.builds.append((config.n_embd, self.tok.weight.device.type))
 
 
 def _own_loop(rank, world_size, tmp):
@@ -460,3 +489,97 @@ def test_what_a_fork_does_not_declare_is_one_line(data_root, tmp_path, monkeypat
         [8, 8, 4, 0]
     with pytest.raises(ValueError, match="optimizer 'adam': memory.py knows adamw"):
         state_bytes_per_param("adam")
+
+
+# ----------------------------------------------------------------------------------------------
+# the documented way in: model.py edited, in a fresh interpreter
+
+EDITED = """
+import contextlib, io, json, sys
+sys.path[:0] = [{tmp!r}, {tests!r}]
+import model                             # the copy in tmp: model.py + the forker's last line
+assert model.GPT.__name__ == "MLPFork"
+import export, memory, sample, train     # each imports model.GPT at its own import
+from checkpoint import list_checkpoints
+from configurator import UserError
+args = {args!r}
+train.main(args + ["--out-dir", {tmp!r} + "/plain"])
+train.main(args + ["--lora", "--lora-targets", "up,down", "--quantize", "nf4",
+                   "--out-dir", {tmp!r} + "/qlora"])
+assert sample.main(["--ckpt", list_checkpoints({tmp!r} + "/plain")[-1],
+                    "--max-new-tokens", "3"]) == 0
+assert export.main([list_checkpoints({tmp!r} + "/qlora")[-1], "--to", "safetensors",
+                    {tmp!r} + "/w.safetensors"]) == 0
+shape = ["--n-layer", "2", "--block-size", "16", "--vocab", "54"]
+with contextlib.redirect_stdout(io.StringIO()) as printed:
+    memory.main(shape + ["--lora", "--lora-targets", "down"])
+    command = memory.main(shape + ["--advise", "--gpu-mem", "8GB"])
+lines = {{"first": printed.getvalue().splitlines()[0], "command": command}}
+for flags in (["--n-embd", "64"], ["--lora"]):  # a size its config lacks; LoRA's default q,v
+    for main, rest in ((memory.main, shape), (train.main, args)):
+        try:
+            main(rest + flags + ["--out-dir", {tmp!r} + "/refused"])
+        except UserError as e:
+            lines[flags[0] + " " + main.__module__] = str(e)
+print(json.dumps(lines))
+"""
+
+
+@pytest.mark.slow
+def test_a_fork_brought_in_as_the_docs_say_reaches_every_command(data_root, tmp_path):
+    """docs/forking.md: "put your class there under that name ... by ending it with `from
+    mymodel import MyModel as GPT`". The other tests assign model.GPT after the commands are
+    imported; here model.py is edited, so that lora.py, memory.py and the rest read the fork
+    when they are imported, as a forker's copy does. tests/mlpfork.py declares no n_embd or
+    n_head (its d_model), LINEARS that are a block's own children, and no head(): train.py
+    (plain, and QLoRA on both its linears), sample.py, export.py --to safetensors of the QLoRA
+    checkpoint and memory.py (--advise's command names no flag its config lacks) work; a flag
+    its config lacks and LoRA's default targets it has not are one line in memory.py and
+    train.py alike. Failed before: `import train` raised AttributeError (lora.py read
+    GPT.LINEARS at import); memory.py raised AttributeError on cfg.n_embd, took --n-embd 64
+    without a word and printed --n-embd 128 --n-head 4 in --advise's command; LoRA on a
+    LINEARS path without a dot raised 'not enough values to unpack'; the export of the QLoRA
+    checkpoint said "its LoRA flags are not valid ('n_embd')"."""
+    import subprocess
+    import sys
+    tests = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(tests)
+    with open(os.path.join(root, "model.py")) as f:
+        source = f.read()
+    (tmp_path / "model.py").write_text(source + "\nfrom mlpfork import MLPFork as GPT  # noqa\n")
+    args = TINY[:2] + ["--n-layer", "2", "--block-size", "16"] + TINY[10:] + [
+        "--data-root", data_root, "--max-iters", "2", "--batch-size", "2"]
+    script = EDITED.format(tmp=str(tmp_path), tests=tests, args=args)
+    r = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["first"].startswith("MLPFork: ") and "(n_layer=2, d_model=32, vocab 54" in \
+        got["first"], got
+    assert got["command"].startswith("python train.py --n-layer 2 --block-size 16 "), got
+    assert "--n-embd" not in got["command"] and "--n-head" not in got["command"], got
+    for module in ("memory", "train"):
+        assert "--n-embd: MLPConfig has no field n_embd" in got[f"--n-embd {module}"], got
+        assert "unknown LoRA target(s) ['q', 'v']: use 'all' or a comma list of up, down" in \
+            got[f"--lora {module}"], got
+
+
+def test_linears_that_are_a_blocks_own_children_take_lora_quantization_and_fp8():
+    """LINEARS paths without a dot ("up": the block's own child) are replaced by LoRA, the
+    quantized base and FP8 alike (each split the path at its last dot: 'not enough values to
+    unpack' before); a config with no n_embd bounds a LoRA rank by the narrowest linear."""
+    import lora as L
+    import quant
+    from beyond.fp8 import FP8Linear, convert
+    from machinery import declared
+    x = torch.randint(0, 40, (2, 16))
+    for change in ("lora", "quantize", "fp8"):
+        torch.manual_seed(0)
+        fork = mlpfork.MLPFork(mlpfork.MLPConfig(vocab_size=40))
+        names = (L.apply_lora(fork, 4, targets="all") if change == "lora" else
+                 quant.quantize_base(fork, "nf4") if change == "quantize" else convert(fork))
+        assert names == ["layers.0.up", "layers.0.down", "layers.1.up", "layers.1.down"]
+        kind = {"lora": L.LoRALinear, "quantize": quant.QuantLinear, "fp8": FP8Linear}[change]
+        assert all(isinstance(b.up, kind) and isinstance(b.down, kind) for b in fork.blocks())
+        assert fork(x, x)[1].isfinite()
+    assert declared.width(mlpfork.MLPFork(mlpfork.MLPConfig(d_model=24))) == 24  # up: 24x48

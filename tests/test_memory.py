@@ -124,6 +124,15 @@ def test_cli_counts_adafactor_on_its_layout(capsys):
             main(flags + bad + ["--optimizer", "adafactor"])
     lines, cmd = advise(GPTConfig(**SMALL), 2, 1e10, "bf16", optimizer="adafactor")
     assert "Adafactor is not a train.py --optimizer" in lines[-1] and "--lora" not in cmd
+    # where the plan offloads (a 7B on one 80 GB GPU), what to build says so, and the CPU step
+    # is priced at AdamW's rate, named as such (was: 'build beyond.muon.WholeZeRO', 'CPU AdamW')
+    seven = GPTConfig(block_size=2048, vocab_size=50257, n_layer=32, n_head=32, n_embd=4096)
+    lines, cmd = advise(seven, 1, 80e9, "bf16", optimizer="adafactor")
+    assert "8 B/parameter, the lecture's is AdamW's 16;" in lines[1], lines[1]
+    assert "--offload-optimizer" in cmd and "of CPU adafactor (at AdamW's rate) a step" in \
+        lines[-2], lines
+    assert "build beyond.offload_optimizer.offload_engine(beyond.muon.WholeZeRO) with " \
+        "optimizer=torch.optim.Adafactor" in lines[-1], lines
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
@@ -367,3 +376,19 @@ def test_out_of_memory_on_several_gpus_names_nccl(monkeypatch):
     assert "NCCL's communicators included (1 a rank at ZeRO-0, 2 at stages 1-3, 4 under ZeRO++" \
         " across nodes; ~1.6 GB each" in out_of_memory(cuda)  # footprint.nccl_communicators
     assert "NCCL" not in out_of_memory(cpu) and "lower --batch-size" in out_of_memory(cpu)
+
+
+def test_advise_keeps_one_gpu_where_nccls_allowance_leaves_several_no_room():
+    """A small model on small GPUs: one holds it, but on two each rank also joins NCCL's
+    communicators (3.2 GB allowed), and no micro-batch fits. --advise says so and prints the
+    one-GPU command; before, it said "does not fit ... fits on 1 of these GPUs" and gave no
+    command."""
+    cfg = GPTConfig(**SMALL)
+    lines, cmd = advise(cfg, 2, 2e9)
+    assert "one GPU, not 2: on 2 each rank joins NCCL's communicators" in lines[-1], lines
+    assert cmd.startswith("python train.py ") and "--zero" not in cmd, cmd
+    b = int(cmd.split("--batch-size ")[1].split()[0])
+    one = lambda b: estimate(cfg, 1, 0, "bf16", batch=b, chunked_loss=True)  # advise's
+    assert estimator.fits(one(b), 2e9) and (b == 4096 or not estimator.fits(one(b + 1), 2e9))
+    lines, cmd = advise(cfg, 2, 10e9)  # room for NCCL: ZeRO-2 on both, as before
+    assert cmd.startswith("torchrun --nproc_per_node=2 train.py") and "--zero 2" in cmd

@@ -342,6 +342,20 @@ def test_a_delayed_run_resumes_exactly(data_root, tmp_path):
     delayed = ["--offload-optimizer", "delayed"]
     full = resumes_exactly(args + delayed + ["--ckpt-format", "sharded"], tmp_path, 2)
     resumes_exactly(args + delayed + ["--bf16"], tmp_path / "bf16", 2)
+    # export.py (and sample.py, --init-from: Reader.weights) read the master of a delayed
+    # checkpoint, update t, one ahead of the weights in use, which the consolidated file keeps too
+    import export
+    from checkpoint import Reader
+    from safetensors.torch import load_file
+    saved = sorted(p for p in (tmp_path / "bf16" / "split").iterdir() if p.name[:5] == "ckpt-")
+    reader = Reader(str(saved[0]))
+    export.export(str(saved[0]), "safetensors", str(tmp_path / "w.safetensors"))
+    written = load_file(str(tmp_path / "w.safetensors"))
+    in_use = {n: reader.read(n, "in_use", 0, reader.numel(n)) for n in reader.header["shapes"]}
+    assert reader.header["delayed"] and written.keys() == in_use.keys()
+    for n, t in written.items():
+        assert torch.equal(t.flatten(), reader.read(n, "master", 0, reader.numel(n))), n
+    assert any(not torch.equal(t.flatten(), in_use[n]) for n, t in written.items())
     split = tmp_path / "split"
     for name, flags, nproc in (("undelayed", ["--offload-optimizer", "overlap"], 2),
                                ("three", delayed + ["--zero", "3", "--batch-size", "4"], 3)):
