@@ -124,6 +124,8 @@ def parse_bytes(text, flag="--gpu-mem"):
     units = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "TB": 1e12, "GB": 1e9, "MB": 1e6, "B": 1}
     t = text.strip().upper()
     unit = next((u for u in units if t.endswith(u)), "")
+    if not unit and t.replace(".", "", 1).isdigit():  # '24' would be 24 bytes: nothing fits
+        raise UserError(f"{flag} {text}: give its unit, e.g. {text}GB or {text}GiB")
     try:
         n = float(t[:len(t) - len(unit)]) * units.get(unit, 1)
     except ValueError:

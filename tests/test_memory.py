@@ -249,6 +249,9 @@ def test_cli_estimate(capsys):
     assert main(flags)["state"]["grads"] == e["state"]["grads"] * 2  # fp32: 4 bytes, not 2
     with pytest.raises(UserError):
         main(["--params", "1e9", "--gpu-mem", "80XB"])
+    for bare in ("24", "80"):  # a number alone was bytes: "0.0 GB usable", every plan refused
+        with pytest.raises(UserError, match=f"--gpu-mem {bare}: give its unit, e.g. {bare}GB"):
+            main(["--params", "1e9", "--gpu-mem", bare])
     with pytest.raises(UserError):
         main(["--n-layer", "2", "--n-embd", "10", "--n-head", "3"])  # 10 is not divisible by 3
 
