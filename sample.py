@@ -100,7 +100,9 @@ def sample(args):
 
     # every check passed: say what is sampled
     print(f"sampling from {what}" + (f" (iteration {ckpt['iter']})" if "iter" in ckpt else "")
-          + (f" + {args.adapter}" if args.adapter else "") + f", on {device.type}, {args.dtype}",
+          + (f" + {args.adapter}" if args.adapter else "")
+          + (", a LoRA run's: its base and adapters merged" if ckpt.get("lora") else "")
+          + f", on {device.type}, {args.dtype}",
           file=sys.stderr)
     # all samples in one batch: one forward per new token, not one per token and sample
     x = torch.tensor([ids], dtype=torch.long, device=device).expand(args.num_samples, -1)  # (S, T)

@@ -190,7 +190,11 @@ def load_checkpoint(path):
     model_args and meta), read with weights_only=True: {model, model_args, meta[, iter]}."""
     if os.path.isdir(path):
         reader = Reader(path)
-        return {"model_args": reader.model_args(), "model": reader.weights(),
+        lora = bool(reader.header["config"].get("lora"))
+        if lora:  # a LoRA run's: what it trained, as `export.py --merge` writes it
+            from machinery import exporter
+        weights = exporter.merged_weights(reader) if lora else reader.weights()
+        return {"model_args": reader.model_args(), "model": weights, "lora": lora,
                 "meta": reader.header["meta"], "iter": reader.header["iter"]}
     if not os.path.isfile(path):
         raise UserError(f"no checkpoint at {path}: train one first, e.g. "

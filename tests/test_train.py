@@ -176,7 +176,7 @@ def test_grad_ckpt_saves_at_least_two_thirds_of_activation_memory():
     assert measured[True] * 3 <= measured[False], measured
 
 
-def test_lora_fine_tuning_flow_end_to_end(data_root, tmp_path):
+def test_lora_fine_tuning_flow_end_to_end(data_root, tmp_path, capsys):
     """Pretrain; --init-from that checkpoint with --lora (ZeRO-3, --grad-ckpt, nf4 base, 2 ranks)
     on another text (--input, encoded in the base's vocabulary); sample with the adapter."""
     pre = tmp_path / "pre"
@@ -199,6 +199,13 @@ def test_lora_fine_tuning_flow_end_to_end(data_root, tmp_path):
                         "--max-new-tokens", "20", "--num-samples", "1", "--start", "T"], cwd=ROOT,
                        capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0 and r.stdout.startswith("T"), r.stderr
+    # the LoRA run's own checkpoint samples too: its nf4 base dequantized, its adapters merged
+    # (it was "checkpoint does not fit model.py: ...lora_A is not in this model")
+    import sample
+    assert sample.main(["--out-dir", str(tmp_path / "ft"), "--max-new-tokens", "20",
+                        "--num-samples", "1", "--start", "T", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("T") and "a LoRA run's: its base and adapters merged" in err, (out, err)
 
 
 @pytest.mark.slow
