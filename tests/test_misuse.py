@@ -218,6 +218,15 @@ def grad_scaled_between_micro_steps(model, e, loss):
     e.step()
 
 
+def backward_twice_retaining_the_graph(model, e, loss):  # one forward, its gradient twice
+    model.zero_grad()
+    once = loss(0)
+    once.backward(retain_graph=True)
+    once.backward()
+    e.finish_backward()
+    e.step()
+
+
 def step_twice(model, e, loss):
     model.zero_grad()
     loss(0).backward()
@@ -249,6 +258,7 @@ ROWS = {
     finish_twice: None,
     backward_after_clip: "backward after",
     step_twice: "no gradient since the last step",
+    backward_twice_retaining_the_graph: None,
     grad_set_between_micro_steps: None,
     grad_scaled_between_micro_steps: None,
 }
@@ -310,6 +320,7 @@ def run_row(row, optimizer, stage, rank, world_size):
 # partly reduced (this rank's slice) and partly not, so it has no one value to change or keep;
 # at stages 2-3 p.grad is a HeldGrad
 OTHERWISE = {two_losses_then_two_backwards: {3: "one backward per forward"},
+             backward_twice_retaining_the_graph: {3: "one backward per forward"},
              grad_set_between_micro_steps: {1: "out.weight.grad was"},
              grad_scaled_between_micro_steps: {1: "out.weight.grad was",
                                                2: "out.weight.grad was",
