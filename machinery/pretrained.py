@@ -40,12 +40,17 @@ def is_checkpoint(path):
 
 def open_init(cfg):
     """--init-from: (checkpoint.Reader, None, its data's meta) for a checkpoint folder of ours;
-    (None, the local folder or file, GPT-2 BPE's meta) for a Hugging Face GPT-2, whose config
-    sets cfg's model flags (hf_flags); (None, None, None) without --init-from."""
+    (None, the local folder or file, GPT-2 BPE's meta) for a Hugging Face GPT-2; (None, None,
+    None) without --init-from. Either way the model flags not given are the source's model's
+    (ours: its model_args; Hugging Face's: its config.json, hf_flags)."""
     if not cfg.init_from:
         return None, None, None
     if is_checkpoint(cfg.init_from):
         reader = Reader(cfg.init_from)
+        saved = reader.model_args()
+        for name in SHAPE_FLAGS:  # a flag given must agree: init_weights says so in one line
+            if name in saved and name not in getattr(cfg, "explicit", ()):
+                setattr(cfg, name, saved[name])
         return reader, None, reader.header["meta"]
     source, meta = hf_flags(cfg)
     return None, source, meta

@@ -151,6 +151,20 @@ def val_losses(out):
     return [r["val_loss"] for r in rundir.read_metrics(out / "metrics.jsonl") if "val_loss" in r]
 
 
+def test_init_from_a_checkpoint_takes_its_model_unless_a_flag_says_otherwise(data_root, tmp_path):
+    """--init-from CKPT with no model flag builds the checkpoint's model (as --init-from gpt2
+    reads config.json), where it refused 'use the same model flags'; a flag given that
+    contradicts it is still refused in one line."""
+    run(data_root, tmp_path / "pre", "--max-iters", "2")
+    ckpt = list_checkpoints(tmp_path / "pre")[-1]
+    bare = ["--device", "cpu", "--batch-size", "4", "--eval-iters", "1", "--dataset", "tiny",
+            "--data-root", data_root, "--max-iters", "1", "--init-from", ckpt]
+    train.main(bare + ["--out-dir", str(tmp_path / "ft")])
+    assert val_losses(tmp_path / "ft")[0] == val_losses(tmp_path / "pre")[-1]
+    with pytest.raises(UserError, match="another model .*n_embd 32 vs 48"):
+        train.main(bare + ["--n-embd", "48", "--out-dir", str(tmp_path / "wide")])
+
+
 def test_init_from_a_qlora_checkpoint(data_root, tmp_path, capsys):
     qlora = ["--lora", "--quantize", "nf4", "--double-quant", "--lora-targets", "q,v,mlp_fc"]
     run(data_root, tmp_path / "q", *SCHEDULE, *qlora, "--max-iters", "3",
