@@ -172,9 +172,9 @@ class TrainConfig:
                                  choices=("none", "plain", "overlap", "delayed"), nargs="?",
                                  const="overlap")
     compile: bool = opt(False, "torch.compile each block's forward and the loss head")
-    cudnn_attention: bool = opt(True, "CUDA: cuDNN's attention kernel first where PyTorch "
-                                      "trusts it (Hopper, Blackwell; cuDNN >= 9.15.1; torch "
-                                      ">= 2.6); off: FlashAttention-2 first")
+    cudnn_attention: bool = opt(True, "CUDA: SDPA's kernels in PyTorch's order (cuDNN's "
+                                      "attention first on Hopper and Blackwell with cuDNN >= "
+                                      "9.15.1, torch >= 2.10); off: cuDNN's last")
     chunked_loss: bool = opt(False, "the loss head's fp32 softmax a chunk of rows at a time "
                                     "(beyond/chunked_loss.py; pays at a 50k vocabulary: "
                                     "config/gpt2_124m.py sets it); off: model.py's plain head")

@@ -2,14 +2,12 @@
 The optimizer, built in one place, from a name, a class or a function. ZeRO (zero.py) hands it
 this rank's fp32 master: 1-D pieces of flat buckets, or a parameter's own shape where the rank
 owns all of it. An elementwise optimizer shards like the master weights at every stage; one
-whose step reads a tensor whole (Muon, Adafactor: elementwise() tells) needs each tensor
-whole on one rank, which beyond/muon.py's WholeZeRO deals.
+whose step reads a tensor whole (Muon, Adafactor) needs each tensor whole on one rank, which
+beyond/muon.py's WholeZeRO deals.
 
   - Loshchilov & Hutter 2019 (AdamW): two fp32 moments, 8 bytes a parameter
   - SGD with momentum (Polyak 1964): one fp32 buffer, 4 bytes
-  - Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms" (Lion), Algorithm 2:
-    the sign of an interpolation of momentum and gradient, one buffer, 4 bytes
-  - Muon (beyond/muon.py): each weight matrix's update orthogonalised; built there
+  - Lion (beyond/lion.py) and Muon (beyond/muon.py), techniques after the lecture: built there
 
 The ZeRO paper's (2 + 2 + K)Ψ takes its K from here: the fp32 master (4 bytes, 16-bit runs
 only) plus STATE_BYTES. A step with an inf/NaN gradient is skipped: on the device by an
@@ -23,46 +21,6 @@ OPTIMIZERS = ("adamw", "sgd", "lion", "muon")  # --optimizer: the one list of na
 # optimizer and layout are beyond/muon.py's: its WholeZeRO builds it)
 STATE_BYTES = {"adamw": 8, "sgd": 4, "lion": 4, "muon": 4}  # fp32 state a parameter (Muon's
 # matrices: a momentum; its embeddings, head and 1-D parameters take AdamW's 8)
-
-
-class Lion(torch.optim.Optimizer):
-    """Lion (Chen et al. 2023, Algorithm 2) with decoupled weight decay:
-        update = sign(beta1 * m + (1 - beta1) * g)
-        p      = p - lr * (update + weight_decay * p)
-        m      = beta2 * m + (1 - beta2) * g
-    The sign gives every coordinate a step of exactly lr: take a learning rate 3-10x smaller
-    than AdamW's (the paper, Sec. 5), and a larger weight decay to keep lr * wd alike."""
-    _step_supports_amp_scaling = True  # reads found_inf: skips on the device
-
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
-        self.found_inf = None
-
-    @torch.no_grad()
-    def step(self):
-        """The update above, each line one multi-tensor kernel over a group's tensors
-        (torch._foreach_*: the same arithmetic, element for element, in fewer launches)."""
-        skip = self.found_inf  # a device tensor: 1.0 skips the step, read by no one here
-        keep, gone = (None, None) if skip is None else (1.0 - skip, skip > 0)
-        for group in self.param_groups:
-            (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
-            ps = [p for p in group["params"] if p.grad is not None]
-            if not ps:
-                continue
-            # a skipped step's inf/NaN gradient made 0 (inf * 0 is NaN): one kernel a tensor,
-            # there is no foreach where
-            gs = [p.grad if skip is None else torch.where(gone, 0.0, p.grad) for p in ps]
-            ms = [self.state[p].setdefault("exp_avg", torch.zeros_like(p)) for p in ps]
-            update = torch._foreach_lerp(gs, ms, beta1)  # beta1 * m + (1 - beta1) * g
-            torch._foreach_sign_(update)
-            step = lr if keep is None else lr * keep  # 0 on a skipped step: p unchanged
-            if wd:
-                torch._foreach_mul_(ps, 1 - step * wd)
-            torch._foreach_mul_(update, -step)
-            torch._foreach_add_(ps, update)
-            diff = torch._foreach_sub(gs, ms)  # m += (g - m) * (1 - beta2)
-            torch._foreach_mul_(diff, (1 - beta2) if keep is None else (1 - beta2) * keep)
-            torch._foreach_add_(ms, diff)
 
 
 # Our names' hyperparameters where the caller gives none (GPT-2/3's decay, AdamW's lr)
@@ -94,7 +52,7 @@ def param_groups(pieces, optimizer, weight_decay=None, decay=None):
 
 def build(optimizer, groups, lr=None, betas=(0.9, 0.95), eps=1e-8):
     """The optimizer over param groups. `optimizer` is:
-      a name   adamw | sgd (beta1 as its momentum) | lion, with lr (default LR), betas, eps
+      a name   adamw | sgd (beta1 as its momentum), with lr (default LR), betas, eps
       a class  a torch.optim.Optimizer subclass, called as cls(groups), with lr= if given
       else     a function of the groups: functools.partial(torch.optim.SGD, lr=0.1), say
     """
@@ -107,29 +65,11 @@ def build(optimizer, groups, lr=None, betas=(0.9, 0.95), eps=1e-8):
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
     if optimizer == "sgd":  # weight decay as torch's SGD has it: coupled, added to the gradient
         return torch.optim.SGD(groups, lr=lr, momentum=betas[0], fused=True)
-    if optimizer == "lion":
-        return Lion(groups, lr=lr, betas=betas)
-    if optimizer == "muon":  # a technique from after the lecture, with its own layout
-        raise ValueError("muon steps whole matrices: beyond.muon.WholeZeRO builds it")
+    if optimizer in ("lion", "muon"):  # techniques from after the lecture: beyond/ builds them
+        raise ValueError(f"{optimizer} is built after the lecture (beyond/): use the engines "
+                         "of machinery/engines.py, which know the name")
     raise ValueError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}, "
                      "a torch.optim.Optimizer subclass or a function of the param groups")
-
-
-# optimizers whose step treats every element alone: flat pieces of buckets step as the whole
-# (any other, Adafactor say, goes to beyond/muon.py's WholeZeRO)
-ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,
-               torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-               torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD, Lion)
-
-
-def elementwise(optimizer):
-    """Whether the optimizer's step treats every element alone, so that zero.py may hand it flat
-    pieces: our names but Muon, torch's elementwise classes (a partial's class too). A function
-    of the groups is taken as elementwise: nothing more can be known of it."""
-    if isinstance(optimizer, str):
-        return optimizer != "muon"
-    cls = getattr(optimizer, "func", optimizer)  # functools.partial(torch.optim.SGD, ...)
-    return not isinstance(cls, type) or issubclass(cls, ELEMENTWISE)
 
 
 def skip_on_host(opt):

@@ -19,15 +19,16 @@ Stages 0-2 move the same 2Ψ elements per step. A ring all-reduce *is* a
 reduce-scatter followed by an all-gather; stages 1-2 do the two halves at
 different times, and update only their own shard in between.
 
-Read this file in five parts:
+Read this file in four parts:
   0. the table's numbers as functions: zero_formula (bytes), traffic_formula (elements sent)
   1. NaiveZeRO: the idea in one screen, synchronous, after a plain backward
   2. the layout: parameters packed into flat buckets, the pieces a rank owns
   3. ZeRO, the engine train.py runs: the same four steps, overlapped with backward
      and with the next forward, its protocol numbered (1)-(6) on the code lines
-  4. a loop of one's own (the engine's last methods, then HeldGrad and Params): the engine
-     knows where its step is (phase), so that a misuse means what plain PyTorch means on
-     one process, or is one line
+
+The engine expects train.py's loop: backward(loss, sync) per micro-step, then master_grads,
+clip_grad_norm_, step and publish. A loop of one's own that calls it in another order is
+guarded from outside (machinery/guard.py): what a misuse means there is docs/forking.md's.
 """
 import math
 from contextlib import contextmanager, nullcontext
@@ -35,11 +36,10 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 import optim
-from collectives import (Traffic, all_gather_list, all_gather_params, all_reduce_grads,
-                         all_reduce_sum, broadcast, gather_group, reduce_scatter_grads)
+from collectives import (Traffic, all_gather_params, all_reduce_grads, all_reduce_sum,
+                         gather_group, reduce_scatter_grads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,7 +58,7 @@ def zero_formula(psi, stage, world_size, dtype, optimizer="adamw"):
     In fp32 a weight and a gradient are 4 bytes each, and there is no master copy:
     the fp32 weights are the master."""
     w = 4 if dtype == torch.float32 else 2  # bytes of a working weight / gradient
-    k = optim.STATE_BYTES[optimizer] + (0 if dtype == torch.float32 else 4)  # + the master
+    k = optim.STATE_BYTES[optimizer.lower()] + (0 if dtype == torch.float32 else 4)  # + master
     sharded = lambda by_stage: world_size if stage >= by_stage else 1
     opt, grads = k * psi / sharded(1), w * psi / sharded(2)
     params = w * psi / sharded(3)
@@ -163,52 +163,15 @@ def plan_buckets(numels, cap):
 
 
 def frozen_tensors(module, keep=lambda t: True):
-    """What a module holds but never trains: frozen parameters (LoRA's base) and the persistent
-    buffers of modules whose buffers are a weight (quant.py's codes and scales, not nf4's shared
-    16-value code table). Any other persistent buffer would silently become sharded, cast and
-    checkpointed model state: one line says what to do instead."""
+    """What a module holds but never trains, as model state: its frozen parameters (LoRA's base)
+    and the persistent buffers of modules whose buffers are a weight (BUFFERS_ARE_STATE:
+    quant.py's codes and scales). Stages 0-2 keep them whole on every rank, stage 3 shards them."""
     frozen = [p for p in module.parameters() if not p.requires_grad and keep(p)]
-    for name, m in module.named_modules():
-        for key, b in m._buffers.items():
-            if b is None or key in m._non_persistent_buffers_set or not keep(b):
-                continue
-            if not getattr(m, "BUFFERS_ARE_STATE", False):
-                raise ValueError(f"{name}.{key} is a persistent buffer: ZeRO would shard, cast and "
-                                 "checkpoint it as model state. Register it with "
-                                 "persistent=False if it is recomputed, or make it a frozen "
-                                 "nn.Parameter")
-            frozen.append(b)
+    for m in module.modules():
+        if getattr(m, "BUFFERS_ARE_STATE", False):
+            frozen += [b for key, b in m._buffers.items() if b is not None and keep(b)
+                       and key not in m._non_persistent_buffers_set]
     return frozen
-
-
-@torch.no_grad()
-def check_same_weights(tensors, world_size, group=None):
-    """Every rank must start from the same weights: ZeRO would otherwise mix them, shard by
-    shard. One all-gather of each tensor's sum and sum of squares (float64); a mismatch is one
-    line, on every rank."""
-    if world_size == 1 or not tensors:
-        return
-    mine = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()])
-                        for t in tensors]).reshape(-1)
-    every = all_gather_list([torch.empty_like(mine) for _ in range(world_size)], mine,
-                            world_size, group, label="same weights")
-    bad = [r for r, theirs in enumerate(every) if not torch.equal(theirs, every[0])]
-    if bad:
-        raise ValueError(f"rank {bad[0]} holds other initial weights than rank 0: build the "
-                         "model alike on every rank (the same torch.manual_seed before it)")
-
-
-@torch.no_grad()
-def broadcast_weights(tensors, src, world_size, group=None):
-    """Rank src's values into every rank's tensors, as DDP does when it wraps a model: ranks
-    that built their weights apart (another seed each) then start from one model."""
-    if world_size == 1:
-        return
-    for t in tensors:
-        buf = t.detach().contiguous()  # t itself when contiguous
-        broadcast(buf, src, world_size, group, label="broadcast weights")
-        if buf.data_ptr() != t.data_ptr():
-            t.detach().copy_(buf)
 
 
 @dataclass
@@ -252,8 +215,6 @@ class Bucket:
         self.grad_shard = None  # stages 2-3: only this rank's reduced slice of it
         self.segments = []  # the pieces of its parameters this rank owns, in order
         self.ready = 0  # parameters whose gradient has landed in this backward
-        self.carry = None  # stage 1, a second backward before a step: the first's reduced slice
-        self.version = 0  # stages 0-1: flat_grad's version when the engine last wrote it
 
     def layout(self, numels, world_size, pad):
         """(each tensor's offset in the flat buffer, the buffer's numel): packed in order, and
@@ -311,69 +272,36 @@ def declared_blocks(model):
 # next bucket's backward while a rank never holds more than two buckets of them.
 MAX_IN_FLIGHT = 2
 
-# Where the step is. A loop of one's own (docs/forking.md) may call the engine in any order
-# plain PyTorch allows. The engine knows the step's phase and, at each entry point (the
-# gradient hooks, the model's forward, finish_backward, the step's calls, zero_grad), does
-# what plain PyTorch means on one process or refuses in one line. The phase follows from the
-# loop's calls alone: every rank decides alike, none waits in a collective the others skip.
-STEPPED = "stepped"    # no gradient since the last step() or zero_grad() (or the start)
-BACKWARD = "backward"  # a backward's gradients arrive and are reduced; not all landed yet
-LOCAL = "local"        # gradients accumulated on this rank only (no_sync at stages 0-1)
-FINISHED = "finished"  # every gradient reduced and landed: step() may run
-
 
 class ZeRO:
     """Owns the trainable parameters' flat buckets, this rank's fp32 master slice and its
     optimizer. The model: on its device, in its working dtype, built alike on every rank.
 
-    Per micro-step backward(loss, sync), or loss.backward() then finish_backward() in a loop
-    of your own (no_sync() as DDP's); per step master_grads, clip_grad_norm_, step, publish.
-    model: a module, or its parameters (Params). optimizer: a name, an Optimizer class or a
-    function of the groups (optim.build); lr, weight_decay, decay(name, param): for a class or
-    a function only if given (optim.param_groups); master_weights: {name: fp32 tensor}, the
-    values the master starts from; broadcast_from: a rank whose weights every rank takes (as
-    DDP does), else ranks that differ are refused. An optimizer that reads whole tensors (Muon,
-    Adafactor) is refused in one line: beyond/muon.py's WholeZeRO deals them (docs/forking.md)."""
+    Per micro-step backward(loss, sync); per step master_grads, clip_grad_norm_, step, publish.
+    optimizer: a name, an Optimizer class or a function of the groups (optim.build); lr,
+    weight_decay, decay(name, param): for a class or a function only if given
+    (optim.param_groups); master_weights: {name: fp32 tensor}, the values the master starts
+    from (a master made from 16-bit weights would keep only their 16 bits)."""
     STAGES = (0, 1, 2)
-    STAGE3 = "zero3.ZeRO3"  # the engine that stage 3 is
 
     def __init__(self, model, stage, lr=None, betas=(0.9, 0.95), weight_decay=None, eps=1e-8,
                  bucket_mb=25.0, rank=0, world_size=1, group=None, fp32_grad_accum=False,
-                 reduce_dtype=None, optimizer="adamw", decay=None, master_weights=None,
-                 broadcast_from=None):
-        if stage not in self.STAGES:
-            also = f": stage 3 shards the weights too, {self.STAGE3} (the same arguments)" \
-                if stage == 3 else ""
-            raise ValueError(f"{type(self).__name__} runs ZeRO stages {self.STAGES}, not "
-                             f"{stage}{also}")
-        model = model if isinstance(model, torch.nn.Module) else Params(model)
-        self.publish_in_step = isinstance(model, Params)  # no forward to wait for weights in
+                 reduce_dtype=None, optimizer="adamw", decay=None, master_weights=None):
+        assert stage in self.STAGES, f"{type(self).__name__} runs stages {self.STAGES}"
+        self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
         self.optimizer = optimizer if isinstance(optimizer, str) else \
             getattr(getattr(optimizer, "func", optimizer), "__name__", "custom")  # a partial's
-        self.check_optimizer(optimizer, stage)
-        self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
         self.bucket_mb, self.traffic = bucket_mb, Traffic()
-        # all-gathers on a group of their own (collectives.py; stage 0 never all-gathers)
-        device = next(model.parameters()).device
-        self.gather_group = gather_group(group, device, world_size) if stage >= 1 else group
         # named_parameters() skips the tied weight's second name; frozen tensors stay out
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("the model has no trainable parameters")
         self.names = {}  # model.state_dict()'s name of every tensor (the tied one: its first)
         for n, t in model.state_dict(keep_vars=True).items():
             self.names.setdefault(id(t), n)
-        self.gathered_bytes = self.peak_gathered_bytes = 0  # full buffers gathered now / at most
         self.frozen = frozen_tensors(model)  # model state too: counted by state_bytes()
-        if broadcast_from is not None:  # rank broadcast_from's weights, for every rank
-            broadcast_weights([p for _, p in named] + self.frozen, broadcast_from, world_size,
-                              group)
-            if master_weights is not None:
-                broadcast_weights([master_weights[k] for k in sorted(master_weights)],
-                                  broadcast_from, world_size, group)
-        else:
-            check_same_weights([p for _, p in named] + self.frozen, world_size, group)
         self.dtype, self.device = named[0][1].dtype, named[0][1].device
+        # all-gathers on a group of their own (collectives.py; stage 0 never all-gathers)
+        self.gather_group = gather_group(group, self.device, world_size) if stage else group
+        self.gathered_bytes = self.peak_gathered_bytes = 0  # full buffers gathered now / at most
         self.psi = sum(p.numel() for _, p in named)  # Ψ, each weight counted once
         self.frozen_numel = sum(t.numel() for t in self.frozen)
         # a 16-bit sum over micro-steps loses the small contributions (Megatron and DeepSpeed's
@@ -408,43 +336,14 @@ class ZeRO:
             optim.init_state(self.opt, [s.master for s in self.segments])
 
         self.sync, self.next_bucket, self.in_flight = True, 0, []
-        self.unpublished = False  # a step's new weights not yet published
+        self.prepared = False  # master_grads() ran in this step
         self.publishing = {}  # bucket index -> (its publish all-gather, the shard it sends)
         self.publish_order = list(range(len(self.buckets)))
         if self.stage in (1, 2):
             self._order_publish(model)
-        self._hook(model)
-
-    def _hook(self, model):
-        """Where the step is (phase) and the hooks that follow it: before and after each
-        gradient is added in (-> (3)), and before the model's forward."""
-        self.phase, self.prepared, self.fresh = STEPPED, False, True  # prepared: master_grads()
-        self.arrived = set()  # ids of the parameters whose gradient arrived in this backward
-        # what p.grad is while the engine holds the gradient: its view into the bucket (stages
-        # 0-1, set in _new_bucket), or a HeldGrad
-        self.held = {id(p): p.grad if self._viewed(b) else HeldGrad(p, self.names[id(p)])
-                     for b in self.buckets for p in b.params}
-        self.pieces = {}  # id(p) -> the segments of p this rank owns
-        for s in self.segments:
-            self.pieces.setdefault(id(s.param), []).append(s)
-        model.register_forward_pre_hook(lambda m, args: self._before_forward(), prepend=True)
         for b in self.buckets:
             for p in b.params:
-                p.register_hook(lambda grad, p=p: self._grad_arriving(p))
                 p.register_post_accumulate_grad_hook(self._grad_ready)  # -> (3)
-
-    def check_optimizer(self, optimizer, stage):
-        """This engine hands the optimizer flat 1-D pieces of buckets, one group for all
-        matrices: an optimizer whose step reads a tensor whole (Muon orthogonalises each matrix,
-        Adafactor factors its statistics) would silently step the wrong thing. One line instead."""
-        if optim.elementwise(optimizer):
-            return
-        if stage == 3:
-            raise ValueError(f"{self.optimizer} steps each tensor whole, and ZeRO-3 shards every "
-                             "tensor over the ranks: use beyond.muon.WholeZeRO3, which deals "
-                             "whole tensors")
-        raise ValueError(f"{self.optimizer} steps each tensor whole, and zero.ZeRO steps flat "
-                         "pieces of buckets: use beyond.muon.WholeZeRO, which deals whole tensors")
 
     def make_optimizer(self, optimizer, groups, **hyper):
         """optim.build's optimizer over the groups (beyond/muon.py's WholeZeRO adds Muon)."""
@@ -503,15 +402,10 @@ class ZeRO:
 
     def _grad_ready(self, p):  # autograd's hook: p's gradient of this micro-step is complete
         b, offset = self.where[id(p)]
-        if b.flat_grad is not None and not self._viewed(b):
+        if b.flat_grad is not None and b.flat_grad.dtype != self.dtype:
             # fp32 accumulation (stages 0-1): add the 16-bit gradient in, free it
             b.flat_grad[offset:offset + p.numel()] += p.grad.reshape(-1)
-            p.grad = self.held[id(p)]
-        elif b.flat_grad is not None and p.grad is not self.held[id(p)]:
-            # autograd replaced the view (create_graph=True adds out of place): stages 0-1
-            # reduce the bucket, not p.grad, so it is copied in, as DDP's reducer does
-            self.held[id(p)].copy_(p.grad)
-            p.grad = self.held[id(p)]
+            p.grad = None
         if not self.sync:
             return  # stages 0-1, not the last micro-step: gradients accumulate locally
         b.ready += 1
@@ -536,8 +430,6 @@ class ZeRO:
             send = self._grads_to_flat(b)
         if N > 1:
             send.div_(N)
-        if self._viewed(b):  # from here the loop must not change it: _check_held
-            b.version = b.flat_grad._version
         if self.stage == 0:  # plain data parallelism: every rank gets the whole sum, in place
             work = all_reduce_grads(send, self.traffic, N, self.group, label=b.label)
             into = None if send is b.flat_grad else b.flat_grad
@@ -551,21 +443,20 @@ class ZeRO:
 
     def _grads_to_flat(self, b):
         """ZeRO-2: the bucket's gradients in a temporary flat buffer that lives until its
-        reduce-scatter lands (never 2Ψ held); each .grad is freed once copied, p.grad then
-        the HeldGrad. A parameter unused in this backward (or cleared) sends zeros. One
-        multi-tensor copy (torch._foreach_copy_) rather than a kernel per parameter."""
+        reduce-scatter lands (never 2Ψ held); each .grad is released once copied. A parameter
+        unused in this backward sends zeros. One multi-tensor copy (torch._foreach_copy_)
+        rather than a kernel per parameter."""
         dtype = self.reduce_dtype if self.world_size > 1 else self.dtype
         flat = torch.empty(b.numel, dtype=dtype, device=self.device)
-        fresh = lambda p: p.grad is not None and not isinstance(p.grad, HeldGrad)
-        used = [(p, o) for p, o in zip(b.params, b.offsets) if fresh(p)]
-        unused = [(o, o + p.numel()) for p, o in zip(b.params, b.offsets) if not fresh(p)]
+        used = [(p, o) for p, o in zip(b.params, b.offsets) if p.grad is not None]
+        unused = [(o, o + p.numel()) for p, o in zip(b.params, b.offsets) if p.grad is None]
         if b.gaps or unused:  # the padding, and parameters unused in this backward
             torch._foreach_zero_([flat[lo:hi] for lo, hi in b.gaps + unused])
         if used:
             torch._foreach_copy_([flat[o:o + p.numel()] for p, o in used],
                                  [p.grad.reshape(-1) for p, _ in used])
         for p, _ in used:
-            p.grad = self.held[id(p)]
+            p.grad = None  # stage 2: the full gradient is not kept past its copy
         return flat
 
     def backward(self, loss, sync=True):
@@ -578,8 +469,7 @@ class ZeRO:
     @contextmanager
     def no_sync(self):
         """Around the backward of every micro-step but the last, as DDP's no_sync: stages 0-1
-        accumulate gradients locally and communicate nothing (stages 2-3 reduce each one).
-        Around the last one too, step() reduces them: the ranks never step apart."""
+        accumulate gradients locally and communicate nothing (stages 2-3 reduce each one)."""
         self.sync = self.stage >= 2
         try:
             yield
@@ -587,25 +477,15 @@ class ZeRO:
             self.sync = True
 
     def finish_backward(self):
-        """The end of a backward, after loss.backward() (backward() calls it; a loop of your
-        own calls it, or leaves it to step() or to the next forward): launch the buckets that
-        never completed (their parameters went unused), land every reduction still in flight.
-        Once a backward: again, it does nothing. Under no_sync at stages 0-1 nothing is
-        reduced: the gradients stay local until a backward outside it, or step()."""
-        if self.phase == BACKWARD or (self.phase == LOCAL and self.sync):
-            for b in self.buckets[self.next_bucket:]:  # buckets with unused parameters
-                for p in b.params:
-                    if id(p) not in self.arrived and p.grad is not self.held[id(p)]:
-                        self._take(p)  # unused in this backward: what p.grad holds, or zero
-                        if p.grad is None:
-                            p.grad = self.held[id(p)]
-            while self.next_bucket < len(self.buckets):
+        """The end of a backward: launch the buckets that never completed (their parameters went
+        unused), land every reduction still in flight. Under no_sync at stages 0-1 nothing is
+        reduced: the gradients stay local until the last micro-step's backward."""
+        if self.sync:
+            while self.next_bucket < len(self.buckets):  # buckets with unused parameters
                 self._reduce(self.buckets[self.next_bucket])
                 self.next_bucket += 1
             while self.in_flight:  # land what is still in flight, oldest first
                 self._land_one(*self.in_flight.pop(0))
-            self.phase = FINISHED
-        self.arrived.clear()
         self.next_bucket = 0  # the next backward counts afresh
         for b in self.buckets:
             b.ready = 0
@@ -615,16 +495,10 @@ class ZeRO:
         only so that the buffer the backend reads lives exactly as long as the collective."""
         if work is not None:
             work.wait()  # always wait before reading a collective's output
-        self._check_held(b)  # the loop changed nothing the collective was reducing
         if into is not None and self.stage >= 2:
             into.add_(reduced)  # micro-steps accumulate into the shard (fp32 if asked)
         elif into is not None:
             into.copy_(reduced)
-        if b.carry is not None:  # stage 1: the backwards before this one, reduced then
-            b.flat_grad[b.lo:b.hi] += b.carry
-            b.carry = None
-        if self._viewed(b):
-            b.version = b.flat_grad._version
 
     # -- the optimizer step on this rank's slice --------------------------------------------
 
@@ -633,10 +507,7 @@ class ZeRO:
         """This rank's gradient slice as the fp32 master gradients (a copy of a 16-bit slice, the
         slice itself when fp32), set as each segment's master.grad and returned. Once a step:
         called again, it returns them as they are now (unscaled, clipped)."""
-        self._to_step()
         if not self.prepared:
-            for b in self.buckets:
-                self._check_held(b, stepping=True)
             self._prepare_master_grads()
             self.prepared = True
         return [s.master.grad for s in self.segments]
@@ -651,8 +522,7 @@ class ZeRO:
     def clip_grad_norm_(self, max_norm):
         """Global L2 norm of the (unscaled) gradient, a device tensor: each rank sums the squares
         it owns (padding is in no segment), one all-reduce SUM, a square root, one coefficient
-        for all (a rank's own norm would be ~1/sqrt(N) of the truth). Stage 0 owns everything.
-        torch.nn.utils.clip_grad_norm_ over p.grad sees a rank's shard only: refused."""
+        for all (a rank's own norm would be ~1/sqrt(N) of the truth). Stage 0 owns everything."""
         grads = self.master_grads()
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         if grads:  # a rank may own nothing but padding
@@ -667,11 +537,10 @@ class ZeRO:
     @torch.no_grad()
     def step(self, lr=None, found_inf=None):
         """The optimizer on this rank's fp32 master slice, at lr (None: the optimizer's own);
-        then the gradient buffers are zeroed for the next step, and the new weights are
-        published before the next forward at the latest. found_inf (a device tensor, 1.0 when
-        any rank's gradient held an inf/NaN) skips the whole update: on the device where the
-        optimizer reads it, else by the engine, which then waits for the flag."""
-        self.master_grads()  # a loop of your own: no scaler, no clipping before the step
+        then the gradient buffers are zeroed for the next step. found_inf (a device tensor, 1.0
+        when any rank's gradient held an inf/NaN) skips the whole update: on the device where
+        the optimizer reads it, else by the engine, which then waits for the flag."""
+        self.master_grads()  # a loop with no scaler and no clipping: prepared here
         for g in self.opt.param_groups if lr is not None else ():
             g["lr"] = lr
         if found_inf is not None and optim.skip_on_host(self.opt):
@@ -683,9 +552,6 @@ class ZeRO:
         for s in self.segments:
             s.master.grad = None
         self.zero_grad()  # the next step's gradients start from zero
-        self.unpublished = True  # publish() runs before the next forward, if nothing else did
-        if self.publish_in_step:  # parameters, not a module: no forward will wait for them
-            self.publish()
 
     @torch.no_grad()
     def publish(self, wait=True):
@@ -694,7 +560,6 @@ class ZeRO:
         them. wait=False (train.py's loop): each bucket is waited for in the pre-hook of the
         first block that reads it, overlapping the next forward; anything else that reads
         the weights calls wait_published() first."""
-        self.unpublished = False
         for i in self.publish_order:
             b, master = self.buckets[i], self.master[i]
             if self.stage == 0:
@@ -711,8 +576,6 @@ class ZeRO:
 
     def wait_published(self, indices=None):
         """Wait for the publish all-gathers of these buckets (default: all still in flight)."""
-        if self.unpublished:  # a step whose weights nobody published yet
-            self.publish(wait=False)
         for i in list(self.publishing) if indices is None else indices:
             entry = self.publishing.pop(i, None)
             if entry is not None:
@@ -736,17 +599,10 @@ class ZeRO:
                     lambda m, args, j=j: self.wait_published(readers[j]))
 
     def zero_grad(self):
-        """Zero the gradient buffers (step() does): the next backward starts from zero, and a
-        step() finds no gradient until then. A backward still reducing is landed first."""
-        if self.phase == BACKWARD:
-            self.finish_backward()
+        """Zero the gradient buffers (step() does): the next backward starts from zero."""
         for b in self.buckets:
             (b.flat_grad if b.flat_grad is not None else b.grad_shard).zero_()
-            b.carry = None
-            for p in b.params:  # no gradient held: None, as torch's zero_grad() leaves it
-                if isinstance(p.grad, HeldGrad):  # (model.zero_grad(set_to_none=False) too)
-                    p.grad = None
-        self.phase, self.prepared = STEPPED, False
+        self.prepared = False
 
     # -- for checkpoints and measurement ----------------------------------------------------
 
@@ -771,170 +627,3 @@ class ZeRO:
                "master": nbytes(master), "optimizer": nbytes(moments)}
         out["total"] = sum(out.values())
         return out
-
-    # -- 4. a loop of one's own: where the step is --------------------------------------------
-    #
-    # Hooks and checks at the entry points, around the lecture's steps above; what a loop
-    # meets of them (HeldGrad, Params) follows the class. What each misuse of a loop means,
-    # stage by stage, is docs/forking.md's table (tests/test_misuse.py).
-
-    def _viewed(self, b):  # stages 0-1 (no fp32 accumulation): p.grad views into the bucket
-        return b.flat_grad is not None and b.flat_grad.dtype == self.dtype
-
-    def _before_forward(self):
-        """The model's forward pre-hook. A backward the loop did not finish ends where the next
-        forward begins (ZeRO-3 frees what it gathered); the new weights are waited for."""
-        if self.phase == BACKWARD:
-            self.finish_backward()
-        self.wait_published([])
-
-    def _grad_arriving(self, p):
-        """Autograd's hook just before p's gradient is added into p.grad; the first of a
-        backward begins it. A p.grad the loop changed since the engine left it (None after
-        model.zero_grad(), or a tensor put there) is the loop's gradient so far, as plain
-        PyTorch reads it: the engine's copy takes its value (_take)."""
-        if not self.arrived or id(p) in self.arrived:  # p again: a new backward, no finish
-            self._begin_backward()
-        self.arrived.add(id(p))
-        held = self.held[id(p)]
-        if p.grad is not held:
-            self._take(p)
-        elif isinstance(held, HeldGrad):
-            p.grad = None  # the sum so far stays where the engine holds it; autograd adds anew
-
-    def _begin_backward(self):
-        """A backward begins, before any of its gradients is added in."""
-        if self.phase == BACKWARD:  # the last one was not finished: it is, before this one
-            self.finish_backward()
-        if self.prepared:
-            raise RuntimeError("a backward after master_grads() or clip_grad_norm_() and before "
-                               "step(): its gradient would miss the unscale and the clip already "
-                               "applied. Call step() first, or run every backward before them")
-        if self.phase == FINISHED and self.stage == 1:
-            self._carry()
-        self.fresh = self.phase == STEPPED  # every gradient buffer is zero
-        self.phase = BACKWARD if self.sync else LOCAL
-        self.arrived.clear()
-
-    def _carry(self):
-        """Stage 1, a backward after a finished one, before one step: the owned slice holds the
-        reduced sum so far, the rest of the bucket this rank's part of it, already reduced into
-        the others' slices. The sum is carried aside and the bucket zeroed; the next landing
-        adds it back: the sum of both backwards, as plain PyTorch accumulates them."""
-        for b in self.buckets:
-            if self._viewed(b) and b.flat_grad._version != b.version:  # mixed: not one value
-                raise touched(self._bucket_grads(b), "changed in place")
-            b.carry = b.flat_grad[b.lo:b.hi].clone()
-            b.flat_grad.zero_()
-
-    def _take(self, p):
-        """p.grad is not what the engine left there: it is the loop's gradient so far (None:
-        zero). The engine's copy is cleared; the bucket's view takes p.grad's value (stages
-        0-1), or p.grad carries it into this backward's reduction (stages 2-3)."""
-        if not self.fresh:
-            self._clear(p)
-        held, (b, offset) = self.held[id(p)], self.where[id(p)]
-        if isinstance(held, HeldGrad):
-            if b.flat_grad is not None and p.grad is not None:  # fp32 accumulation: in now
-                b.flat_grad[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-                p.grad = None
-            return
-        if p.grad is not None:
-            if self.stage == 1 and not self.fresh:  # it was the view: partly reduced, partly not
-                raise touched(f"{self.names[id(p)]}.grad", "replaced")
-            held.copy_(p.grad)
-        p.grad = held
-
-    def _clear(self, p):
-        """Zero p's gradient so far as this rank holds it: its region of the bucket (stages
-        0-1), its owned pieces of the reduced shard (stages 2-3) or of stage 1's carry."""
-        b, offset = self.where[id(p)]
-        if b.flat_grad is not None:
-            b.flat_grad[offset:offset + p.numel()].zero_()
-        for buf in (b.grad_shard, b.carry):
-            for s in self.pieces.get(id(p), []) if buf is not None else []:
-                buf[s.start:s.start + s.hi - s.lo].zero_()
-
-    def _check_held(self, b, stepping=False):
-        """Bucket b's gradients as the engine left them: each p.grad its view (not changed in
-        place) or its HeldGrad. A gradient the loop changed after its reduction began cannot
-        mean what the loop meant: one line. None is the loop clearing it (model.zero_grad()):
-        the next backward starts from zero there; step() refuses it, having no gradient."""
-        if self._viewed(b) and b.flat_grad._version != b.version:
-            raise touched(self._bucket_grads(b), "changed in place (as torch.nn.utils."
-                                                 "clip_grad_norm_ does)")
-        for p in b.params:
-            if p.grad is None and stepping:
-                raise RuntimeError(f"{self.names[id(p)]}.grad is None at step(): a zero_grad() "
-                                   "after loss.backward() left the step no gradient. Zero "
-                                   "gradients after step(), or before the next backward")
-            if p.grad is not None and p.grad is not self.held[id(p)]:
-                raise touched(f"{self.names[id(p)]}.grad", "replaced")
-
-    def _bucket_grads(self, b):
-        names = [self.names[id(p)] for p in b.params]
-        return f"{names[0]}.grad" if len(names) == 1 else \
-            f"a gradient in {names[0]}'s bucket of {len(names)}"
-
-    def _to_step(self):
-        """The step's half begins (master_grads, clip_grad_norm_, step). A backward not finished
-        is finished here, and gradients no_sync kept local are reduced now: plain PyTorch's
-        step needs neither call. With no gradient since the last step, one line."""
-        if self.phase == STEPPED:
-            raise RuntimeError("step() with no gradient since the last step() or zero_grad(): "
-                               "run loss.backward() first (the engine zeroed the gradient "
-                               "that plain PyTorch would step again)")
-        if self.phase != FINISHED:
-            self.sync = True  # no_sync around the last micro-step too: the sync happens here
-            self.finish_backward()
-
-
-# ----------------------------------------------------------------------------------------------
-# 4. A loop of one's own: what p.grad is, and the engine over parameters
-#
-# The engine's last methods, just above, keep the phase; these are what a loop meets of it.
-
-class HeldGrad(torch.Tensor):
-    """p.grad while the engine holds p's gradient where p.grad cannot be a view of it (stages
-    2-3: this rank's shard of the sum; fp32 accumulation: the fp32 bucket). p's shape, no
-    storage, and any use is one line. Were p.grad None instead, a loop that scales it, or
-    torch.nn.utils.clip_grad_norm_, would find nothing there and silently do nothing.
-    model.zero_grad() sets it to None: the engine sees that the loop cleared the gradient.
-    From step() (zero_grad()) to the next backward the engine holds none: p.grad is None."""
-
-    @staticmethod
-    def __new__(cls, p, name):
-        held = torch.Tensor._make_wrapper_subclass(cls, p.shape, dtype=p.dtype, device=p.device)
-        held.param_name = name
-        return held
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        held = [a for a in tree_leaves((args, kwargs)) if isinstance(a, HeldGrad)]  # out= too
-        raise touched(f"{held[0].param_name}.grad", "read or changed")
-
-    def __repr__(self):
-        return f"HeldGrad({self.param_name}: held by ZeRO until step())"
-
-
-def touched(what, how):
-    """The one line for a gradient the loop changed while the engine held it."""
-    return RuntimeError(f"{what} was {how} after loss.backward(): from backward to step() the "
-                        "engine holds the gradients (stages 2-3: a shard of each). Clip with "
-                        "zero.clip_grad_norm_(max_norm); change gradients in place through "
-                        "zero.master_grads(), this rank's fp32 pieces")
-
-
-class Params(torch.nn.Module):
-    """A list of parameters as a module, for ZeRO(model.parameters(), ...) as torch's
-    ZeroRedundancyOptimizer(params, ...) takes them (names "0", "1", ...). Nothing calls its
-    forward, so the engine cannot wait for new weights there: step() publishes them at once."""
-
-    def __init__(self, params):
-        super().__init__()
-        params = list(params)
-        if not all(isinstance(p, torch.nn.Parameter) for p in params):
-            raise ValueError("ZeRO takes a module or its nn.Parameters (model.parameters()); "
-                             "param group dicts: pass decay= and the optimizer's own settings")
-        for i, p in enumerate(params):
-            self.register_parameter(str(i), p)

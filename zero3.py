@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from collectives import all_gather_params
-from zero import BACKWARD, Bucket, Params, ZeRO, declared_blocks, frozen_tensors
+from zero import Bucket, ZeRO, declared_blocks, frozen_tensors
 
 
 class ShardedBucket(Bucket):
@@ -79,9 +79,6 @@ class ZeRO3(ZeRO):
     STAGES = (3,)
 
     def __init__(self, model, stage=3, prefetch=True, **kwargs):
-        if not isinstance(model, torch.nn.Module) or isinstance(model, Params):
-            raise ValueError("ZeRO-3 gathers the weights in the model's forward hooks: pass the "
-                             "model, not its parameters")
         self.prefetch, self.in_backward, self.keep_root = prefetch, False, False
         super().__init__(model, stage, **kwargs)
         self.frozen = []  # now in the units' frozen buckets, sharded like everything else
@@ -91,10 +88,7 @@ class ZeRO3(ZeRO):
         order their gradients complete: last block first, the root (the tied embedding's
         gradient comes last) at the end."""
         blocks = declared_blocks(model)  # the model declares them (model.py)
-        if blocks is None:
-            raise ValueError(f"ZeRO-3 gathers the model a block at a time: declare "
-                             f"{type(model).__name__}.blocks(), its repeated layers in forward "
-                             "order (see model.py's GPT), or use stage 0-2")
+        assert blocks is not None, "ZeRO-3 gathers a block at a time: the model needs blocks()"
         in_blocks = {id(t) for blk in blocks for t in list(blk.parameters()) + list(blk.buffers())}
         self.units = [self._make_unit(blk, lambda t: True) for blk in blocks]
         self.root = self._make_unit(model, lambda t: id(t) not in in_blocks, root=True)
@@ -214,14 +208,6 @@ class ZeRO3(ZeRO):
         if not b.unit.root:
             self._free([b])  # (6) ...and free: its gradients are out, the weights' last use
 
-    def _begin_backward(self):
-        """Two forwards, then a backward for each: the first backward's end frees the gathered
-        weights (the root's too) that the second needs. One line (zero.py's phase)."""
-        if self.phase == BACKWARD:
-            raise RuntimeError("ZeRO-3 runs one backward per forward: loss.backward() before "
-                               "the next forward (or sum the losses and call backward once)")
-        super()._begin_backward()
-
     @contextmanager
     def no_sync(self):
         """Every micro-step but the last (backward(loss, sync=False)): the root stays gathered
@@ -232,13 +218,6 @@ class ZeRO3(ZeRO):
                 yield
         finally:
             self.keep_root = False
-
-    def _to_step(self):
-        """The step begins (zero.py's phase): no micro-step follows, so a root kept gathered for
-        one (no_sync() around the last micro-step too) is freed now, whichever engine then
-        steps and publishes (beyond/offload_optimizer.py's too): its weights change."""
-        super()._to_step()
-        self._free(self.root.buckets)
 
     def finish_backward(self):
         super().finish_backward()
@@ -251,7 +230,6 @@ class ZeRO3(ZeRO):
     def publish(self, wait=True):
         """(7) step: the updated fp32 master -> the shard; the next forward gathers it."""
         self._free(self.root.buckets)  # a root kept by a loop stopped mid-step, too
-        self.unpublished = False
         for b, master in zip(self.buckets, self.master):
             if master.data_ptr() != b.shard.data_ptr():  # in fp32 the shard is the master
                 b.shard.copy_(master)

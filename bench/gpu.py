@@ -34,7 +34,8 @@ from configurator import load_preset
 from model import GPT
 from machinery.report import peak_flops
 from precision import resolve_dtype
-from train import KERNEL_ORDER, model_config, prefer_cudnn_attention
+from machinery import quirks
+from train import model_config
 
 VOCAB = 50257  # GPT-2's BPE
 TINY_VOCAB = 512  # --tiny: GPT-2's 50k logits in bf16 take seconds a step on an AVX2 CPU
@@ -71,8 +72,8 @@ def tokens(cfg, vocab):
 
 def make_run(key, cfg, data, device, vocab):
     """The configuration's run, with SDPA's kernel order as it would have it: PyTorch's own
-    for the plain loop, train.prefer_cudnn_attention's for ours (on a GPU)."""
-    KERNEL_ORDER.close()  # PyTorch's order again (a configuration before may have set one)
+    for the plain loop, machinery/quirks.py's for ours (on a GPU)."""
+    quirks.KERNEL_ORDER.close()  # PyTorch's order again (a configuration before may have set one)
     if key.startswith("plain"):
         torch.manual_seed(cfg.seed)
         model = GPT(model_config(cfg, vocab)).to(device)  # fp32 weights: autocast computes
@@ -85,8 +86,7 @@ def make_run(key, cfg, data, device, vocab):
                       compile=key.endswith("compile") and key != "plain+compile",
                       fp8="fp8" in key,  # dynamic scaling: no history for fp8.end_step
                       cudnn_attention=key != "s0+flash")
-    if device.type == "cuda":
-        prefer_cudnn_attention(run_cfg.cudnn_attention, device)
+    quirks.apply(run_cfg, device)
     return OurRun(run_cfg, data, vocab, device)
 
 

@@ -60,7 +60,8 @@ starts its deal one rank later, so the Newton-Schulz work spreads over the block
 bound holds within a unit; across units the rotation evens it). Adafactor's lone embedding
 makes every slice of the root as long as itself: that padding is the price stated here.
 
-The same layout serves any optimizer whose step reads a tensor whole (not optim.elementwise):
+The same layout serves any optimizer whose step reads a tensor whole (not elementwise, as
+machinery.guard.elementwise tells):
 torch's Adafactor keeps a matrix's row and column statistics, not one per element, and scales
 each update by norms over the whole tensor, 1-D ones included. There every trainable tensor
 is dealt whole (zero.ZeRO and zero3.ZeRO3 refuse such an optimizer in one line that names
@@ -76,7 +77,7 @@ import torch
 
 import optim
 from beyond.zeropp import ZeROpp
-from zero import Bucket, Params, ZeRO, declared_blocks, plan_buckets
+from zero import Bucket, ZeRO, declared_blocks, plan_buckets
 from zero3 import ShardedBucket, ZeRO3
 
 # Newton-Schulz quintic iteration (Jordan et al. 2024): five steps map singular values from
@@ -205,19 +206,15 @@ class WholeZeRO(ZeRO):
     Muon's block matrices (an optimizer that says needs_whole_matrices; the rest stays in flat
     buckets, stepped by its AdamW), or for any other optimizer (Adafactor) every trainable
     tensor. At stage 0 every rank owns every tensor whole already: zero.py's buckets."""
-    STAGE3 = "beyond.muon.WholeZeRO3"
+    WHOLE = True  # any optimizer: each gets whole tensors (an elementwise one pays the padding)
 
     def __init__(self, model, stage, optimizer="adamw", **kwargs):
-        model = model if isinstance(model, torch.nn.Module) else Params(model)
         cls = getattr(optimizer, "func", optimizer)  # functools.partial(torch.optim.Adafactor, ...)
         muon = optimizer == "muon" or getattr(cls, "needs_whole_matrices", False)
         # Muon's block matrices, stepped in groups of their own; the tensors dealt whole
         self.matrices = block_matrices(model) if muon else set()
         self.dealt = self.matrices if muon else {id(p) for p in model.parameters()}
         super().__init__(model, stage, optimizer=optimizer, **kwargs)
-
-    def check_optimizer(self, optimizer, stage):
-        """Any optimizer: each gets whole tensors (an elementwise one only pays the padding)."""
 
     def make_optimizer(self, optimizer, groups, lr=None, **hyper):
         if optimizer == "muon":

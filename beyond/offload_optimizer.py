@@ -50,7 +50,7 @@ import torch
 
 import optim
 from collectives import all_gather_params, all_reduce_sum
-from zero import Params, ZeRO
+from zero import ZeRO
 from zero3 import ZeRO3
 
 HOST = torch.device("cpu")
@@ -71,7 +71,6 @@ class OffloadOptimizer:
             raise ValueError("--offload-optimizer offloads the slice a rank owns: use --zero "
                              "1, 2 or 3 (at stage 0 every rank owns everything)")
         self.overlap, self.accumulating = overlap, False
-        model = model if isinstance(model, torch.nn.Module) else Params(model)
         self.pin = next(model.parameters()).device.type == "cuda"  # pinned: DMA, async copies
         super().__init__(model, stage, **kwargs)
         # the host buffers, allocated once (pinning is slow): the fp32 gradient slice, and a
@@ -206,7 +205,6 @@ class OffloadOptimizer:
     def publish(self, wait=True):
         """(6) publish, with (f) first: stages 1-2 all-gather the slice that came up, stage 3
         copies it into the shard the next forward gathers."""
-        self.unpublished = False
         if self.stage == 3:
             for i, b in enumerate(self.buckets):
                 self._weights_up(i, into=b.shard)
@@ -353,9 +351,6 @@ class DelayedUpdate(OffloadOptimizer):
         self.pending.start()
         self.zero_grad()  # the device's buffers: the next backward starts from zero
         self.host_grad, self.spare_grad = self.spare_grad, self.host_grad  # the next copies
-        self.unpublished = True
-        if self.publish_in_step:  # parameters, not a module (zero.Params): no forward waits
-            self.publish()
 
     def _host_step(self, skip):
         """The thread: the optimizer on the host master (torch's kernels release the GIL)."""

@@ -157,22 +157,15 @@ def run_train(argv, nproc=1, wrap=None):
 
 
 def make_zero(model, stage, **kwargs):
-    """ZeRO for stages 0-2, ZeRO3 for stage 3; for an optimizer that reads tensors whole
-    beyond/muon.py's WholeZeRO (stages 0-2) and WholeZeRO3 (train.make_engine picks the same)."""
-    import optim
-    from zero import ZeRO
-    from zero3 import ZeRO3
-    whole = not optim.elementwise(kwargs.get("optimizer", "adamw"))
-    if stage == 3:
-        if whole:
-            from beyond.muon import WholeZeRO3
-            return WholeZeRO3(model, 3, **kwargs)
-        return ZeRO3(model, 3, **kwargs)
-    kwargs.pop("prefetch", None)
-    if whole:
-        from beyond.muon import WholeZeRO
-        return WholeZeRO(model, stage, **kwargs)
-    return ZeRO(model, stage, **kwargs)
+    """The engine a loop of one's own imports (machinery/engines.py, guarded): ZeRO for stages
+    0-2, ZeRO3 for stage 3; for an optimizer that reads tensors whole WholeZeRO and WholeZeRO3
+    (train.py's make_engine picks the same)."""
+    from machinery import engines, guard
+    whole = not guard.elementwise(kwargs.get("optimizer", "adamw"))
+    if stage != 3:
+        kwargs.pop("prefetch", None)
+    name = ("Whole" if whole else "") + ("ZeRO3" if stage == 3 else "ZeRO")
+    return getattr(engines, name)(model, stage, **kwargs)
 
 
 def zero_step(zero, scaler, lr, clip):

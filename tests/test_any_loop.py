@@ -11,9 +11,7 @@ import torch.nn as nn
 
 from conftest import make_zero, run_distributed, zero_step
 from precision import GradScaler
-from beyond.muon import WholeZeRO
-from zero import ZeRO
-from zero3 import ZeRO3
+from machinery.engines import WholeZeRO, ZeRO, ZeRO3
 
 STEPS, B, D = 4, 4, 8
 
@@ -269,13 +267,13 @@ def test_the_engines_doors():
     run_distributed(check_doors, 2)
     with pytest.raises(ValueError, match="declare Toy.blocks()"):
         make_zero(Toy(), 3)
-    with pytest.raises(ValueError, match=r"not 3: stage 3 shards the weights too, zero3.ZeRO3"):
+    with pytest.raises(ValueError, match=r"not 3: stage 3 shards the weights too, "
+                       r"machinery.engines.ZeRO3"):
         ZeRO(ToyBlocks(), 3)
-    with pytest.raises(ValueError, match=r"beyond.muon.WholeZeRO3 \(the same arguments\)"):
+    with pytest.raises(ValueError, match=r"machinery.engines.WholeZeRO3 \(the same arguments\)"):
         WholeZeRO(ToyBlocks(), 3, optimizer="muon")
-    from beyond.muon import WholeZeRO3
-    from beyond.offload_optimizer import offload_engine
-    for Engine in (ZeRO3, WholeZeRO3, offload_engine(ZeRO3)):  # the last two wrap them first
+    from machinery.engines import WholeZeRO3, offloaded
+    for Engine in (ZeRO3, WholeZeRO3, offloaded(ZeRO3)):
         with pytest.raises(ValueError, match="pass the model, not its parameters"):
             Engine(ToyBlocks().parameters(), 3)
     with pytest.raises(ValueError, match="declare Toy.blocks().*the LM head"):
@@ -301,7 +299,7 @@ def test_an_optimizer_that_reads_whole_tensors_is_refused_by_zero_in_one_line():
     for optimizer in ("muon", torch.optim.Adafactor, OPTIMIZERS["adafactor"]):
         for stage in (0, 1, 2):
             with pytest.raises(ValueError, match="steps each tensor whole, and zero.ZeRO steps "
-                               "flat pieces of buckets: use beyond.muon.WholeZeRO"):
+                               "flat pieces of buckets: use machinery.engines.WholeZeRO"):
                 ZeRO(Toy(), stage, optimizer=optimizer)
     assert ZeRO(Toy(), 1, optimizer=OPTIMIZERS["sgd"]).optimizer == "SGD"  # a partial's class
     assert ZeRO(Toy(), 1, optimizer=lambda g: torch.optim.SGD(g, lr=0.1)).optimizer == "<lambda>"
@@ -329,7 +327,12 @@ def test_the_fp32_master_starts_at_the_fp32_values(fresh, tmp_path):
     if not fresh:  # other weights, with bits bf16 cannot hold
         weights = {k: v + 1e-4 * torch.randn_like(v) for k, v in source.items()}
         source = weights
-    _, zero, _ = build(cfg, 40, torch.device("cpu"), torch.bfloat16, init_weights=weights)
+    def init(config, device, dtype):  # machinery/run.py's, for --init-from: the weights given
+        model = GPT(config)
+        model.load_weights(weights)
+        return model.to(device=device, dtype=dtype), weights
+
+    _, zero, _ = build(cfg, 40, torch.device("cpu"), torch.bfloat16, init=None if fresh else init)
     rounded = 0
     for s in zero.segments:
         want = source[s.name].reshape(-1)[s.lo:s.hi]

@@ -149,7 +149,8 @@ def test_our_step_is_train_py_step(data_root, tmp_path, dtype):
     from data.prepare import load_meta
     from precision import DTYPES
     from train import build
-    from train import fit_schedule, get_lr, main
+    from machinery.run import fit_schedule
+    from train import get_lr, main
     argv = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
             "--batch-size", "4", "--eval-iters", "1", "--eval-interval", "100", "--max-iters", "4",
             "--log-interval", "1", "--warmup-iters", "2", "--learning-rate", "3e-3",

@@ -156,12 +156,11 @@ def test_every_block_shares_one_graph(monkeypatch):
     """--compile on 4 blocks: one graph for the blocks (their weights are its inputs), one for
     the loss head, and no recompilation. torch 2.4 specialises a graph on each module unless
     torch._dynamo.config.inline_inbuilt_nn_modules is on (2.5's default; torchtitan#508): one
-    compile a block. compile_model turns it on where the version needs it: checked with 2.4's
-    version and default faked, since later versions ignore the flag."""
+    compile a block. machinery/quirks.py turns it on where the version needs it: checked with
+    2.4's version and default faked, since later versions ignore the flag."""
     import warnings
     from torch.torch_version import TorchVersion
-    from model import GPT, GPTConfig
-    from train import compile_model
+    from machinery import quirks
     torch._dynamo.reset()
     before = graphs()
     cfg = TrainConfig(**{**SHAPE, "n_layer": 4}, compile=True)
@@ -176,8 +175,7 @@ def test_every_block_shares_one_graph(monkeypatch):
         warnings.simplefilter("ignore", FutureWarning)  # the flag's deprecation, in later ones
         was, config.inline_inbuilt_nn_modules = config.inline_inbuilt_nn_modules, False
         try:
-            compile_model(GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=1, n_head=2,
-                                        n_embd=32)))
+            quirks.apply(cfg, torch.device("cpu"))
             assert config.inline_inbuilt_nn_modules
         finally:
             config.inline_inbuilt_nn_modules = was

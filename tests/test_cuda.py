@@ -76,34 +76,27 @@ def test_a_cpu_run_never_touches_cuda(cuda_visible, data_root, tmp_path, monkeyp
     assert cuda_visible == [(list(range(16)), gpu)]
 
 
-def test_cudnn_attention_comes_first_where_pytorch_trusts_it(cuda_visible, monkeypatch):
-    """A GPU run's set-up orders SDPA's kernels: cuDNN's attention first on Hopper / Blackwell
-    with cuDNN >= 9.15.1 (PyTorch's own rule from 2.10, here from 2.6), FlashAttention-2
-    first on an A100, with --no-cudnn-attention, or (left alone) on torch 2.5. Stand-ins: the
-    device's capability and cuDNN's version."""
-    import train
+def test_no_cudnn_attention_puts_it_last_and_the_default_leaves_pytorchs_order(cuda_visible):
+    """A GPU run's set-up (machinery/quirks.py): PyTorch's own order of SDPA's kernels by
+    default (from torch 2.10 it puts cuDNN's attention first on Hopper / Blackwell itself),
+    cuDNN's after the math kernel with --no-cudnn-attention; nothing on a CPU run."""
     from configurator import parse_args
+    from machinery import quirks
     from torch.nn.attention import SDPBackend
-    from torch.torch_version import TorchVersion
     before = torch._C._get_sdp_priority_order()
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91501)
-    cudnn, flash = int(SDPBackend.CUDNN_ATTENTION), int(SDPBackend.FLASH_ATTENTION)
+    cuda = torch.device("cuda", 0)
     try:
-        for sm, flags, first in (((9, 0), [], cudnn), ((10, 0), [], cudnn), ((8, 0), [], flash),
-                                 ((9, 0), ["--no-cudnn-attention"], flash)):
-            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: sm)
-            train.init_distributed(parse_args(["--device", "cuda", *flags]))
-            assert torch._C._get_sdp_priority_order()[0] == first, (sm, flags)
-        train.KERNEL_ORDER.close()  # the order it found
-        monkeypatch.setattr(torch, "__version__", TorchVersion("2.5.1"))
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
-        train.init_distributed(parse_args(["--device", "cuda"]))
-        assert torch._C._get_sdp_priority_order() == before and cuda_visible == []
+        quirks.apply(parse_args([]), cuda)
+        assert torch._C._get_sdp_priority_order() == before
+        quirks.apply(parse_args(["--no-cudnn-attention"]), torch.device("cpu"))
+        assert torch._C._get_sdp_priority_order() == before
+        quirks.apply(parse_args(["--no-cudnn-attention"]), cuda)
+        order = torch._C._get_sdp_priority_order()
+        assert order[0] == int(SDPBackend.FLASH_ATTENTION)
+        cudnn, math_ = int(SDPBackend.CUDNN_ATTENTION), int(SDPBackend.MATH)
+        assert order.index(cudnn) > order.index(math_) and cuda_visible == []
     finally:
-        train.KERNEL_ORDER.close()
-        torch.set_float32_matmul_precision("highest")  # set_tf32's: the default again
-
+        quirks.KERNEL_ORDER.close()
 
 @pytest.fixture(autouse=True)
 def tf32_off():
@@ -324,35 +317,34 @@ def test_a_cpu_run_creates_no_cuda_context(data_root, tmp_path):
 
 @needs_cuda
 def test_sdpa_picks_cudnn_attention_where_preferred():
-    """train.prefer_cudnn_attention on this GPU: SDPA's choice for a GPT-2 attention (bf16,
-    causal, 64-wide heads, training) is cuDNN's where PyTorch trusts it (sm90 / sm100, cuDNN
-    >= 9.15.1, torch >= 2.6), FlashAttention-2 with the flag off; and cuDNN's forward and
-    backward agree with the math kernel's to bf16's precision."""
+    """SDPA's choice on this GPU for a GPT-2 attention (bf16, causal, 64-wide heads,
+    training): FlashAttention-2 with --no-cudnn-attention (machinery/quirks.py); PyTorch's own
+    otherwise, and where that is cuDNN's (sm90 / sm100, cuDNN >= 9.15.1, torch >= 2.10) its
+    forward and backward agree with the math kernel's to bf16's precision."""
     import torch.nn.functional as F
-    import train
+    from machinery import quirks
     from torch.nn.attention import SDPBackend, sdpa_kernel
     device = torch.device("cuda", torch.cuda.current_device())
     q, k, v = (torch.randn(4, 12, 1024, 64, device=device, dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
     choice = lambda: torch._fused_sdp_choice(q, k, v, is_causal=True)
+    theirs = choice()
     try:
         if torch.__version__ >= "2.6":
-            assert not train.prefer_cudnn_attention(False, device)
+            quirks.cudnn_attention_last()
             assert choice() == int(SDPBackend.FLASH_ATTENTION)
-        if not train.prefer_cudnn_attention(True, device):
-            pytest.skip("PyTorch does not trust cuDNN's attention on this GPU / cuDNN / torch")
-        assert choice() == int(SDPBackend.CUDNN_ATTENTION)
-        outs = []
-        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH):
-            with sdpa_kernel(backend):
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            grads = torch.autograd.grad(y.float().square().sum(), (q, k, v))
-            outs.append([y.float()] + [g.float() for g in grads])
-        for a, b in zip(*outs):
-            assert ((a - b).norm() / b.norm()).item() < 2e-2
     finally:
-        train.KERNEL_ORDER.close()
-
+        quirks.KERNEL_ORDER.close()
+    if theirs != int(SDPBackend.CUDNN_ATTENTION):
+        pytest.skip("PyTorch does not take cuDNN's attention first on this GPU / cuDNN / torch")
+    outs = []
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH):
+        with sdpa_kernel(backend):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        grads = torch.autograd.grad(y.float().square().sum(), (q, k, v))
+        outs.append([y.float()] + [g.float() for g in grads])
+    for a, b in zip(*outs):
+        assert ((a - b).norm() / b.norm()).item() < 2e-2
 
 @needs_cuda
 @pytest.mark.compiles
@@ -387,13 +379,13 @@ def test_multi_tensor_and_stacked_steps_on_cuda():
     """Lion's foreach step equals its per-tensor arithmetic bitwise on the GPU too (the same
     element functions in multi-tensor kernels); Muon's Newton-Schulz on a stack of matrices
     (batched GEMM) stays within 1e-6 of each matrix alone (fp32, TF32 off)."""
-    import optim
+    from beyond.lion import Lion
     from beyond.muon import newton_schulz
     from test_optim import lion_per_tensor
     torch.manual_seed(0)
     ps = [torch.randn(n, device="cuda") for n in (1000, 4097, 3)]
     ref, ref_m = [p.clone() for p in ps], [torch.zeros_like(p) for p in ps]
-    opt = optim.Lion([{"params": ps, "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.99))
+    opt = Lion([{"params": ps, "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.99))
     for skip in (0.0, 1.0, 0.0):
         for p, r in zip(ps, ref):
             p.grad = torch.full_like(p, float("inf")) if skip else torch.randn_like(p)

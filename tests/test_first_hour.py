@@ -46,7 +46,7 @@ def test_help_shows_defaults_choices_and_sections():
 
 
 def test_max_iters_alone_sets_the_decay_and_presets_keep_theirs():
-    from train import fit_schedule
+    from machinery.run import fit_schedule
     cfg = fit_schedule(parse_args(["--max-iters", "50"]))
     assert cfg.lr_decay_iters == 50 and cfg.warmup_iters <= 5
     cfg = fit_schedule(parse_args(["--max-iters", "50", "--lr-decay-iters", "400",

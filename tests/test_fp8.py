@@ -142,7 +142,7 @@ def test_bad_fp8_settings_are_one_line_errors():
     with pytest.raises(UserError, match="fp8-scaling"):
         parse_args(["--fp8", "--bf16", "--fp8-scaling", "late"])
     cfg = TrainConfig(**{**SHAPE, "n_embd": 40, "n_head": 2})
-    with pytest.raises(UserError, match=r"c_attn is 120x40.*--n-embd a multiple of 16"):
+    with pytest.raises(ValueError, match=r"c_attn is 120x40.*--n-embd a multiple of 16"):
         build(cfg, VOCAB, torch.device("cpu"), torch.bfloat16)
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from beyond.muon import WholeZeRO3
+from machinery import engines
 from conftest import make_zero, run_distributed, zero_step
 from data.loader import get_batch
 from machinery.footprint import estimate
@@ -20,7 +21,7 @@ from model import GPT, GPTConfig
 from precision import GradScaler
 from test_muon import CFG
 from test_zero import DATA, SEED, T
-from zero3 import ShardedBucket, ZeRO3
+from zero3 import ShardedBucket
 
 B, ACCUM, STEPS, LR, CLIP = 2, 2, 4, 1e-2, 1.0
 ADAFACTOR = functools.partial(torch.optim.Adafactor, lr=1e-2)
@@ -157,11 +158,11 @@ def test_zero3_muon_and_adafactor_equal_one_process(world_size):
 
 def test_plain_zero3_still_refuses_whole_tensor_optimizers():
     """zero3.ZeRO3 cuts every tensor flat: Muon or Adafactor there is one line naming
-    WholeZeRO3 (make_zero and train.py pick WholeZeRO3 for them)."""
+    WholeZeRO3 (machinery/guard.py's; make_zero and train.py pick WholeZeRO3 for them)."""
     for optimizer in ("muon", ADAFACTOR):
         with pytest.raises(ValueError, match="ZeRO-3 shards every tensor over the ranks: use "
-                           "beyond.muon.WholeZeRO3"):
-            ZeRO3(make_model(torch.float32), 3, optimizer=optimizer)
+                           "machinery.engines.WholeZeRO3"):
+            engines.ZeRO3(make_model(torch.float32), 3, optimizer=optimizer)
 
 
 def test_the_cost_beyond_muon_states_on_gpt2s_shapes():
@@ -227,7 +228,7 @@ def _zeropp(rank, world_size):
     apart from WholeZeRO3 by no more than their error makes plain ZeRO++ apart from ZeRO-3."""
     from beyond.muon import WholeZeROpp
     from configurator import parse_args
-    from train import make_engine
+    from machinery.engines import make_engine
     runs = {}
     for parts in ("", "hpz", "qwz", "qgz", "qwz,qgz"):
         argv = ["--zero", "3", "--optimizer", "muon", "--learning-rate", str(LR),

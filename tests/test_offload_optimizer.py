@@ -387,9 +387,8 @@ def check_root_kept_across_micro_steps(rank, world_size):
     of one's own may call no_sync() around every micro-step, the last included: the root is
     then still gathered at step(), and the next forward must not read its old weights. Every
     ZeRO-3 engine, offloaded and delayed too, lands bitwise where the loop without it does."""
-    from beyond.offload_optimizer import offload_engine
-    from zero3 import ZeRO3
-    for Engine in (ZeRO3, offload_engine(ZeRO3), offload_engine(ZeRO3, delayed=True)):
+    from machinery.engines import ZeRO3, offloaded  # a loop of one's own: the guarded engines
+    for Engine in (ZeRO3, offloaded(ZeRO3), offloaded(ZeRO3, delayed=True)):
         runs = []
         for every in (False, True):
             torch.manual_seed(0)
@@ -419,13 +418,12 @@ def test_an_engine_over_parameters_publishes_in_step(delayed):
     """ZeRO(model.parameters(), ...) has no forward to publish in, so step() publishes: the
     offloaded engine, delayed or not, trains the parameters as it trains the module (the
     same losses, bitwise: each forward reads the weights the module's would have waited for)."""
-    from beyond.offload_optimizer import offload_engine
-    from zero import ZeRO
+    from machinery.engines import ZeRO, offloaded  # a loop of one's own: the guarded engines
     runs = []
     for over_params in (False, True):
         torch.manual_seed(0)
         model = GPT(GPTConfig(**CFG))
-        zero = offload_engine(ZeRO, delayed=delayed)(
+        zero = offloaded(ZeRO, delayed=delayed)(
             model.parameters() if over_params else model, 1, lr=LR, bucket_mb=0.002)
         losses = []
         for step in range(4):

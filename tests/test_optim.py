@@ -1,4 +1,4 @@
-"""The pluggable optimizer (optim.py): Lion against its paper's update, written out; every
+"""The pluggable optimizer (optim.py, beyond/lion.py): Lion against its paper's update, written out; every
 optimizer skipping a step on the device exactly; the state made by the optimizer's own code;
 and --optimizer sgd / lion through ZeRO stages 0-3 on 2 ranks: k steps + save + resume + k
 steps == 2k steps bitwise, model state == the ZeRO paper's (2 + 2 + K)Ψ with the optimizer's K,
@@ -8,6 +8,7 @@ import torch
 
 import checkpoint
 import optim
+from beyond.lion import Lion
 from beyond.muon import MuonAdamW
 from conftest import make_zero, run_distributed, zero_step
 from data.loader import get_batch
@@ -28,8 +29,7 @@ def lion_reference(p, g, m, lr, betas, wd):
 def test_lion_is_the_papers_update_and_skips_exactly():
     torch.manual_seed(0)
     p = torch.randn(50)
-    opt = optim.build("lion", [{"params": [p], "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.99),
-                      eps=1e-8)
+    opt = Lion([{"params": [p], "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.99))
     ref_p, ref_m = p.clone(), torch.zeros(50)
     for step in range(4):
         g = torch.randn(50)
@@ -46,7 +46,7 @@ def test_lion_is_the_papers_update_and_skips_exactly():
 
 
 def lion_per_tensor(ps, ms, lr, betas, wd, skip):
-    """optim.Lion's step one tensor at a time, as it was before its foreach form."""
+    """Lion's step one tensor at a time, as it was before its foreach form."""
     keep = None if skip is None else 1.0 - skip
     for p, m in zip(ps, ms):
         g = p.grad if skip is None else torch.where(skip > 0, 0.0, p.grad)
@@ -72,7 +72,7 @@ def test_lions_step_is_multi_tensor_and_bitwise_the_per_tensor_one():
     torch.manual_seed(0)
     ps = [torch.randn(n) for n in (5, 7, 9)]
     ref, ref_m = [p.clone() for p in ps], [torch.zeros_like(p) for p in ps]
-    opt = optim.Lion([{"params": ps, "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.99))
+    opt = Lion([{"params": ps, "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.99))
     for skip in (None, torch.zeros(()), torch.ones(()), torch.zeros(())):
         for p, r in zip(ps, ref):  # a skipped step's gradients overflowed
             p.grad = torch.full_like(p, float("inf")) if skip else torch.randn_like(p)
@@ -99,7 +99,9 @@ def test_state_is_made_by_the_optimizer_and_a_first_skip_changes_nothing(name):
         groups, hyper = [{"params": [p], "weight_decay": 0.0}], dict(lr=1e-2, betas=(0.9, 0.95),
                                                                     eps=1e-8)
         # Muon's is built with its layout (beyond/muon.py's WholeZeRO), AdamW on a 1-D tensor
-        opt = MuonAdamW(groups, **hyper) if name == "muon" else optim.build(name, groups, **hyper)
+        opt = MuonAdamW(groups, **hyper) if name == "muon" else \
+            Lion(groups, lr=1e-2, betas=(0.9, 0.95)) if name == "lion" else \
+            optim.build(name, groups, **hyper)
         if init:
             optim.init_state(opt, [p])
             assert checkpoint.opt_state_keys(opt, p) == {"adamw": ["exp_avg", "exp_avg_sq"],

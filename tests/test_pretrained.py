@@ -169,7 +169,9 @@ def test_lora_fingerprint_is_the_fp32_base(gpt2):
     """A bf16 LoRA run names its base as sample.py loads it (fp32): the adapter fits."""
     cfg = parse_args(["--init-from", gpt2[0], "--lora", "--bf16", "--block-size", "16"])
     source, _ = pretrained.hf_flags(cfg)
-    model, _, _ = build(cfg, 50257, torch.device("cpu"), torch.bfloat16, init_hf=source)
+    init = lambda config, device, dtype: (
+        pretrained.load_hf(source, config, device, dtype, lora=True), None)
+    model, _, _ = build(cfg, 50257, torch.device("cpu"), torch.bfloat16, init=init)
     assert model.transformer.h[0].attn.c_attn.weight.dtype == torch.bfloat16
     assert model.transformer.wpe.weight.shape[0] == 16  # cropped
     assert model.lm_head.weight is model.transformer.wte.weight  # tied again after to_empty

@@ -359,7 +359,7 @@ def test_bad_zeropp_flags_are_one_line(argv, message):
 
 def test_a_node_size_that_does_not_divide_the_world_is_one_line():
     cfg = flags.parse_args(["--zero", "3", "--zeropp", "hpz", "--node-size", "3"])
-    with pytest.raises(UserError, match="does not divide the world size 2"):
+    with pytest.raises(ValueError, match="does not divide the world size 2"):
         build(cfg, 65, torch.device("cpu"), torch.float32, 0, 2)
 
 
