@@ -221,35 +221,12 @@ class GPT(nn.Module):
         return logits[..., :V], self.cross_entropy(logits, targets, V)
 
     def stored_shapes(self):
-        """{name: shape} of every tensor as files hold it (checkpoints, exports): parameters and
-        persistent buffers, the tied weight once, and the embedding with the vocabulary's own
-        rows, not the zero rows it is padded with (they are the flat tensor's last elements)."""
-        shapes, seen = {}, set()
-        for name, t in self.state_dict(keep_vars=True).items():
-            if id(t) not in seen:
-                seen.add(id(t))
-                shape = list(t.shape)
-                if name.endswith("wte.weight") or name == "lm_head.weight":
-                    shape[0] = self.config.vocab_size
-                shapes[name] = shape
-        return shapes
+        """Every tensor as files hold it: the embedding with the vocabulary's own rows, not the
+        zero rows it is padded with (they are the flat tensor's last elements)."""
+        return stored_shapes(self, self.config.vocab_size)
 
-    @torch.no_grad()
     def load_weights(self, weights):
-        """Copy a state_dict in: as files hold it (stored_shapes; the padded rows keep their
-        zeros) or as state_dict() gives it. A ValueError names a tensor that does not fit."""
-        shapes, targets = self.stored_shapes(), self.state_dict(keep_vars=True)
-        missing, extra = sorted(set(shapes) - set(weights)), sorted(set(weights) - set(targets))
-        if missing or extra:
-            raise ValueError(f"{missing[0]} is missing" if missing else
-                             f"{extra[0]} is not in this model")
-        for name, shape in shapes.items():
-            source, target = weights[name], targets[name].detach()
-            if source.shape != target.shape:
-                if list(source.shape) != shape:
-                    raise ValueError(f"{name} is {list(source.shape)}, this model has {shape}")
-                target = target[:shape[0]]
-            target.copy_(source)
+        return load_weights(self, weights)
 
     def flops_per_token(self):
         """PaLM appendix B: 6N for the matmuls over parameters (2 forward, 4 backward) plus
@@ -265,23 +242,67 @@ class GPT(nn.Module):
             return None
         return self.flops_per_token() * tokens_per_sec / peak_flops
 
-    @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Sample max_new_tokens tokens after the prompt idx (B, T), one at a time."""
-        for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.config.block_size:]  # the context the model can see
-            logits, _ = self(idx_cond)
-            logits = logits[:, -1, :].float()
-            if temperature <= 0:  # greedy
-                idx_next = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    # masked_fill_, not logits[mask] = ...: a boolean index_put counts the
-                    # mask on the host, one sync per generated token on a GPU
-                    logits.masked_fill_(logits < v[:, [-1]], -float("inf"))
-                probs = F.softmax(logits, dim=-1)
-                idx_next = torch.multinomial(probs, num_samples=1, generator=generator)
-            idx = torch.cat((idx, idx_next), dim=1)
-        return idx
+        return generate(self, idx, max_new_tokens, temperature, top_k, generator,
+                        self.config.block_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# the weights as files hold them, and sampling: GPT's, and any model's (a fork's, by default)
+
+def stored_shapes(model, vocab_rows=None):
+    """{name: shape} of every tensor as files hold it (checkpoints, exports): parameters and
+    persistent buffers, the tied weight once, under its first name. vocab_rows: the rows a
+    padded embedding and LM head store (GPT's vocabulary)."""
+    shapes, seen = {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            shape = list(t.shape)
+            if vocab_rows and (name.endswith("wte.weight") or name == "lm_head.weight"):
+                shape[0] = vocab_rows
+            shapes[name] = shape
+    return shapes
+
+
+@torch.no_grad()
+def load_weights(model, weights):
+    """Copy a state_dict in: as files hold it (the model's stored_shapes; padded rows keep their
+    zeros) or as state_dict() gives it. A ValueError names a tensor that does not fit."""
+    shapes = model.stored_shapes() if hasattr(model, "stored_shapes") else stored_shapes(model)
+    targets = model.state_dict(keep_vars=True)
+    missing, extra = sorted(set(shapes) - set(weights)), sorted(set(weights) - set(targets))
+    if missing or extra:
+        raise ValueError(f"{missing[0]} is missing" if missing else
+                         f"{extra[0]} is not in this model")
+    for name, shape in shapes.items():
+        source, target = weights[name], targets[name].detach()
+        if source.shape != target.shape:
+            if list(source.shape) != shape:
+                raise ValueError(f"{name} is {list(source.shape)}, this model has {shape}")
+            target = target[:shape[0]]
+        target.copy_(source)
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None,
+             block_size=None):
+    """Sample max_new_tokens tokens after the prompt idx (B, T), one at a time, from the logits
+    model(idx) gives first; the context cut to block_size."""
+    for _ in range(max_new_tokens):
+        idx_cond = idx if block_size is None else idx[:, -block_size:]  # what the model sees
+        logits = model(idx_cond)[0]
+        logits = logits[:, -1, :].float()
+        if temperature <= 0:  # greedy
+            idx_next = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                # masked_fill_, not logits[mask] = ...: a boolean index_put counts the
+                # mask on the host, one sync per generated token on a GPU
+                logits.masked_fill_(logits < v[:, [-1]], -float("inf"))
+            probs = F.softmax(logits, dim=-1)
+            idx_next = torch.multinomial(probs, num_samples=1, generator=generator)
+        idx = torch.cat((idx, idx_next), dim=1)
+    return idx

@@ -3,7 +3,10 @@ Mixed precision: the 16-bit dtypes and a dynamic loss scaler.
 
 Micikevicius et al. 2018, "Mixed Precision Training", Sec. 3, three rules:
   1. The optimizer updates an fp32 master copy of the weights: an update below
-     ~2^-11 of a weight rounds away in fp16, ~2^-8 in bf16 (zero.py keeps it).
+     ~2^-11 of a weight rounds away in fp16, ~2^-8 in bf16. ZeRO shards it with the
+     optimizer (zero.py): _new_master makes each rank's fp32 slice, master_grads casts the
+     16-bit gradient slice up, step() updates the master, publish() casts it down into
+     the working weights. In fp32 the weights are the master: no copy.
   2. Loss scaling: fp16 has 5 exponent bits, gradients below 2^-24 flush to zero.
      Multiply the loss by S and every gradient grows by S (the chain rule); divide
      by S in fp32 before the update. bf16 has fp32's 8 exponent bits: no scale,
@@ -30,7 +33,7 @@ are all skipped looks healthy but never moves.
 import torch
 import torch.distributed as dist
 
-from collectives import all_reduce_max, all_reduce_sum
+from collectives import all_reduce_max
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -52,22 +55,6 @@ def set_tf32():
     per-backend one of torch 2.9 (matmul.fp32_precision) makes the legacy getters raise
     "mix of the legacy and new APIs" (pytorch#166387), and --compile with them."""
     torch.set_float32_matmul_precision("high")
-
-
-def grad_zero_frac(grads, group=None):
-    """Fraction of gradient entries that are exactly zero, over every rank's gradients (a device
-    tensor). Under fp16 a rising value means that gradients underflow: the scale is too low."""
-    grads = [g for g in grads if g is not None]
-    device = grads[0].device if grads else "cpu"
-    total = sum(g.numel() for g in grads)  # a Python int: no kernel for it
-    nonzero = torch.stack([torch.count_nonzero(g) for g in grads]).sum() if grads else 0
-    counts = torch.stack([torch.as_tensor(total - nonzero, dtype=torch.float64, device=device),
-                          torch.tensor(float(total), dtype=torch.float64, device=device)])
-    if dist.is_initialized():  # ranks holding the same gradients (stage 0) leave it unchanged
-        if dist.get_backend(group) == "nccl":  # host gradients (an offloaded optimizer)
-            counts = counts.to(torch.device("cuda", torch.cuda.current_device()))
-        all_reduce_sum(counts, dist.get_world_size(group), group, label="zero fraction")
-    return counts[0] / counts[1].clamp(min=1)
 
 
 class GradScaler:
@@ -102,22 +89,18 @@ class GradScaler:
         inf/NaN, else 0.0."""
         if any(g.dtype == torch.float16 for g in grads):  # 1/scale would underflow them again
             raise ValueError("Attempting to unscale FP16 gradients: unscale fp32 master grads.")
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        # checked where the gradients are (on the host under beyond/offload_optimizer.py), the
+        # flag then on the scale's device, the process group's (NCCL reduces no host tensor)
+        where = grads[0].device if grads else self._scale.device
+        found_inf = torch.zeros((), dtype=torch.float32, device=where)
         # as torch: the reciprocal in fp64, rounded to fp32, then an fp32 multiply (bit for bit)
-        inv_scale = self._scale.double().reciprocal().float()
+        inv_scale = self._scale.double().reciprocal().float().to(where)
         # one fused pass over all gradients, the kernel torch's own scaler runs: for each g, set
         # found_inf if g holds an inf/NaN, then g *= inv_scale. As a Python loop it would be
         # g.isfinite().all() and g.mul_(inv_scale) per tensor: the same, 15x slower on CPU.
-        if grads and grads[0].device != found_inf.device:
-            # the master gradients in host memory (beyond/offload_optimizer.py): checked where
-            # they are, and the flag then put on the group's device, to be all-reduced there
-            # (a host flag all-reduced on NCCL fails: pytorch#148532)
-            found_host = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_host,
-                                                             inv_scale.to(grads[0].device))
-            found_inf.copy_(found_host)
-        elif grads:
+        if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        found_inf = found_inf.to(self._scale.device)
         if dist.is_initialized():  # all skip together
             all_reduce_max(found_inf, dist.get_world_size(self.group), self.group,
                            label="found_inf")

@@ -21,7 +21,6 @@ import contextlib
 from dataclasses import asdict, fields, is_dataclass
 
 import torch
-import torch.nn.functional as F
 
 import model as model_py  # model.GPTConfig when called: a fork's edit of model.py is read
 from configurator import UserError
@@ -149,37 +148,18 @@ def check_model(model, flags):
 
 def stored_shapes(model):
     """{name: shape} of every tensor as files hold it: the model's own declaration (GPT's
-    leaves out the zero rows its vocabulary is padded with), else each tensor's shape, the
-    tied one under its first name."""
+    leaves out the zero rows its vocabulary is padded with), else model.py's default."""
     if hasattr(model, "stored_shapes"):
         return model.stored_shapes()
-    shapes, seen = {}, set()
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            shapes[name] = list(t.shape)
-    return shapes
+    return model_py.stored_shapes(model)
 
 
-@torch.no_grad()
 def load_weights(model, weights):
-    """The model's load_weights, else a copy of every stored tensor (stored_shapes) into its
-    own, the tied one once; a tensor with more rows than stored (a padded vocabulary) takes
-    the stored ones. A ValueError names a tensor that does not fit."""
+    """The model's load_weights, else model.py's: a copy of every stored tensor into its own,
+    the tied one once. A ValueError names a tensor that does not fit."""
     if hasattr(model, "load_weights"):
         return model.load_weights(weights)
-    shapes, targets = stored_shapes(model), model.state_dict(keep_vars=True)
-    missing, extra = sorted(set(shapes) - set(weights)), sorted(set(weights) - set(targets))
-    if missing or extra:
-        raise ValueError(f"{missing[0]} is missing" if missing else
-                         f"{extra[0]} is not in this model")
-    for name, shape in shapes.items():
-        source, target = weights[name], targets[name].detach()
-        if list(source.shape) != shape:
-            raise ValueError(f"{name} is {list(source.shape)}, this model has {shape}")
-        if target.shape != source.shape:  # a padded vocabulary: the stored rows
-            target = target[:shape[0]]
-        target.copy_(source)
+    return model_py.load_weights(model, weights)
 
 
 def width(model):
@@ -217,27 +197,15 @@ def estimate_mfu(model, tokens_per_sec, peak_flops):
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-    """The model's generate, else model.py's loop: forward's logits at the last position, the
-    next token drawn from them (greedy at temperature 0), the context cut to the config's
-    block_size where it has one."""
+    """The model's generate, else model.py's loop over forward's logits, the context cut to the
+    config's block_size where it has one: for a forward that gives (logits, loss)."""
     if hasattr(model, "generate"):
         return model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k,
                               generator=generator)
+    out = model(idx[:, -1:])
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise UserError(f"{type(model).__name__}(idx) gives {type(out).__name__}, not "
+                        "(logits, loss): sample.py samples from the logits, or declare "
+                        "generate() (docs/forking.md)")
     block = getattr(getattr(model, "config", None), "block_size", None)
-    for _ in range(max_new_tokens):
-        out = model(idx if block is None else idx[:, -block:])
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise UserError(f"{type(model).__name__}(idx) gives {type(out).__name__}, not "
-                            "(logits, loss): sample.py samples from the logits, or declare "
-                            "generate() (docs/forking.md)")
-        logits = out[0][:, -1, :].float()
-        if temperature <= 0:  # greedy
-            idx_next = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits.masked_fill_(logits < v[:, [-1]], -float("inf"))  # no host sync
-            idx_next = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-        idx = torch.cat((idx, idx_next), dim=1)
-    return idx
+    return model_py.generate(model, idx, max_new_tokens, temperature, top_k, generator, block)

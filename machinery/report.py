@@ -111,6 +111,22 @@ def meter_first_forward(model, cfg, print0, metrics):
 # ----------------------------------------------------------------------------------------------
 # 3. a logged step
 
+def grad_zero_frac(grads, group=None):
+    """Fraction of gradient entries that are exactly zero, over every rank's gradients (a device
+    tensor). Under fp16 a rising value means that gradients underflow: the scale is too low."""
+    grads = [g for g in grads if g is not None]
+    device = grads[0].device if grads else "cpu"
+    total = sum(g.numel() for g in grads)  # a Python int: no kernel for it
+    nonzero = torch.stack([torch.count_nonzero(g) for g in grads]).sum() if grads else 0
+    counts = torch.stack([torch.as_tensor(total - nonzero, dtype=torch.float64, device=device),
+                          torch.tensor(float(total), dtype=torch.float64, device=device)])
+    if dist.is_initialized():  # ranks holding the same gradients (stage 0) leave it unchanged
+        if dist.get_backend(group) == "nccl":  # host gradients (an offloaded optimizer)
+            counts = counts.to(torch.device("cuda", torch.cuda.current_device()))
+        all_reduce_sum(counts, dist.get_world_size(group), group, label="zero fraction")
+    return counts[0] / counts[1].clamp(min=1)
+
+
 # Dense peak TFLOP/s per GPU from the vendors' data sheets, for MFU: (name as
 # torch.cuda.get_device_name gives it, 16-bit (bf16 / fp16), TF32 (fp32 matmuls with TF32 on,
 # as train.py sets; V100 and T4 have no TF32: their plain fp32)). First match wins: the

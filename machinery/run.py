@@ -23,7 +23,6 @@ import checkpoint
 from configurator import SCHEDULE, TrainConfig, UserError
 from machinery import lifecycle, quirks, report
 from machinery.rundir import releasing_locks  # noqa: F401 (train.py's, through this module)
-from precision import grad_zero_frac
 
 
 def fit_schedule(cfg):
@@ -244,7 +243,7 @@ class Run:
             fp8.measure(self.model, self.logging)
         if self.tracer:
             self.tracer.begin(it)
-        return grad_zero_frac if self.logging else None
+        return report.grad_zero_frac if self.logging else None
 
     def end_step(self, it, lr, loss_sum, found_inf, grad_norm, measured):
         """After step it - 1: FP8's amax histories, the trace, the log (the only steps that

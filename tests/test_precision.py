@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_distributed
-from precision import GradScaler, grad_zero_frac, resolve_dtype
+from machinery.report import grad_zero_frac
+from precision import GradScaler, resolve_dtype
 
 INJECT = {3: math.inf, 4: -math.inf, 9: math.nan, 10: math.inf, 17: math.nan, 31: math.inf}
 
