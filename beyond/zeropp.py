@@ -278,12 +278,6 @@ class ZeROpp(ZeRO3):
         node m's rank j, which sums the `nodes` rows into its own slice. Each hop moves codes."""
         return _TwoHops(self, flat, out)
 
-    def quantized_reduce_scatter(self, flat):
-        """The same, waited for: this rank's slice of the mean (fp32)."""
-        out = torch.empty(flat.numel() // self.world_size, device=flat.device)
-        self.launch_quantized_reduce_scatter(flat, out).wait()
-        return out
-
     # -- measurement ---------------------------------------------------------------------------
 
     def weight_bytes(self):

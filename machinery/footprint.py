@@ -71,17 +71,6 @@ def param_numels(cfg, build=None):
     return [(block_of.get(id(p), "root"), p.numel()) for p in model.parameters()]
 
 
-def param_count(n_layer, n_embd, n_head, vocab, block, bias=True, pad_vocab=64):
-    """GPT-2's closed form, for the lecture's tables (the estimate counts the model itself):
-    = GPT(...).num_params(non_embedding=False). Per block 12h^2 of matmuls (qkv 3h^2, attention
-    output h^2, MLP 4h^2 + 4h^2), two LayerNorm gains, and with bias 9h of Linear biases + 2h of
-    LayerNorm biases. n_head splits the width but adds nothing."""
-    h = n_embd
-    block_params = 12 * h * h + 2 * h + (11 * h if bias else 0)
-    vocab = math.ceil(vocab / pad_vocab) * pad_vocab  # model.py pads the embedding's rows
-    return vocab * h + block * h + n_layer * block_params + (2 * h if bias else h)
-
-
 def bucket_sizes(params, stage, dtype, bucket_mb=25.0):
     """Real (unpadded) numel of each ZeRO flat buffer, by zero.py's own planner: stage 3 one per
     unit (root first), stages 0-2 buckets of bucket_mb. params: param_numels(), less frozen ones."""

@@ -3,6 +3,7 @@ byte, on 1 and 2 ranks; the activation estimate is within 15% of what train.py's
 saved_activation_bytes measures (on CPU it is exact); the CLI prints the lecture's tables and
 a command train.py accepts.
 """
+import math
 import shlex
 
 import pytest
@@ -13,7 +14,7 @@ from machinery import estimator
 from configurator import UserError, parse_args
 from conftest import make_zero, run_distributed
 from machinery.activations import BYTES, activation_bytes
-from machinery.footprint import bucket_sizes, estimate, model_state_bytes, param_count, param_numels
+from machinery.footprint import bucket_sizes, estimate, model_state_bytes, param_numels
 from memory import advise, main
 from model import GPT, GPTConfig
 from machinery.meter import saved_activation_bytes
@@ -22,6 +23,17 @@ from zero import zero_formula
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # n_embd 9: every bucket has an odd size, so on 2 ranks the last one owns padding
 SMALL = dict(block_size=7, vocab_size=13, n_layer=2, n_head=3, n_embd=9, dropout=0.0, bias=True)
+
+
+def param_count(n_layer, n_embd, n_head, vocab, block, bias=True, pad_vocab=64):
+    """GPT-2's closed form (the estimate counts the model itself, not this):
+    = GPT(...).num_params(non_embedding=False). Per block 12h^2 of matmuls (qkv 3h^2, attention
+    output h^2, MLP 4h^2 + 4h^2), two LayerNorm gains, and with bias 9h of Linear biases + 2h of
+    LayerNorm biases. n_head splits the width but adds nothing."""
+    h = n_embd
+    block_params = 12 * h * h + 2 * h + (11 * h if bias else 0)
+    vocab = math.ceil(vocab / pad_vocab) * pad_vocab  # model.py pads the embedding's rows
+    return vocab * h + block * h + n_layer * block_params + (2 * h if bias else h)
 
 
 @pytest.mark.parametrize("shape", [
