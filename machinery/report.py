@@ -4,8 +4,7 @@ Guards the lecture's claim: every number is measured and printed beside the pape
 train.py calls these in one line each. They read the run, never change it:
 
   1. the start-up table: the model state each rank holds, measured (ZeRO.state_bytes)
-     beside memory.py's estimate (footprint.for_run, the one estimator) and the ZeRO paper's
-     formula (zero.zero_formula)
+     beside the ZeRO paper's formula (zero.zero_formula)
   2. the bytes saved for backward in the first micro-step (meter.py)
   3. one row per logged step: loss, time, MFU, loss scale, skipped steps, the gradient
      norm, and the traffic measured beside the paper's 2Ψ or 3Ψ (zero.traffic_formula); on
@@ -31,9 +30,8 @@ from zero import traffic_formula, zero_formula
 # ----------------------------------------------------------------------------------------------
 # 1. the start-up table
 
-def model_state_report(zero, world_size, estimate=None, host_estimate=None):
-    """What each rank holds (ZeRO.state_bytes(), gathered from every rank: a collective)
-    beside memory.py's estimate of this rank's (footprint's state dict; None: not shown) and
+def model_state_report(zero, world_size):
+    """What each rank holds (ZeRO.state_bytes(), gathered from every rank: a collective) beside
     the ZeRO paper's formula: (a table that fits 80 columns, a metrics.jsonl row)."""
     held = zero.state_bytes()
     per_rank = [held] * world_size
@@ -41,57 +39,32 @@ def model_state_report(zero, world_size, estimate=None, host_estimate=None):
         dist.all_gather_object(per_rank, held)
     paper = zero_formula(zero.psi, zero.stage, world_size, zero.dtype, zero.optimizer)
     master = "fp32 master + " if zero.dtype != torch.float32 else ""
-    side = lambda state: state["master"] + state["optimizer"]
-    est = estimate or {}
-    pairs = [("weights", held["params"], est.get("params"), paper["params"], ""),
-             ("gradients", held["grads"], est.get("grads"), paper["grads"], ""),
-             ("optimizer side", side(held), estimate and side(estimate), paper["optimizer_side"],
+    pairs = [("weights", held["params"], paper["params"], ""),
+             ("gradients", held["grads"], paper["grads"], ""),
+             ("optimizer side", held["master"] + held["optimizer"], paper["optimizer_side"],
               f"{master}{zero.optimizer} state"),
-             ("total", held["total"], est.get("total"), paper["total"], "")]
+             ("total", held["total"], paper["total"], "")]
     mib = lambda n: f"{n / 2**20:>6.2f} MiB  "
     lines = [f"model state per rank, ZeRO-{zero.stage} on {world_size} rank(s), Ψ = "
-             f"{zero.psi:,} trainable:", f"  {'':16}{'measured':>10}  "
-             + (f"{'memory.py':>10}  " if estimate else "") + f"{'ZeRO paper':>10}"]
-    lines += [(f"  {name:16}{mib(ours)}" + (mib(guess) if estimate else "") + mib(p)
-               + note).rstrip() for name, ours, guess, p, note in pairs]
+             f"{zero.psi:,} trainable:", f"  {'':16}{'measured':>10}  {'ZeRO paper':>10}"]
+    lines += [f"  {name:16}{mib(ours)}{mib(p)}{note}".rstrip() for name, ours, p, note in pairs]
     host = zero.host_bytes() if hasattr(zero, "host_bytes") else None
     if host:  # --offload-optimizer: the master and the optimizer state are on the host
         lines.append(f"  {'host (offload)':16}{mib(host['total'])}"
-                     + (mib(host_estimate) if host_estimate is not None else "")
-                     + f"master, {zero.optimizer} state, grad, staging")
+                     f"master, {zero.optimizer} state, grad, staging")
     row = {"event": "model_state", "psi": zero.psi, "stage": zero.stage,
            "world_size": world_size, "per_rank": per_rank, "formula": paper,
-           "estimate": estimate, "optimizer": zero.optimizer, "host": host}
+           "optimizer": zero.optimizer, "host": host}
     return "\n".join(lines), row
 
 
 def start(cfg, model, zero, metrics, print0):
     """The run's first rows: the start-up table (printed and logged with the whole
     configuration), then, once the first micro-step has run, its activations."""
-    host = None
-    if cfg.offload_optimizer != "none":  # the estimate of the host's bytes, beside them
-        from machinery.footprint import for_run
-        try:
-            host = for_run(cfg, model.config, zero.world_size, zero.rank,
-                           device=zero.device.type)["host"]["total"]
-        except ValueError:  # a model memory.py cannot count, as estimated_state
-            pass
-    line, row = model_state_report(zero, zero.world_size, estimated_state(cfg, model, zero),
-                                   host)
+    line, row = model_state_report(zero, zero.world_size)
     print0(line)
     metrics.log({**row, "dtype": cfg.dtype, "config": asdict(cfg)})
     meter_first_forward(model, cfg, print0, metrics)
-
-
-def estimated_state(cfg, model, zero):
-    """memory.py's estimate of the model state this rank holds (footprint.for_run), or None
-    for a model it cannot count (no blocks(), a module activations.py has no entry for)."""
-    from machinery.footprint import for_run
-    try:
-        return for_run(cfg, model.config, zero.world_size, zero.rank,
-                       device=zero.device.type)["state"]
-    except ValueError:
-        return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -317,22 +317,18 @@ def test_zero3_activations_count_no_weights():
 
 @pytest.mark.parametrize("flags", [["--zero", "2"], ["--zero", "1", "--lora"],
                                    ["--zero", "0", "--optimizer", "sgd"]])
-def test_the_console_and_the_memory_check_call_memory_pys_estimate(flags, monkeypatch):
-    """One estimator (footprint.for_run): the start-up table's memory.py column is its model
-    state, equal to what the engine holds to the byte; check_memory refuses, in one line, the
-    run whose half peak by that same estimate exceeds the free memory, and lets pass the one
-    a byte under it."""
+def test_the_memory_check_calls_memory_pys_estimate(flags, monkeypatch):
+    """One estimator (footprint.for_run): its model state equals what the engine holds, to the
+    byte; check_memory refuses, in one line, the run whose half peak by that same estimate
+    exceeds the free memory, and lets pass the one a byte under it."""
     from configurator import UserError
-    from machinery import lifecycle, report
+    from machinery import lifecycle
     from machinery.footprint import for_run
     from train import build
     cfg = parse_args(["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
                       "--batch-size", "3", "--device", "cpu", *flags])
     model, zero, _ = build(cfg, 40, torch.device("cpu"), torch.float32)
-    est = report.estimated_state(cfg, model, zero)
-    assert est == zero.state_bytes()
-    table, row = report.model_state_report(zero, 1, est)
-    assert "memory.py" in table.splitlines()[1] and row["estimate"] == est
+    assert for_run(cfg, model.config, 1, 0, device="cpu")["state"] == zero.state_bytes()
     shape = GPTConfig(block_size=16, vocab_size=1, n_layer=2, n_head=2, n_embd=32,
                       bias=cfg.bias)  # before the data: the smallest vocabulary
     half = for_run(cfg, shape, 1, device="cpu")["peak"] / 2
