@@ -313,7 +313,7 @@ class ZeRO:
         # One rank moves nothing, so nothing is cast there.
         self.reduce_dtype = reduce_dtype or self.dtype
         self.buckets = self._make_buckets(model, [p for _, p in named])  # (1) pack
-        for i, b in enumerate(self.buckets):  # what the collective log and a timeout name
+        for i, b in enumerate(self.buckets):  # a name for its collectives (a log, an error)
             b.label = getattr(b, "label", None) or f"bucket {i}"
         # where each trainable parameter lives: its bucket, its offset in the flat buffer
         self.where = {id(p): (b, offset) for b in self.buckets

@@ -93,7 +93,7 @@ class ZeRO3(ZeRO):
         self.units = [self._make_unit(blk, lambda t: True) for blk in blocks]
         self.root = self._make_unit(model, lambda t: id(t) not in in_blocks, root=True)
         self.all_units = self.units + [self.root]
-        for i, unit in enumerate(self.all_units):  # what the collective log and a timeout name
+        for i, unit in enumerate(self.all_units):  # a name for its collectives (a log, an error)
             for b in unit.buckets:
                 b.label = ("root" if unit.root else f"block {i}") + (" frozen" if b.frozen else "")
         model.register_forward_pre_hook(self._pre_model_forward)
