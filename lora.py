@@ -18,39 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import model as model_py  # model.GPT when called: a fork's edit of model.py is read
-from quant import QuantizedWeight, declared_linears, linear
-
-
-def targets_of(linears):
-    """The names LoRA can target: every output slice of the model's declared LINEARS."""
-    return tuple(name for _, slices in linears for name in slices)
-
-
-# model.py's: q, k, v, attn_out, mlp_fc, mlp_proj (a fork without LINEARS has none)
-TARGETS = targets_of(getattr(model_py.GPT, "LINEARS", None) or ())
-
-
-def parse_targets(spec, linears=None):
-    """'q,v' | 'all' | ('q', 'v') -> a tuple of the model's target names (targets_of(linears);
-    by default model.GPT's, read when called: a fork's, where model.py was edited), in their
-    order. A ValueError, one line, for a name it lacks or a model class that declares none."""
-    if linears is None:
-        linears = getattr(model_py.GPT, "LINEARS", None)
-        if linears is None:
-            raise ValueError(f"{model_py.GPT.__name__} declares no LINEARS: each block's linear "
-                             "layers, for LoRA, --quantize and FP8 (see docs/forking.md)")
-    TARGETS = targets_of(linears)
-    if spec == "all":
-        names = TARGETS
-    else:
-        parts = spec.split(",") if isinstance(spec, str) else spec
-        names = [s.strip() for s in parts]
-    bad = [n for n in names if n not in TARGETS]
-    if bad or not names:
-        raise ValueError(f"unknown LoRA target(s) {bad or spec!r}: "
-                         f"use 'all' or a comma list of {', '.join(TARGETS)}")
-    return tuple(t for t in TARGETS if t in names)
+from machinery.validate import declared_linears, parse_targets
+from quant import QuantizedWeight, linear
 
 
 # ----------------------------------------------------------------------------------------------

@@ -18,22 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-def declared_linears(model):
-    """The model's LINEARS, (path in a block, output slices), each path checked in every block:
-    what is missing is one line naming what to declare."""
-    linears = getattr(model, "LINEARS", None)
-    if linears is None or not hasattr(model, "blocks"):
-        raise ValueError(f"{type(model).__name__} declares no LINEARS or blocks(): LoRA and "
-                         "quantization find the layers to change there (see model.py's GPT)")
-    for i, block in enumerate(model.blocks()):
-        for path, _ in linears:
-            try:
-                block.get_submodule(path)
-            except AttributeError:
-                raise ValueError(f"{type(model).__name__}.LINEARS names {path!r}, which block {i}"
-                                 " does not have: declare the paths of its linear layers")
-    return linears
+from machinery.validate import declared_linears
 
 
 def nf4_code():

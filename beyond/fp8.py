@@ -237,7 +237,8 @@ def convert(model, scaling="dynamic", history=16):
     base (its forward and input gradient in FP8; a frozen weight has no weight gradient).
     ValueError (one line) for a shape FP8 matmuls cannot take or a quantized base."""
     from lora import LoRALinear  # here: lora.py imports nothing of fp8
-    from quant import QuantizedWeight, declared_linears
+    from machinery.validate import declared_linears
+    from quant import QuantizedWeight
     if scaling not in ("dynamic", "delayed") or history < 1:
         raise ValueError(f"--fp8-scaling {scaling} --fp8-amax-history {history}: use dynamic "
                          "or delayed, and a history of at least 1")

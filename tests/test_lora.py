@@ -14,7 +14,7 @@ import torch
 
 import checkpoint
 import lora
-from machinery import adapters
+from machinery import adapters, validate
 import quant
 from conftest import make_zero, run_distributed, zero_step
 from model import GPT, GPTConfig
@@ -58,12 +58,12 @@ def lora_numel(model):
 
 
 def test_parse_targets():
-    assert lora.parse_targets("v, q") == ("q", "v")  # TARGETS' order, spaces allowed
-    assert lora.parse_targets("all") == lora.TARGETS
-    assert lora.parse_targets(["mlp_fc"]) == ("mlp_fc",)
+    assert validate.parse_targets("v, q") == ("q", "v")  # the LINEARS' order, spaces allowed
+    assert validate.parse_targets("all") == ("q", "k", "v", "attn_out", "mlp_fc", "mlp_proj")
+    assert validate.parse_targets(["mlp_fc"]) == ("mlp_fc",)
     for bad in ("q,x", "", "qkv"):
         with pytest.raises(ValueError, match="attn_out, mlp_fc"):
-            lora.parse_targets(bad)
+            validate.parse_targets(bad)
 
 
 def test_zero_delta_at_init_and_only_lora_trains():
