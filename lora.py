@@ -18,12 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from machinery.validate import declared_linears, parse_targets
 from quant import QuantizedWeight, linear
 
-
-# ----------------------------------------------------------------------------------------------
-# LoRA
 
 class LoRALinear(nn.Module):
     """A frozen Linear plus (alpha/r) B @ A on some of its len(slices) equal output slices.
@@ -115,9 +111,12 @@ def _replace(block, name, new):  # "attn.c_attn" -> block.attn.c_attn = new; "fc
 def apply_lora(model, rank=8, alpha=1.0, dropout=0.0, targets=("q", "v")):
     """Freeze every parameter, replace the targeted Linears of each block by LoRALinear (trainable
     lora_A / lora_B in the base weight's dtype and device); returns the replaced module names.
+    targets: names of output slices in the model's LINEARS, ("q", "v") of GPT's fused q|k|v.
     Before ZeRO(model, ...): ZeRO packs what requires grad when it is built."""
-    linears = declared_linears(model)
-    targets = parse_targets(targets, linears)
+    linears = model.LINEARS  # (path in a block, names of its equal output slices)
+    known = [t for _, slice_names in linears for t in slice_names]
+    if not targets or not set(targets) <= set(known):
+        raise ValueError(f"LoRA targets {targets!r}: name some of {known}")
     if lora_modules(model):
         raise ValueError("the model already has LoRA adapters")
     for p in model.parameters():
@@ -134,7 +133,8 @@ def apply_lora(model, rank=8, alpha=1.0, dropout=0.0, targets=("q", "v")):
     # LoRA or frozen base, never both, never neither
     for n, p in model.named_parameters():
         assert p.requires_grad == ("lora_" in n), f"{n}: requires_grad={p.requires_grad}"
-    model.lora_settings = dict(rank=rank, alpha=alpha, dropout=dropout, targets=list(targets))
+    targets = [t for t in known if t in targets]  # in the model's order, as files keep them
+    model.lora_settings = dict(rank=rank, alpha=alpha, dropout=dropout, targets=targets)
     return names
 
 

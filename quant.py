@@ -18,8 +18,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from machinery.validate import declared_linears
-
 
 def nf4_code():
     """The 16 NF4 values (QLoRA appendix E; bitsandbytes' create_normal_map): N(0, 1) quantiles
@@ -154,7 +152,7 @@ class QuantLinear(nn.Module):
 def quantize_base(model, mode="nf4", double_quant=False, block=64):
     """Quantize the weights of every block's four Linears, LoRA-wrapped or not (the tied
     embedding / head stay as they are). Returns the quantized module names."""
-    names, paths = [], [path for path, _ in declared_linears(model)]
+    names, paths = [], [path for path, _ in model.LINEARS]
     block_names = {id(m): n for n, m in model.named_modules()}
     for blk in model.blocks():
         for name in paths:

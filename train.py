@@ -213,10 +213,9 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1,
     # 2. LoRA before ZeRO: ZeRO packs what requires grad when it is built, so only the
     #    adapters reach its buffers and the optimizer
     if cfg.lora:
-        try:  # the targets are names of the model's own LINEARS
-            apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
-        except ValueError as e:
-            raise UserError(f"--lora-targets {cfg.lora_targets}: {e}")
+        from machinery.validate import parse_targets  # checked before any work (check_run)
+        targets = parse_targets(cfg.lora_targets, model.LINEARS)  # "q,v" -> ("q", "v")
+        apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, targets)
         if cfg.quantize:  # QLoRA: the frozen base in 4 or 8 bits, under the adapters
             quantize_base(model, cfg.quantize, cfg.double_quant)
     # 3. FP8 after LoRA: the base's product goes FP8, the adapters stay bf16

@@ -237,12 +237,11 @@ def convert(model, scaling="dynamic", history=16):
     base (its forward and input gradient in FP8; a frozen weight has no weight gradient).
     ValueError (one line) for a shape FP8 matmuls cannot take or a quantized base."""
     from lora import LoRALinear  # here: lora.py imports nothing of fp8
-    from machinery.validate import declared_linears
     from quant import QuantizedWeight
     if scaling not in ("dynamic", "delayed") or history < 1:
         raise ValueError(f"--fp8-scaling {scaling} --fp8-amax-history {history}: use dynamic "
                          "or delayed, and a history of at least 1")
-    names, paths = [], [path for path, _ in declared_linears(model)]  # the model's LINEARS
+    names, paths = [], [path for path, _ in model.LINEARS]  # (path in a block, its slices)
     block_names = {id(m): n for n, m in model.named_modules()}
     for block in model.blocks():
         for name in paths:

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from lora import LoRALinear, apply_lora
 from machinery.declared import config_for
+from machinery.validate import declared_linears, parse_targets
 import model as model_py
 from model import GPT, MLP, CausalSelfAttention, LayerNorm
 from quant import QuantLinear
@@ -41,8 +42,10 @@ def shapes_model(cfg, build=None, lora_rank=0, lora_targets=(), fp8=False):
                 model = build(cfg)
             except (TypeError, AttributeError, ValueError, RuntimeError) as e:
                 raise ValueError(f"memory.py cannot build {build.__name__} from {cfg}: {e}")
-            if lora_rank:
-                apply_lora(model, lora_rank, targets=lora_targets)
+            if lora_rank or fp8:  # a fork's LINEARS, each path in every block: else one line
+                linears = declared_linears(model)
+            if lora_rank:  # "all", "q,v" or ("q", "v"): names of the LINEARS' slices
+                apply_lora(model, lora_rank, targets=parse_targets(lora_targets, linears))
             if fp8:  # the block linears' products in FP8 (fp8.py)
                 from beyond.fp8 import FP8Linear, convert
                 SAVED.setdefault(FP8Linear, linear)  # priced as any linear (linear())
