@@ -147,12 +147,3 @@ def merge_lora(model):
 def unmerge_lora(model):
     for m in lora_modules(model):
         m.unmerge()
-
-
-@torch.no_grad()
-def remove_adapter(model):
-    """Back to the base: B = 0 makes every delta exactly zero, outputs bitwise the base's."""
-    if any(m.merged for m in lora_modules(model)):
-        raise RuntimeError("unmerge_lora(model) before removing the adapter")
-    for m in lora_modules(model):
-        m.lora_B.zero_()
