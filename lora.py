@@ -46,18 +46,18 @@ class LoRALinear(nn.Module):
         B = torch.zeros(k * s, r, device=dev, dtype=weight.dtype)
         self.lora_B = nn.Parameter(B)  # (k*s, r)
         self.merged = False
-        self.base_matmul = None  # fp8.convert puts an FP8 product of the frozen base here
 
     def _place(self, parts, zero, dim):
         """Concatenate the adapted slices' pieces, with `zero` where a slice has no adapter."""
         parts = iter(parts)
         return torch.cat([next(parts) if on else zero for on in self.slices], dim=dim)
 
+    def base(self, x):
+        """The frozen layer, W x + b: W a Parameter or a QuantizedWeight (quant.linear)."""
+        return linear(x, self.weight, self.bias)
+
     def forward(self, x):
-        if self.base_matmul is None:
-            y = linear(x, self.weight, self.bias)
-        else:
-            y = self.base_matmul(x, self.weight, self.bias)
+        y = self.base(x)
         if self.merged:
             return y  # B @ A already sits inside the weight
         k, s = sum(self.slices), self.lora_B.shape[0] // sum(self.slices)

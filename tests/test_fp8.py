@@ -172,7 +172,8 @@ def test_compile_grad_ckpt_and_lora_with_fp8():
     losses, model = train_losses(cfg)
     assert losses[-1] < losses[0]
     attn = model.transformer.h[0].attn.c_attn
-    assert isinstance(attn.base_matmul, fp8.FP8Matmul) and attn.weight.grad is None
+    assert isinstance(attn, fp8.FP8LoRALinear) and isinstance(attn.fp8, fp8.FP8Matmul)
+    assert attn.weight.grad is None
 
 
 def _stages(rank, world_size, out):
