@@ -66,9 +66,12 @@ def format_table():
 
 def scale_of(amax, fmt):
     """The fp32 scale that maps amax onto the format's max: x * scale fills the format.
-    An all-zero tensor gets scale 1 (any scale casts zeros to zeros)."""
-    amax = amax.float()
-    return torch.where(amax > 0, torch.finfo(fmt).max / amax.clamp(min=1e-30), 1.0)
+    Divided in fp64 and rounded once to fp32, as torchao's amax_to_scale does: the quotient
+    correctly rounded. In fp32, torch's `max / amax` is amax's reciprocal times max, two
+    roundings, and a compiled reciprocal can round otherwise than an eager one (torchao's
+    note). An all-zero tensor gets scale 1 (any scale casts zeros to zeros)."""
+    amax = amax.double()
+    return torch.where(amax > 0, torch.finfo(fmt).max / amax.clamp(min=1e-30), 1.0).float()
 
 
 def cast(t, scale, fmt, stats=None):
