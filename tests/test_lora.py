@@ -65,6 +65,11 @@ def test_parse_targets():
     for bad in ("q,x", "", "qkv"):
         with pytest.raises(ValueError, match="attn_out, mlp_fc"):
             validate.parse_targets(bad)
+    # apply_lora takes the names; a name the model lacks is its own plain ValueError
+    for bad in (("q", "x"), (), "q,v"):
+        with pytest.raises(ValueError, match="name some of"):
+            lora.apply_lora(make_model(), targets=bad)
+    assert make_model(targets=("v", "q")).lora_settings["targets"] == ["q", "v"]  # LINEARS' order
 
 
 def test_a_path_the_blocks_lack_is_one_line_before_lora():
