@@ -18,43 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import model as model_py  # model.GPT when called: a fork's edit of model.py is read
-from quant import QuantizedWeight, declared_linears, linear
+from quant import QuantizedWeight, linear
 
-
-def targets_of(linears):
-    """The names LoRA can target: every output slice of the model's declared LINEARS."""
-    return tuple(name for _, slices in linears for name in slices)
-
-
-# model.py's: q, k, v, attn_out, mlp_fc, mlp_proj (a fork without LINEARS has none)
-TARGETS = targets_of(getattr(model_py.GPT, "LINEARS", None) or ())
-
-
-def parse_targets(spec, linears=None):
-    """'q,v' | 'all' | ('q', 'v') -> a tuple of the model's target names (targets_of(linears);
-    by default model.GPT's, read when called: a fork's, where model.py was edited), in their
-    order. A ValueError, one line, for a name it lacks or a model class that declares none."""
-    if linears is None:
-        linears = getattr(model_py.GPT, "LINEARS", None)
-        if linears is None:
-            raise ValueError(f"{model_py.GPT.__name__} declares no LINEARS: each block's linear "
-                             "layers, for LoRA, --quantize and FP8 (see docs/forking.md)")
-    TARGETS = targets_of(linears)
-    if spec == "all":
-        names = TARGETS
-    else:
-        parts = spec.split(",") if isinstance(spec, str) else spec
-        names = [s.strip() for s in parts]
-    bad = [n for n in names if n not in TARGETS]
-    if bad or not names:
-        raise ValueError(f"unknown LoRA target(s) {bad or spec!r}: "
-                         f"use 'all' or a comma list of {', '.join(TARGETS)}")
-    return tuple(t for t in TARGETS if t in names)
-
-
-# ----------------------------------------------------------------------------------------------
-# LoRA
 
 class LoRALinear(nn.Module):
     """A frozen Linear plus (alpha/r) B @ A on some of its len(slices) equal output slices.
@@ -81,18 +46,18 @@ class LoRALinear(nn.Module):
         B = torch.zeros(k * s, r, device=dev, dtype=weight.dtype)
         self.lora_B = nn.Parameter(B)  # (k*s, r)
         self.merged = False
-        self.base_matmul = None  # fp8.convert puts an FP8 product of the frozen base here
 
     def _place(self, parts, zero, dim):
         """Concatenate the adapted slices' pieces, with `zero` where a slice has no adapter."""
         parts = iter(parts)
         return torch.cat([next(parts) if on else zero for on in self.slices], dim=dim)
 
+    def base(self, x):
+        """The frozen layer, W x + b: W a Parameter or a QuantizedWeight (quant.linear)."""
+        return linear(x, self.weight, self.bias)
+
     def forward(self, x):
-        if self.base_matmul is None:
-            y = linear(x, self.weight, self.bias)
-        else:
-            y = self.base_matmul(x, self.weight, self.bias)
+        y = self.base(x)
         if self.merged:
             return y  # B @ A already sits inside the weight
         k, s = sum(self.slices), self.lora_B.shape[0] // sum(self.slices)
@@ -146,9 +111,12 @@ def _replace(block, name, new):  # "attn.c_attn" -> block.attn.c_attn = new; "fc
 def apply_lora(model, rank=8, alpha=1.0, dropout=0.0, targets=("q", "v")):
     """Freeze every parameter, replace the targeted Linears of each block by LoRALinear (trainable
     lora_A / lora_B in the base weight's dtype and device); returns the replaced module names.
+    targets: names of output slices in the model's LINEARS, ("q", "v") of GPT's fused q|k|v.
     Before ZeRO(model, ...): ZeRO packs what requires grad when it is built."""
-    linears = declared_linears(model)
-    targets = parse_targets(targets, linears)
+    linears = model.LINEARS  # (path in a block, names of its equal output slices)
+    known = [t for _, slice_names in linears for t in slice_names]
+    if not targets or not set(targets) <= set(known):
+        raise ValueError(f"LoRA targets {targets!r}: name some of {known}")
     if lora_modules(model):
         raise ValueError("the model already has LoRA adapters")
     for p in model.parameters():
@@ -165,7 +133,8 @@ def apply_lora(model, rank=8, alpha=1.0, dropout=0.0, targets=("q", "v")):
     # LoRA or frozen base, never both, never neither
     for n, p in model.named_parameters():
         assert p.requires_grad == ("lora_" in n), f"{n}: requires_grad={p.requires_grad}"
-    model.lora_settings = dict(rank=rank, alpha=alpha, dropout=dropout, targets=list(targets))
+    targets = [t for t in known if t in targets]  # in the model's order, as files keep them
+    model.lora_settings = dict(rank=rank, alpha=alpha, dropout=dropout, targets=targets)
     return names
 
 
@@ -178,12 +147,3 @@ def merge_lora(model):
 def unmerge_lora(model):
     for m in lora_modules(model):
         m.unmerge()
-
-
-@torch.no_grad()
-def remove_adapter(model):
-    """Back to the base: B = 0 makes every delta exactly zero, outputs bitwise the base's."""
-    if any(m.merged for m in lora_modules(model)):
-        raise RuntimeError("unmerge_lora(model) before removing the adapter")
-    for m in lora_modules(model):
-        m.lora_B.zero_()

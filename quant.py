@@ -19,23 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def declared_linears(model):
-    """The model's LINEARS, (path in a block, output slices), each path checked in every block:
-    what is missing is one line naming what to declare."""
-    linears = getattr(model, "LINEARS", None)
-    if linears is None or not hasattr(model, "blocks"):
-        raise ValueError(f"{type(model).__name__} declares no LINEARS or blocks(): LoRA and "
-                         "quantization find the layers to change there (see model.py's GPT)")
-    for i, block in enumerate(model.blocks()):
-        for path, _ in linears:
-            try:
-                block.get_submodule(path)
-            except AttributeError:
-                raise ValueError(f"{type(model).__name__}.LINEARS names {path!r}, which block {i}"
-                                 " does not have: declare the paths of its linear layers")
-    return linears
-
-
 def nf4_code():
     """The 16 NF4 values (QLoRA appendix E; bitsandbytes' create_normal_map): N(0, 1) quantiles
     at evenly spaced probabilities, 8 positive and 7 negative so that 0 is exact (4 bits
@@ -169,7 +152,7 @@ class QuantLinear(nn.Module):
 def quantize_base(model, mode="nf4", double_quant=False, block=64):
     """Quantize the weights of every block's four Linears, LoRA-wrapped or not (the tied
     embedding / head stay as they are). Returns the quantized module names."""
-    names, paths = [], [path for path, _ in declared_linears(model)]
+    names, paths = [], [path for path, _ in model.LINEARS]
     block_names = {id(m): n for n, m in model.named_modules()}
     for blk in model.blocks():
         for name in paths:

@@ -132,8 +132,11 @@ def build(cfg, vocab_size, device, dtype, rank=0, world_size=1, grad_accum=1, in
         model, source = init(model_config(cfg, vocab_size), device, dtype)
     # 2. LoRA before ZeRO: ZeRO packs what requires grad when it is built, so only the
     #    adapters reach its buffers and the optimizer
-    if cfg.lora:  # the targets: names of the model's own LINEARS (checked before any work)
-        apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+    if cfg.lora:  # --lora-targets: all, or names of the LINEARS' slices (checked before any work)
+        every = [t for _, names in model.LINEARS for t in names]
+        targets = every if cfg.lora_targets == "all" else \
+            [t.strip() for t in cfg.lora_targets.split(",")]
+        apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, targets)
         if cfg.quantize:  # QLoRA: the frozen base in 4 or 8 bits, under the adapters
             quantize_base(model, cfg.quantize, cfg.double_quant)
     # 3. FP8 after LoRA: the base's product goes FP8, the adapters stay bf16

@@ -39,10 +39,10 @@ from bench.common import (OurRun, PlainRun, Stopwatch, adamw, adamw_settings, co
                           time_block)
 from configurator import TrainConfig
 from configurator import load_preset
-from lora import parse_targets
 from machinery.footprint import estimate
 from model import GPT
 from machinery.report import peak_flops
+from machinery.validate import parse_targets
 from precision import DTYPES, set_tf32
 from train import model_config
 from zero import traffic_formula, zero_formula

@@ -7,12 +7,16 @@ DeepSpeedCPUAdam; ours is beyond/offload_optimizer.py's OffloadZeRO with torch's
     python -m bench.offload_deepspeed --ds-path DIR           # DIR: where deepspeed is installed
     python -m bench.offload_deepspeed --ds-path DIR --steps 40 --rounds 5
     python -m bench.offload_deepspeed --ds-path DIR --model gpt --bf16
+    python -m bench.offload_deepspeed --ds-path DIR --model gpt --bf16 --clip 0   # no clipping
+    python -m bench.offload_deepspeed --ds-path DIR --model gpt --bf16 --ds-adam torch
 
 --model gpt trains our GPT (model.py, 2 layers of 64, shakespeare_char's batches as train.py
 draws them) instead of the MLP; --bf16 runs both sides in bf16: DeepSpeed casts the module to
 bf16 itself ("bf16": {"enabled": true}) and makes its fp32 master from those bf16 weights, so
 ours does the same (the model cast first, no master_weights=: a 16-bit master, PITFALLS 24,
-on both sides alike).
+on both sides alike). --ds-adam torch steps DeepSpeed's side with torch's fused AdamW, ours,
+instead of its DeepSpeedCPUAdam ("zero_force_ds_cpu_optimizer": false): with --clip 0 too,
+what is left to differ is DeepSpeed's own arithmetic around the optimizer.
 
 DeepSpeed is not a requirement of this repository: install it apart, for example with
 `pip install --target DIR --no-deps deepspeed hjson ninja py-cpuinfo pydantic psutil msgpack
@@ -76,7 +80,7 @@ def loss_of(model, x, y, kind):
     return model(x, y)[1] if kind == "gpt" else torch.nn.functional.mse_loss(model(x), y)
 
 
-def ours(steps, kind, bf16):
+def ours(steps, kind, bf16, clip):
     import torch
     import torch.distributed as dist
     from beyond.offload_optimizer import OffloadZeRO
@@ -97,24 +101,31 @@ def ours(steps, kind, bf16):
             x, y = x.bfloat16(), y.bfloat16()
         loss = loss_of(model, x, y, kind)
         zero.backward(loss)
-        update(zero, scaler, LRS[kind], CLIP)
+        update(zero, scaler, LRS[kind], clip)
         zero.wait_published()
         ms.append((time.perf_counter() - t) * 1000)
         losses.append(loss.item())
     return losses, ms
 
 
-def deepspeed_side(steps, kind, bf16):
+def deepspeed_side(steps, kind, bf16, clip, ds_adam="deepspeed"):
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     model = gpt() if kind == "gpt" else mlp()
     cfg = {"train_micro_batch_size_per_gpu": BATCH // int(os.environ["WORLD_SIZE"]),
-           "gradient_clipping": CLIP, "steps_per_print": 10**9, "bf16": {"enabled": bf16},
+           "gradient_clipping": clip, "steps_per_print": 10**9, "bf16": {"enabled": bf16},
            "optimizer": {"type": "AdamW", "params": {"lr": LRS[kind], "betas": [0.9, 0.95],
                                                       "eps": 1e-8, "weight_decay": 0.0}},
            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    opt = None
+    if ds_adam == "torch":  # ours, in DeepSpeed's place: its kernel out of the comparison
+        import torch
+        del cfg["optimizer"]
+        cfg["zero_force_ds_cpu_optimizer"] = False
+        opt = torch.optim.AdamW(model.parameters(), lr=LRS[kind], betas=(0.9, 0.95), eps=1e-8,
+                                weight_decay=0.0, fused=True)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=cfg)
+                                      config=cfg, optimizer=opt)
     losses, ms = [], []
     for x, y in batches(steps, engine.global_rank, engine.world_size, kind):
         t = time.perf_counter()
@@ -128,10 +139,13 @@ def deepspeed_side(steps, kind, bf16):
     return losses, ms
 
 
-def worker(side, steps, out, kind, bf16):
+def worker(side, steps, out, kind, bf16, clip, ds_adam):
     import torch
     torch.set_num_threads(1)
-    losses, ms = (ours if side == "ours" else deepspeed_side)(steps, kind, bf16)
+    if side == "ours":
+        losses, ms = ours(steps, kind, bf16, clip)
+    else:
+        losses, ms = deepspeed_side(steps, kind, bf16, clip, ds_adam)
     if int(os.environ.get("RANK", 0)) == 0:
         with open(out, "w") as f:
             json.dump({"losses": losses, "ms": ms}, f)
@@ -140,14 +154,16 @@ def worker(side, steps, out, kind, bf16):
     dist.destroy_process_group()
 
 
-def run_side(side, steps, ds_path, port, kind="mlp", bf16=False):
+def run_side(side, steps, ds_path, port, kind="mlp", bf16=False, clip=CLIP,
+             ds_adam="deepspeed"):
     out = tempfile.mktemp(suffix=".json")
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                PYTHONPATH=os.pathsep.join([ROOT, ds_path]),
                PATH=os.pathsep.join([os.path.join(ds_path, "bin"), os.environ["PATH"]]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            f"--master_port={port}", os.path.abspath(__file__), "--worker", side,
-           "--steps", str(steps), "--out", out, "--model", kind] + (["--bf16"] if bf16 else [])
+           "--steps", str(steps), "--out", out, "--model", kind, "--clip", str(clip),
+           "--ds-adam", ds_adam] + (["--bf16"] if bf16 else [])
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if r.returncode:
         raise SystemExit(f"{side} failed:\n{r.stderr[-3000:]}")
@@ -164,11 +180,15 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
     p.add_argument("--bf16", action="store_true", help="both sides in bf16 (fp32 masters)")
+    p.add_argument("--clip", type=float, default=CLIP,
+                   help="the gradient norm both sides clip to (0: no clipping)")
+    p.add_argument("--ds-adam", choices=("deepspeed", "torch"), default="deepspeed",
+                   help="DeepSpeed's side steps with its DeepSpeedCPUAdam, or torch's fused AdamW")
     p.add_argument("--worker", choices=("ours", "deepspeed"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        return worker(a.worker, a.steps, a.out, a.model, a.bf16)
+        return worker(a.worker, a.steps, a.out, a.model, a.bf16, a.clip, a.ds_adam)
     import socket
     ratios, diffs = [], None
     for i in range(a.rounds):
@@ -177,7 +197,8 @@ def main(argv=None):
             with socket.socket() as s:  # a free port for this pair of ranks
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            runs[side] = run_side(side, a.steps, a.ds_path, port, a.model, a.bf16)
+            runs[side] = run_side(side, a.steps, a.ds_path, port, a.model, a.bf16, a.clip,
+                                  a.ds_adam)
         diffs = [abs(o - d) for o, d in zip(runs["ours"]["losses"], runs["deepspeed"]["losses"])]
         ms = {k: statistics.median(v["ms"][WARM:]) for k, v in runs.items()}
         ratios.append(ms["ours"] / ms["deepspeed"])

@@ -30,6 +30,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from collectives import all_reduce_max, all_reduce_sum
+from lora import LoRALinear
+from quant import QuantizedWeight
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2  # "fn": finite only, no inf
 ROWS = ("x", "w", "grad")  # the three casts of a linear: input, weight, output gradient
@@ -64,9 +66,12 @@ def format_table():
 
 def scale_of(amax, fmt):
     """The fp32 scale that maps amax onto the format's max: x * scale fills the format.
-    An all-zero tensor gets scale 1 (any scale casts zeros to zeros)."""
-    amax = amax.float()
-    return torch.where(amax > 0, torch.finfo(fmt).max / amax.clamp(min=1e-30), 1.0)
+    Divided in fp64 and rounded once to fp32, as torchao's amax_to_scale does: the quotient
+    correctly rounded. In fp32, torch's `max / amax` is amax's reciprocal times max, two
+    roundings, and a compiled reciprocal can round otherwise than an eager one (torchao's
+    note). An all-zero tensor gets scale 1 (any scale casts zeros to zeros)."""
+    amax = amax.double()
+    return torch.where(amax > 0, torch.finfo(fmt).max / amax.clamp(min=1e-30), 1.0).float()
 
 
 def cast(t, scale, fmt, stats=None):
@@ -208,6 +213,16 @@ class FP8Linear(nn.Module):
         return self.fp8(x, self.weight, self.bias)
 
 
+class FP8LoRALinear(LoRALinear):
+    """A LoRALinear whose frozen base computes in FP8 (its forward and input gradient: a frozen
+    weight has no weight gradient); the adapters stay bf16. convert() makes one of a LoRALinear
+    in place, by swapping its class as torch.nn.utils.parametrize does: the same module, so its
+    parameters, names and adapters are untouched."""
+
+    def base(self, x):
+        return self.fp8(x, self.weight, self.bias)
+
+
 def check_available(device, compiled=False):
     """A one-line RuntimeError where this torch or device has no FP8 matmul. Returns a line to
     print once where FP8 runs eagerly on a GPU (without --compile), else None."""
@@ -233,15 +248,12 @@ def check_available(device, compiled=False):
 
 def convert(model, scaling="dynamic", history=16):
     """Put FP8 into each block's four linears; returns their names. A plain nn.Linear becomes an
-    FP8Linear; a LoRALinear keeps its adapters in bf16 and gets an FP8 product for its frozen
-    base (its forward and input gradient in FP8; a frozen weight has no weight gradient).
-    ValueError (one line) for a shape FP8 matmuls cannot take or a quantized base."""
-    from lora import LoRALinear  # here: lora.py imports nothing of fp8
-    from quant import QuantizedWeight, declared_linears
+    FP8Linear, a LoRALinear an FP8LoRALinear (its frozen base's product in FP8, its adapters
+    bf16). ValueError (one line) for a shape FP8 matmuls cannot take or a quantized base."""
     if scaling not in ("dynamic", "delayed") or history < 1:
         raise ValueError(f"--fp8-scaling {scaling} --fp8-amax-history {history}: use dynamic "
                          "or delayed, and a history of at least 1")
-    names, paths = [], [path for path, _ in declared_linears(model)]  # the model's LINEARS
+    names, paths = [], [path for path, _ in model.LINEARS]  # (path in a block, its slices)
     block_names = {id(m): n for n, m in model.named_modules()}
     for block in model.blocks():
         for name in paths:
@@ -254,8 +266,9 @@ def convert(model, scaling="dynamic", history=16):
                 raise ValueError(f"--fp8: {full} is {N}x{K}; FP8 matmuls need multiples of "
                                  f"{MULTIPLE}: pick --n-embd a multiple of {MULTIPLE}")
             fp8 = FP8Matmul(full, scaling, history, m.weight.device)
-            if isinstance(m, LoRALinear):
-                m.base_matmul = fp8
+            if isinstance(m, LoRALinear):  # its base's product in FP8, its adapters bf16
+                m.__class__ = FP8LoRALinear
+                m.fp8 = fp8
             else:
                 parent, _, child = name.rpartition(".")  # "" for a block's own child
                 setattr(block.get_submodule(parent), child, FP8Linear(m.weight, m.bias, fp8))

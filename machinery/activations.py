@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from lora import LoRALinear, apply_lora
 from machinery.declared import config_for
+from machinery.validate import declared_linears, parse_targets
 import model as model_py
 from model import GPT, MLP, CausalSelfAttention, LayerNorm
 from quant import QuantLinear
@@ -41,11 +42,15 @@ def shapes_model(cfg, build=None, lora_rank=0, lora_targets=(), fp8=False):
                 model = build(cfg)
             except (TypeError, AttributeError, ValueError, RuntimeError) as e:
                 raise ValueError(f"memory.py cannot build {build.__name__} from {cfg}: {e}")
-            if lora_rank:
-                apply_lora(model, lora_rank, targets=lora_targets)
+            if lora_rank or fp8:  # a fork's LINEARS, each path in every block: else one line
+                linears = declared_linears(model)
+            if lora_rank:  # "all", "q,v" or ("q", "v"): names of the LINEARS' slices
+                apply_lora(model, lora_rank, targets=parse_targets(lora_targets, linears))
             if fp8:  # the block linears' products in FP8 (fp8.py)
-                from beyond.fp8 import FP8Linear, convert
+                from beyond.fp8 import FP8Linear, FP8LoRALinear, convert
                 SAVED.setdefault(FP8Linear, linear)  # priced as any linear (linear())
+                SAVED.setdefault(FP8LoRALinear, linear)
+                KEPT.setdefault(FP8LoRALinear, kept_linear)  # a LoRALinear's, as LoRALinear
                 convert(model)
         if len(_MODELS) >= 4:
             _MODELS.pop(next(iter(_MODELS)))
@@ -187,7 +192,7 @@ def linear(name, m, flow):
     its two fp32 scales whenever autograd records it."""
     lora = isinstance(m, LoRALinear)
     # by its name: beyond/fp8.py is imported only under --fp8
-    fp8 = type(m).__name__ == "FP8Linear" or (lora and m.base_matmul is not None)
+    fp8 = type(m).__name__ in ("FP8Linear", "FP8LoRALinear")
     terms, width = {}, m.weight.shape[-1]
     if fp8 and (flow.live or m.weight.requires_grad):  # autograd records the product
         terms[f"{name}: FP8 scales (2 fp32)"] = 8

@@ -27,10 +27,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import checkpoint
-from lora import LoRALinear, apply_lora, lora_modules, targets_of
+from lora import LoRALinear, apply_lora, lora_modules
 from machinery import declared, validate
 from collectives import all_gather_object
-from quant import declared_linears
 from configurator import UserError
 
 CONFIG, WEIGHTS, KEY = "adapter_config.json", "adapter_model.safetensors", "nanozero"
@@ -230,7 +229,7 @@ def load_adapter(model, path, vocab=None):
             raise ValueError(f"its tensors fail their checksum (sha256 {got}, saved "
                              f"{ours['tensors']}): their bytes changed")
         validate.check_adapter(settings, declared.width(model),
-                               targets_of(declared_linears(model)))
+                               validate.targets_of(validate.declared_linears(model)))
         if not isinstance(layout, dict) or not all(
                 isinstance(v, list) and any(v) and all(isinstance(b, bool) for b in v)
                 for v in layout.values()):

@@ -24,7 +24,7 @@ import torch
 
 import model as model_py  # model.GPTConfig when called: a fork's edit of model.py is read
 from configurator import UserError
-from machinery.validate import check_model_args
+from machinery.validate import check_model_args, declared_linears
 
 # train.py's model flags: a flag given whose field the model's config lacks changes nothing
 MODEL_FLAGS = ("block_size", "n_layer", "n_head", "n_embd", "dropout", "bias")
@@ -141,6 +141,11 @@ def check_model(model, flags):
     for attr, (needed, why) in needs.items():
         if needed and not hasattr(model, attr):
             raise UserError(f"{name} has no self.{attr}: {why} (docs/forking.md)")
+    if flags.lora or flags.fp8:  # each path of its LINEARS, in every block
+        try:
+            declared_linears(model)
+        except ValueError as e:
+            raise UserError(str(e))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,11 +12,11 @@ import torch
 import torch.nn as nn
 
 from checkpoint import Reader, check_compatible, stored_shapes
-from lora import apply_lora, merge_lora, parse_targets, targets_of
+from lora import apply_lora, merge_lora
 from safetensors.torch import save_file
 
 from machinery import adapters, declared, hf
-from machinery.validate import check_adapter, vocab_id
+from machinery.validate import check_adapter, parse_targets, targets_of, vocab_id
 import model as model_py
 from precision import DTYPES
 from quant import QuantizedWeight, quantize_base

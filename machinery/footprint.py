@@ -22,8 +22,8 @@ import torch
 
 import optim
 from configurator import grad_accum_for, parse_zeropp
-from lora import parse_targets
 from machinery.activations import BYTES, activation_bytes, head_working_bytes, shapes_model
+from machinery.validate import parse_targets
 from zero import MAX_IN_FLIGHT, plan_buckets
 
 # stored bytes per quantized weight, as quant.py stores nf4 by default: two 4-bit codes per byte

@@ -26,7 +26,7 @@ import torch
 
 import optim
 from configurator import SCHEDULE, UserError
-from lora import TARGETS, parse_targets
+import model as model_py  # model.GPT when called: a fork's edit of model.py is read
 from model import GPTConfig
 
 # the largest model a config or header may describe: GPT-2 xl is 48 x 1600 over 1024 positions
@@ -284,7 +284,7 @@ def check_rng(state, device):
 # ----------------------------------------------------------------------------------------------
 # adapters (adapters.load_adapter calls this before apply_lora)
 
-def check_adapter(settings, n_embd, known=TARGETS):
+def check_adapter(settings, n_embd, known):
     """An adapter's settings (rank, alpha, dropout, targets) against their types and ranges,
     before any LoRA module is made from them: a rank is at most the model's width (a larger one
     cannot lower any rank). The tensors' shapes are checked against them in adapters.py."""
@@ -405,3 +405,50 @@ def check_run(cfg, model_class):
             parse_targets(cfg.lora_targets, model_class.LINEARS)
     except ValueError as e:
         raise UserError(str(e))
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA's targets: the model's declared linear layers and the names of their output slices
+
+def declared_linears(model):
+    """The model's LINEARS, (path in a block, output slices), each path checked in every block:
+    what is missing is one line naming what to declare."""
+    linears = getattr(model, "LINEARS", None)
+    if linears is None or not hasattr(model, "blocks"):
+        raise ValueError(f"{type(model).__name__} declares no LINEARS or blocks(): LoRA and "
+                         "quantization find the layers to change there (see model.py's GPT)")
+    for i, block in enumerate(model.blocks()):
+        for path, _ in linears:
+            try:
+                block.get_submodule(path)
+            except AttributeError:
+                raise ValueError(f"{type(model).__name__}.LINEARS names {path!r}, which block {i}"
+                                 " does not have: declare the paths of its linear layers")
+    return linears
+
+
+def targets_of(linears):
+    """The names LoRA can target: every output slice of the model's declared LINEARS."""
+    return tuple(name for _, slices in linears for name in slices)
+
+
+def parse_targets(spec, linears=None):
+    """'q,v' | 'all' | ('q', 'v') -> a tuple of the model's target names (targets_of(linears);
+    by default model.GPT's, read when called: a fork's, where model.py was edited), in their
+    order. A ValueError, one line, for a name it lacks or a model class that declares none."""
+    if linears is None:
+        linears = getattr(model_py.GPT, "LINEARS", None)
+        if linears is None:
+            raise ValueError(f"{model_py.GPT.__name__} declares no LINEARS: each block's linear "
+                             "layers, for LoRA, --quantize and FP8 (see docs/forking.md)")
+    TARGETS = targets_of(linears)
+    if spec == "all":
+        names = TARGETS
+    else:
+        parts = spec.split(",") if isinstance(spec, str) else spec
+        names = [s.strip() for s in parts]
+    bad = [n for n in names if n not in TARGETS]
+    if bad or not names:
+        raise ValueError(f"unknown LoRA target(s) {bad or spec!r}: "
+                         f"use 'all' or a comma list of {', '.join(TARGETS)}")
+    return tuple(t for t in TARGETS if t in names)

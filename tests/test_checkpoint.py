@@ -412,7 +412,8 @@ def _peak_gathered(rank, world_size, fmt, lora, folder):
     cfg = GPTConfig(block_size=16, vocab_size=30, n_layer=8, n_head=2, n_embd=32)
     model = GPT(cfg)
     if lora:
-        lora_mod.apply_lora(model, rank=4, targets="all")
+        every = ("q", "k", "v", "attn_out", "mlp_fc", "mlp_proj")  # GPT's LINEARS' slices
+        lora_mod.apply_lora(model, rank=4, targets=every)
     zero = make_zero(model, 3, rank=rank, world_size=world_size)
     units = [sum(b.numel * b.flat.element_size() for b in u.buckets) for u in zero.all_units]
     header = {"config": {}, "model_args": {}, "meta": {"vocab_size": 30}}

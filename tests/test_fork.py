@@ -24,6 +24,7 @@ from machinery.activations import activation_bytes
 from machinery.footprint import estimate
 from model import GPTConfig
 from machinery.meter import saved_activation_bytes
+from machinery.validate import targets_of
 from configurator import UserError
 
 CFG = dict(arch="llama", block_size=16, vocab_size=40, n_layer=2, n_head=2, n_embd=32,
@@ -98,7 +99,7 @@ def _state(rank, world_size):
             if lora:
                 import lora as L
                 import quant
-                L.apply_lora(model, lora, targets="all")
+                L.apply_lora(model, lora, targets=targets_of(model.LINEARS))
                 if quantize:
                     quant.quantize_base(model, quantize)
             held = make_zero(model, stage, rank=rank, world_size=world_size).state_bytes()
@@ -123,7 +124,7 @@ def test_memory_py_counts_what_the_fork_saves(lora, grad_ckpt):
     model = llama.Llama(cfg)
     if lora:
         import lora as L
-        L.apply_lora(model, lora, targets="all")
+        L.apply_lora(model, lora, targets=targets_of(model.LINEARS))
     model.grad_ckpt = grad_ckpt
     x, y = torch.randint(0, 40, (3, 16)), torch.randint(0, 40, (3, 16))
     out = [0]
@@ -210,7 +211,7 @@ def test_the_forks_adapter_is_a_peft_folder_that_loads_back(tmp_path):
     x = torch.randint(0, 40, (2, 16))
     torch.manual_seed(0)
     model = llama.Llama(cfg)
-    L.apply_lora(model, 4, targets="q,v,mlp_down")
+    L.apply_lora(model, 4, targets=("q", "v", "mlp_down"))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("lora_B"):
@@ -342,7 +343,7 @@ def test_a_fork_that_is_not_a_gpt_samples_exports_and_is_estimated(data_root, tm
             fork = tinyfork.TinyFork(cfg)
             if lora:
                 import lora as L
-                L.apply_lora(fork, lora, targets="all")
+                L.apply_lora(fork, lora, targets=targets_of(fork.LINEARS))
             fork.grad_ckpt = grad_ckpt
             x, y = torch.randint(0, 40, (3, 16)), torch.randint(0, 40, (3, 16))
             saved = [0]
@@ -576,7 +577,7 @@ def test_linears_that_are_a_blocks_own_children_take_lora_quantization_and_fp8()
     for change in ("lora", "quantize", "fp8"):
         torch.manual_seed(0)
         fork = mlpfork.MLPFork(mlpfork.MLPConfig(vocab_size=40))
-        names = (L.apply_lora(fork, 4, targets="all") if change == "lora" else
+        names = (L.apply_lora(fork, 4, targets=targets_of(fork.LINEARS)) if change == "lora" else
                  quant.quantize_base(fork, "nf4") if change == "quantize" else convert(fork))
         assert names == ["layers.0.up", "layers.0.down", "layers.1.up", "layers.1.down"]
         kind = {"lora": L.LoRALinear, "quantize": quant.QuantLinear, "fp8": FP8Linear}[change]

@@ -140,7 +140,8 @@ def test_save_hf_bf16(tmp_path):
 
 @needs_refs
 @pytest.mark.filterwarnings(PEFT_DEPRECATION)
-@pytest.mark.parametrize("targets", ["q,v", "k", "all"])
+@pytest.mark.parametrize("targets", [("q", "v"), ("k",),
+                                     ("q", "k", "v", "attn_out", "mlp_fc", "mlp_proj")])
 def test_peft_adapter(tmp_path, targets):
     model = random_gpt()
     lora.apply_lora(model, rank=2, alpha=3.0, targets=targets)
@@ -265,7 +266,7 @@ def test_save_bad_input_writes_nothing(tmp_path):
         with pytest.raises(UserError) as e:
             hf.save_hf(state, ARGS, tmp_path / "out")
         one_line(e, word)
-    lora.apply_lora(model, rank=2, targets="mlp_fc")
+    lora.apply_lora(model, rank=2, targets=("mlp_fc",))
     state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
     state["transformer.h.0.mlp.c_fc.lora_A"] = torch.zeros(3, 32)
     state["transformer.h.0.mlp.c_fc.lora_B"] = torch.zeros(128, 3)

@@ -14,7 +14,7 @@ import torch
 
 import checkpoint
 import lora
-from machinery import adapters
+from machinery import adapters, validate
 import quant
 from conftest import make_zero, run_distributed, zero_step
 from model import GPT, GPTConfig
@@ -27,6 +27,7 @@ CFG = dict(block_size=16, vocab_size=17, n_layer=2, n_head=2, n_embd=32, dropout
 B, T, ACCUM, STEPS, LR, CLIP, SEED = 2, 16, 2, 3, 1e-2, 0.03, 99
 DATA = np.random.default_rng(0).integers(0, 17, 4000).astype(np.uint16)
 C = CFG["n_embd"]
+ALL = ("q", "k", "v", "attn_out", "mlp_fc", "mlp_proj")  # GPT's LINEARS: every slice
 
 
 def make_model(seed=0, **lora_kw):
@@ -58,12 +59,30 @@ def lora_numel(model):
 
 
 def test_parse_targets():
-    assert lora.parse_targets("v, q") == ("q", "v")  # TARGETS' order, spaces allowed
-    assert lora.parse_targets("all") == lora.TARGETS
-    assert lora.parse_targets(["mlp_fc"]) == ("mlp_fc",)
+    assert validate.parse_targets("v, q") == ("q", "v")  # the LINEARS' order, spaces allowed
+    assert validate.parse_targets("all") == ALL
+    assert validate.parse_targets(["mlp_fc"]) == ("mlp_fc",)
     for bad in ("q,x", "", "qkv"):
         with pytest.raises(ValueError, match="attn_out, mlp_fc"):
-            lora.parse_targets(bad)
+            validate.parse_targets(bad)
+    # apply_lora takes the names; a name the model lacks is its own plain ValueError
+    for bad in (("q", "x"), (), "q,v"):
+        with pytest.raises(ValueError, match="name some of"):
+            lora.apply_lora(make_model(), targets=bad)
+    assert make_model(targets=("v", "q")).lora_settings["targets"] == ["q", "v"]  # LINEARS' order
+
+
+def test_a_path_the_blocks_lack_is_one_line_before_lora():
+    """A fork's LINEARS naming a layer its blocks lack: declared.check_model's one line after the
+    build, before apply_lora would meet it (an AttributeError from inside)."""
+    from configurator import TrainConfig
+    from machinery import declared
+    model = make_model()
+    model.LINEARS = (("attn.c_attn", ("q", "k", "v")), ("mlp.fc", ("fc",)))
+    for flags in (TrainConfig(lora=True), TrainConfig(fp8=True)):
+        with pytest.raises(UserError, match="names 'mlp.fc', which block 0 does not have"):
+            declared.check_model(model, flags)
+    declared.check_model(make_model(), TrainConfig(lora=True))  # GPT's own: every path there
 
 
 def test_zero_delta_at_init_and_only_lora_trains():
@@ -71,7 +90,7 @@ def test_zero_delta_at_init_and_only_lora_trains():
     base = make_model()
     ref_logits, _ = base(x, y)
     model = make_model()
-    names = lora.apply_lora(model, rank=4, alpha=8.0, targets="all")
+    names = lora.apply_lora(model, rank=4, alpha=8.0, targets=ALL)
     assert len(names) == 4 * CFG["n_layer"]
     assert set(base.state_dict()) <= set(model.state_dict())  # model.py's names survive
     logits, loss = model(x, y)
@@ -92,7 +111,7 @@ def test_zero_delta_at_init_and_only_lora_trains():
 
 
 def test_zero_holds_only_lora_and_qv_leaves_k_untouched():
-    model = make_model(rank=4, targets="q,v")
+    model = make_model(rank=4, targets=("q", "v"))
     w0 = model.transformer.h[1].attn.c_attn.weight.detach().clone()
     zero, _ = train(model, steps=4, stage=1)
     assert zero.psi == lora_numel(model) == CFG["n_layer"] * 2 * (4 * C + C * 4)
@@ -109,7 +128,7 @@ def test_zero_holds_only_lora_and_qv_leaves_k_untouched():
 
 
 def test_merge_unmerge():
-    model = make_model(rank=4, alpha=4.0, targets="all")
+    model = make_model(rank=4, alpha=4.0, targets=ALL)
     train(model, steps=3)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     x, _ = batch(5)
@@ -132,7 +151,7 @@ def test_merge_unmerge():
 def test_merge_in_bf16_and_dropout():
     # bf16 weight: the delta is added in fp32 and rounded once (no 16-bit matmul here: slow on CPU)
     half = make_model().to(torch.bfloat16)
-    lora.apply_lora(half, rank=4, targets="q,v")
+    lora.apply_lora(half, rank=4, targets=("q", "v"))
     m = half.transformer.h[0].attn.c_attn
     torch.nn.init.normal_(m.lora_B)
     w0 = m.weight.detach().clone()
@@ -147,13 +166,22 @@ def test_merge_in_bf16_and_dropout():
     assert torch.equal(a.eval()(x)[0], b.eval()(x)[0])
 
 
+@torch.no_grad()
+def remove_adapter(model):
+    """Back to the base: B = 0 makes every delta exactly zero, outputs bitwise the base's."""
+    if any(m.merged for m in lora.lora_modules(model)):
+        raise RuntimeError("unmerge_lora(model) before removing the adapter")
+    for m in lora.lora_modules(model):
+        m.lora_B.zero_()
+
+
 def test_adapter_save_load_swap(tmp_path):
     x, _ = batch(7)
     run = lambda m: m.eval()(x)[0].detach()
     base_out = run(make_model())
     paths, outs = {}, {}
     for name, seed in (("A", 1), ("B", 2)):  # two adapters on the same base
-        model = make_model(rank=4, targets="q,v,mlp_fc")
+        model = make_model(rank=4, targets=("q", "v", "mlp_fc"))
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if "lora_B" in n:
@@ -170,14 +198,14 @@ def test_adapter_save_load_swap(tmp_path):
     assert torch.equal(run(model), outs["A"])
     adapters.load_adapter(model, os.path.join(paths["B"], "adapter_model.safetensors"))  # its file
     assert torch.equal(run(model), outs["B"])
-    lora.remove_adapter(model)
+    remove_adapter(model)
     assert torch.equal(run(model), base_out)  # back to the base, bitwise
 
     with pytest.raises(UserError, match="trained on base"):
         adapters.load_adapter(make_model(seed=1), paths["A"])  # another base
     with pytest.raises(UserError, match="settings"):
-        adapters.load_adapter(make_model(rank=8, targets="q,v,mlp_fc"), paths["A"])
-    other = make_model(rank=4, targets="q,v,mlp_fc")
+        adapters.load_adapter(make_model(rank=8, targets=("q", "v", "mlp_fc")), paths["A"])
+    other = make_model(rank=4, targets=("q", "v", "mlp_fc"))
     other.lora_settings["rank"] = 8  # settings that claim a match, shapes that do not
     with pytest.raises(UserError, match="settings"):
         adapters.load_adapter(other, paths["A"])
@@ -210,7 +238,7 @@ def edited(folder, config=None, tensors=None, meta=None):
 def test_edited_or_lying_adapters_are_one_line(tmp_path):
     """PEFT's files carry what peft runs (adapter_config.json, the tensors) and what we check
     (the settings, base, vocabulary and crc32s in the metadata): each edit is one line."""
-    model = make_model(rank=4, targets="q,v,attn_out")
+    model = make_model(rank=4, targets=("q", "v", "attn_out"))
     with torch.no_grad():
         model.transformer.h[0].attn.c_attn.lora_B.add_(1.0)
     fp = adapters.base_fingerprint(model)
@@ -258,7 +286,7 @@ def test_edited_or_lying_adapters_are_one_line(tmp_path):
 
 
 def test_adapter_shape_mismatch(tmp_path):
-    model = make_model(rank=4, targets="q")
+    model = make_model(rank=4, targets=("q",))
     state = adapters.adapter_state(model.state_dict())
     state["transformer.h.0.attn.c_attn.lora_A"] = torch.zeros(3, C)
     with pytest.raises(ValueError, match="rank 4"):  # nothing written for a bad state
@@ -267,7 +295,7 @@ def test_adapter_shape_mismatch(tmp_path):
     assert not os.path.exists(tmp_path / "bad")
     path = str(tmp_path / "other")  # an adapter of another width
     wide = GPT(GPTConfig(**{**CFG, "n_embd": 64}))
-    lora.apply_lora(wide, rank=4, targets="q")
+    lora.apply_lora(wide, rank=4, targets=("q",))
     adapters.save_adapter(path, wide, adapters.base_fingerprint(make_model()))
     with pytest.raises(UserError, match="shapes differ"):
         adapters.load_adapter(make_model(), path)
@@ -276,12 +304,12 @@ def test_adapter_shape_mismatch(tmp_path):
 def test_qlora_lowers_the_loss():
     """30 steps on one fixed batch of random tokens. The frozen ln_f and tied head cap the logits
     (|logit| <~ 0.7 at this init), so the loss cannot fall far below ~2.1 from ln(17) = 2.83."""
-    model = make_model(rank=8, alpha=16.0, targets="all")
+    model = make_model(rank=8, alpha=16.0, targets=ALL)
     quant.quantize_base(model, "nf4", double_quant=True)
     zero, losses = train(model, steps=30, fixed_batch=True)
     assert zero.psi == lora_numel(model)  # the quantized base is nowhere in the optimizer
     assert losses[-1] < 0.85 * losses[0], losses  # measured 2.84 -> 2.25
-    _, dense = train(make_model(rank=8, alpha=16.0, targets="all"), steps=30, fixed_batch=True)
+    _, dense = train(make_model(rank=8, alpha=16.0, targets=ALL), steps=30, fixed_batch=True)
     assert abs(losses[-1] - dense[-1]) < 0.05  # QLoRA tracks LoRA on the unquantized base
 
 
@@ -295,7 +323,7 @@ def test_qlora_lowers_the_loss():
 # mid-training (B random, the same on every rank) and uses eps = 1e-6 on both sides, which bounds
 # the effect below 1e-6 (measured worst 1.1e-6 over 10 data seeds); every reduction, shard,
 # gather, the accumulation and the (active) clipping are still compared.
-EPS, LORA_KW = 1e-6, dict(rank=4, alpha=4.0, targets="all")
+EPS, LORA_KW = 1e-6, dict(rank=4, alpha=4.0, targets=ALL)
 
 
 def lora_model(mode=None):

@@ -193,7 +193,8 @@ def lora_model(dtype, targets, quantize=None):
     return model
 
 
-@pytest.mark.parametrize("targets", [("q", "v"), ("attn_out",), lora.TARGETS])
+@pytest.mark.parametrize("targets", [("q", "v"), ("attn_out",),
+                                     ("q", "k", "v", "attn_out", "mlp_fc", "mlp_proj")])
 @pytest.mark.parametrize("grad_ckpt", [False, True])
 def test_lora_activations(targets, grad_ckpt):
     """Under LoRA the base is frozen: autograd skips the inputs only a weight's gradient needs, and

@@ -6,7 +6,7 @@ import torch
 import lora
 import quant
 from quant import quantized_bytes
-from test_lora import C, batch, make_model
+from test_lora import ALL, C, batch, make_model
 
 
 def test_nf4_code_values():
@@ -52,10 +52,10 @@ def test_quantized_base_backward_and_call_order():
     torch.testing.assert_close(y, torch.nn.functional.linear(dense, qw.dequantize()))
     torch.testing.assert_close(x.grad, dense.grad)
     # apply_lora then quantize_base, or the other way round: the same model
-    a, b = make_model(rank=4, targets="all"), make_model()
+    a, b = make_model(rank=4, targets=ALL), make_model()
     quant.quantize_base(a, "int8")
     quant.quantize_base(b, "int8")
-    lora.apply_lora(b, rank=4, targets="all")
+    lora.apply_lora(b, rank=4, targets=ALL)
     assert a.state_dict().keys() == b.state_dict().keys()
     assert torch.equal(a(batch()[0])[0], b(batch()[0])[0])
     # the block Linears' weights are buffers now: no parameter but biases, LayerNorms and LoRA
