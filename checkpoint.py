@@ -20,7 +20,7 @@ size and ZeRO stage resumes from either: each rank reads the ranges it owns now,
 pieces that overlap them (Reader.read). Under ZeRO-3 no rank holds more than one bucket beyond
 its shards, saving or restoring.
 
-Checked on resume, each a one-line UserError that changes no file (machinery/ckpt_reader.py
+Checked on resume, each a one-line UserError that changes no file (machinery/checked_ckpt.py
 opens the files, validate.py checks the header): the header's checksum, types, ranges and
 layout; the model shape and the vocabulary itself; each file's save_id and tensor names; every
 piece's length and crc32 (a rank checks what it reads); LoRA's rank, alpha and targets, the
@@ -48,8 +48,8 @@ import torch
 
 from collectives import Traffic, all_gather_object, all_gather_params
 from precision import GradScaler
-from machinery import ckpt_reader, declared, lifecycle, rundir, validate
-from machinery.ckpt_reader import CheckpointFiles, newest_checkpoint  # checked
+from machinery import checked_ckpt, declared, lifecycle, rundir, validate
+from machinery.checked_ckpt import CheckpointFiles, newest_checkpoint  # checked
 # what files keep of the model: its declarations, or the defaults (docs/forking.md)
 from machinery.declared import model_args, stored_shapes
 from machinery.rundir import list_checkpoints
@@ -299,10 +299,10 @@ def save(out_dir, it, zero, model, scaler=None, header=None, fmt="consolidated",
         tensors.update({f"fp8/{n}": t for n, t in fp8["history"].items()})
     # rank 0 writes the header: what every file holds, its crc32s, every rank's RNG states
     index = {"layout": {n: [p["lo"], p["hi"]] for n, p in pieces.items()},
-             "crc": ckpt_reader.checksums(tensors), "rng": rng_state(zero.device)}
+             "crc": checked_ckpt.checksums(tensors), "rng": rng_state(zero.device)}
     every = all_gather_object(index, world_size)
-    files = [ckpt_reader.shard_name(i) for i in range(n_files)]
-    head = dict(header, format=ckpt_reader.FORMAT, iter=it, save_id=save_id,
+    files = [checked_ckpt.shard_name(i) for i in range(n_files)]
+    head = dict(header, format=checked_ckpt.FORMAT, iter=it, save_id=save_id,
                 world_size=world_size, stage=zero.stage, scaler=scaler.state_dict(),
                 shapes=shapes, frozen=[name for name in shapes if name not in trainable],
                 **opt_header, delayed=lagging(zero),  # "in_use" beside every master
@@ -313,10 +313,10 @@ def save(out_dir, it, zero, model, scaler=None, header=None, fmt="consolidated",
 
     def write(tmp):  # this rank's files into the save's .tmp folder (rundir.write_save)
         if rank < n_files:
-            ckpt_reader.write_shard(os.path.join(tmp, files[rank]), tensors,
+            checked_ckpt.write_shard(os.path.join(tmp, files[rank]), tensors,
                                     {"save_id": save_id, "file": str(rank)})
         if rank == 0:
-            ckpt_reader.write_header(os.path.join(tmp, ckpt_reader.HEADER), head)
+            checked_ckpt.write_header(os.path.join(tmp, checked_ckpt.HEADER), head)
 
     # into ckpt-IT.tmp, renamed to ckpt-IT once every rank's files are written (rundir.py)
     error = rundir.write_save(out_dir, final, write, rank, world_size,
@@ -333,7 +333,7 @@ def save(out_dir, it, zero, model, scaler=None, header=None, fmt="consolidated",
 # resume: every rank reads the pieces it owns now, from whatever files hold them
 
 class Reader(CheckpointFiles):
-    """A checkpoint opened, its header checked (ckpt_reader.py). read(name, key, lo, hi)
+    """A checkpoint opened, its header checked (checked_ckpt.py). read(name, key, lo, hi)
     returns elements [lo, hi) of a flattened tensor's "master", its optimizer state keys
     (trainable) or "value" (frozen), from whichever files' pieces overlap them: the resharding.
     Only the files that hold them are opened, each piece checked as it is read."""

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import torch
 
-from machinery import ckpt_reader, validate
+from machinery import checked_ckpt, validate
 from configurator import UserError
 
 OLD_ONLY = ("format", "tensors", "crc", "rng", "layout", "header_crc")  # not today's fields
@@ -29,7 +29,7 @@ def _load(path):
     except FileNotFoundError:
         raise UserError(f"{path} is missing: the checkpoint is incomplete")
     except Exception as e:  # truncated zip, a pickle that wants to run code, ...
-        raise UserError(f"cannot read {path}: {ckpt_reader._first_line(e)}")
+        raise UserError(f"cannot read {path}: {checked_ckpt._first_line(e)}")
 
 
 def _checked(path, name, key, t, want):
@@ -79,9 +79,9 @@ def _files(path, h):
 
 def convert(path):
     """Rewrite the old checkpoint in folder path as checkpoint.json + shard-NNNNN.safetensors."""
-    if os.path.isfile(os.path.join(path, ckpt_reader.HEADER)):
+    if os.path.isfile(os.path.join(path, checked_ckpt.HEADER)):
         raise UserError(f"{path} is in today's format already")
-    old = [f for f in ckpt_reader.OLD if os.path.isfile(os.path.join(path, f))]
+    old = [f for f in checked_ckpt.OLD if os.path.isfile(os.path.join(path, f))]
     if not old:
         raise UserError(f"{path} holds neither ckpt.pt nor meta.pt: not an old checkpoint")
     h = _load(os.path.join(path, old[0]))
@@ -93,29 +93,29 @@ def convert(path):
         if fp8:  # the amax histories: tensors of file 0
             pieces[0][1].update({f"fp8/{n}": t for n, t in fp8["history"].items()})
             fp8 = {"settings": fp8["settings"], "history": sorted(fp8["history"])}
-        names = [ckpt_reader.shard_name(i) for i in range(len(pieces))]
+        names = [checked_ckpt.shard_name(i) for i in range(len(pieces))]
         header = {k: v for k, v in h.items() if k not in OLD_ONLY}
-        header.update(format=ckpt_reader.FORMAT, files=names, fp8=fp8,
+        header.update(format=checked_ckpt.FORMAT, files=names, fp8=fp8,
                       layout=[layout for layout, _ in pieces], rng=[_rng(s) for s in rngs],
-                      crc=[ckpt_reader.checksums(tensors) for _, tensors in pieces])
+                      crc=[checked_ckpt.checksums(tensors) for _, tensors in pieces])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise UserError(f"{path}: its old files are not the ones a save wrote ({e!r})")
     try:
         for i, (name, (_, tensors)) in enumerate(zip(names, pieces)):
-            ckpt_reader.write_shard(os.path.join(path, name), tensors,
+            checked_ckpt.write_shard(os.path.join(path, name), tensors,
                                     {"save_id": header["save_id"], "file": str(i)})
-        ckpt_reader.write_header(os.path.join(path, ckpt_reader.HEADER), header)
-        files = ckpt_reader.CheckpointFiles(path)  # read back: the header, every piece
+        checked_ckpt.write_header(os.path.join(path, checked_ckpt.HEADER), header)
+        files = checked_ckpt.CheckpointFiles(path)  # read back: the header, every piece
         for i, crcs in enumerate(files.header["crc"]):
             for key in crcs:
                 files.tensor(i, key)
     except BaseException:  # the folder as it was: the old files alone
-        for name in [ckpt_reader.HEADER] + names:
+        for name in [checked_ckpt.HEADER] + names:
             if os.path.exists(os.path.join(path, name)):
                 os.remove(os.path.join(path, name))
         raise
     for name in os.listdir(path):
-        if name in ckpt_reader.OLD or (name.startswith("shard-") and name.endswith(".pt")):
+        if name in checked_ckpt.OLD or (name.startswith("shard-") and name.endswith(".pt")):
             os.remove(os.path.join(path, name))
 
 

@@ -21,7 +21,7 @@ import torch
 from checkpoint import Reader, check_compatible, list_checkpoints, stored, stored_shapes
 from configurator import UserError
 from machinery import adapters, declared, hf, validate
-from machinery.ckpt_reader import HEADER, OLD
+from machinery.checked_ckpt import HEADER, OLD
 import model as model_py
 from model import GPT
 

@@ -124,7 +124,7 @@ def check_hf_types(cfg):
 
 
 # ----------------------------------------------------------------------------------------------
-# checkpoint headers (ckpt_reader calls these before reading any tensor)
+# checkpoint headers (checked_ckpt calls these before reading any tensor)
 
 SCALER = {"scale": "number", "growth_factor": "number", "backoff_factor": "number",
           "growth_interval": "int", "_growth_tracker": "int", "dynamic": "bool",

@@ -15,7 +15,7 @@ import torch
 
 from checkpoint import Reader, list_checkpoints
 from conftest import ROOT, free_port, run_distributed, run_train
-from machinery import ckpt_reader
+from machinery import checked_ckpt
 from train import main
 from configurator import UserError
 
@@ -124,8 +124,8 @@ def test_bad_checkpoints_give_one_line_and_touch_nothing(data_root, tmp_path):
     os.rename(meta, meta + ".away")
     expect_error(["--resume"], "has no checkpoint.json")
     os.rename(meta + ".away", meta)
-    meta_bytes, header = open(meta, "rb").read(), ckpt_reader.read_header(meta)
-    ckpt_reader.write_header(meta, {**header, "model_args": {**header["model_args"], "n_layer": 3}})
+    meta_bytes, header = open(meta, "rb").read(), checked_ckpt.read_header(meta)
+    checked_ckpt.write_header(meta, {**header, "model_args": {**header["model_args"], "n_layer": 3}})
     expect_error(["--resume"], "another model")
     open(meta, "wb").write(meta_bytes)
     open(shard, "wb").write(data[: len(data) // 2])  # truncated
@@ -443,13 +443,13 @@ def _files_read(rank, world_size, folder):
     from conftest import make_zero
     from model import GPT, GPTConfig
     from precision import GradScaler
-    opened, safe_open = [], ckpt_reader.safe_open
+    opened, safe_open = [], checked_ckpt.safe_open
 
     def counted(path, *args, **kwargs):
         opened.append(os.path.basename(path))
         return safe_open(path, *args, **kwargs)
 
-    ckpt_reader.safe_open = counted
+    checked_ckpt.safe_open = counted
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=30, n_layer=2, n_head=2, n_embd=32))
     zero = make_zero(model, 3, rank=rank, world_size=world_size)

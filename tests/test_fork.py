@@ -18,7 +18,7 @@ import llama
 import mlpfork
 import tinyfork
 from checkpoint import Reader, list_checkpoints
-from machinery import ckpt_reader
+from machinery import checked_ckpt
 from conftest import make_zero, run_distributed, run_train
 from machinery.activations import activation_bytes
 from machinery.footprint import estimate
@@ -318,7 +318,7 @@ def test_a_fork_that_is_not_a_gpt_samples_exports_and_is_estimated(data_root, tm
     shutil.copytree(path, edited)
     header = json.load(open(edited / "checkpoint.json"))
     header.pop("header_crc")
-    ckpt_reader.write_header(str(edited / "checkpoint.json"),
+    checked_ckpt.write_header(str(edited / "checkpoint.json"),
                              {**header, "model_args": {**header["model_args"], "n_embd": 2048}})
     monkeypatch.setattr(model, "GPT", Built)
     with pytest.raises(UserError, match=r"describe tok.weight as \[54, 2048\], its tensors "

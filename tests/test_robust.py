@@ -23,7 +23,7 @@ import memory
 import train
 from checkpoint import Reader, list_checkpoints
 from configurator import UserError
-from machinery import adapters, ckpt_reader, hf, lifecycle, rundir
+from machinery import adapters, checked_ckpt, hf, lifecycle, rundir
 from configurator import parse_args
 from model import GPT, GPTConfig
 from precision import GradScaler
@@ -229,8 +229,8 @@ def read_all(path):
 
 
 def test_every_byte_of_a_header_is_checked_before_any_is_read(tmp_path, monkeypatch):
-    opened, safe_open = [], ckpt_reader.safe_open
-    monkeypatch.setattr(ckpt_reader, "safe_open", lambda p, **k: opened.append(p) or safe_open(p, **k))
+    opened, safe_open = [], checked_ckpt.safe_open
+    monkeypatch.setattr(checked_ckpt, "safe_open", lambda p, **k: opened.append(p) or safe_open(p, **k))
     path = tiny_checkpoint(tmp_path / "shard", "sharded")
     header = os.path.join(path, "checkpoint.json")  # every byte: not JSON, or its checksum fails
     # (all 8 bits of every 8th byte: a header read is ~1 ms of JSON, and 27 kB of it twice over

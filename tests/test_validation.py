@@ -25,7 +25,7 @@ import export
 from machinery import pretrained
 from machinery import rundir
 import sample
-from machinery import ckpt_reader, validate
+from machinery import checked_ckpt, validate
 from checkpoint import Reader, list_checkpoints
 from configurator import UserError
 from configurator import parse_args
@@ -112,16 +112,16 @@ def rewrite(path, tensors=None, **fields):
     """Checkpoint folder path as a writer with a bug would leave it: file 0's tensors replaced
     or added (`tensors`, their crc32 in the header fitting them), header fields replaced
     (`fields`), sealed anew: every checksum fits, only the checks behind them can tell."""
-    meta = os.path.join(path, ckpt_reader.HEADER)
-    h = json.loads(json.dumps({**ckpt_reader.read_header(meta), **fields}))  # a copy
+    meta = os.path.join(path, checked_ckpt.HEADER)
+    h = json.loads(json.dumps({**checked_ckpt.read_header(meta), **fields}))  # a copy
     if tensors:
         file = os.path.join(path, h["files"][0])
         with safe_open(file, framework="pt") as f:
             saved, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
         saved.update(tensors)
-        ckpt_reader.write_shard(file, saved, metadata)
-        h["crc"][0].update(ckpt_reader.checksums(tensors))
-    ckpt_reader.write_header(meta, h)
+        checked_ckpt.write_shard(file, saved, metadata)
+        h["crc"][0].update(checked_ckpt.checksums(tensors))
+    checked_ckpt.write_header(meta, h)
 
 
 def test_flipped_tensor_bytes_fail_their_checksum(data_root, runs, tmp_path):
@@ -270,7 +270,7 @@ def test_adapter_settings_are_checked_before_apply_lora(tmp_path):
 def test_edited_checkpoint_headers_are_one_line(runs, tmp_path):
     out = copy_run(runs, "shard", tmp_path)
     path = list_checkpoints(out)[-1]
-    good = ckpt_reader.read_header(os.path.join(path, ckpt_reader.HEADER))
+    good = checked_ckpt.read_header(os.path.join(path, checked_ckpt.HEADER))
     name = "transformer.h.0.attn.c_attn.lora_A"
     lo, hi = good["layout"][0][name]
     scaler = {k: v for k, v in good["scaler"].items() if k != "scale"}
@@ -289,7 +289,7 @@ def test_edited_checkpoint_headers_are_one_line(runs, tmp_path):
 def test_exports_check_model_args_and_write_only_the_models_names(runs, tmp_path, capsys):
     out = copy_run(runs, "cons", tmp_path)
     path = list_checkpoints(out)[-1]
-    good = ckpt_reader.read_header(os.path.join(path, ckpt_reader.HEADER))
+    good = checked_ckpt.read_header(os.path.join(path, checked_ckpt.HEADER))
     files = {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)}
     target = str(tmp_path / "w.safetensors")
 
