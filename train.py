@@ -433,13 +433,14 @@ def resume(cfg, zero, model, scaler, meta, data_id, print0):
     differ), restored exactly (checkpoint.restore), its schedule kept, on the data it trained
     on (or --accept-new-data). Returns (the iteration to go on from, the checkpoint or None, a
     note or None, the metrics row of accepted new data or None)."""
-    path = checkpoint.newest_checkpoint(cfg.out_dir, zero.world_size) if cfg.resume else None
+    from machinery import checked_ckpt  # checkpoint.py's restore, every file checked
+    path = checked_ckpt.newest_checkpoint(cfg.out_dir, zero.world_size) if cfg.resume else None
     if not path:
         if cfg.resume:
             print0(f"--resume: no checkpoint in {cfg.out_dir} yet, starting fresh")
         return 0, None, None, None
-    start_it, note, saved = checkpoint.restore(path, zero, model, scaler, asdict(cfg),
-                                               checkpoint.model_args(model), meta)
+    start_it, note, saved = checked_ckpt.restore(path, zero, model, scaler, asdict(cfg),
+                                                 checkpoint.model_args(model), meta)
     # the batch of step t is the run's only on the bytes it trained on: every rank compares
     # the files it reads with the header's (a checkpoint older than that has none)
     changed, new_data = changed_data(saved.get("data"), data_id, path, zero.world_size), None
@@ -458,12 +459,13 @@ def resume(cfg, zero, model, scaler, meta, data_id, print0):
 
 
 def save(cfg, it, zero, model, scaler, header, print0):
+    from machinery import checked_ckpt  # checkpoint.py's save: checksums, a commit by rename
     zero.wait_published()  # the weights of the last step, not a gather still on its way
     if cfg.fp8:  # the amax histories
         from beyond import fp8
         header = dict(header, fp8=fp8.state_dict(model))
-    path = checkpoint.save(cfg.out_dir, it, zero, model, scaler, header, cfg.ckpt_format,
-                           cfg.keep_last)
+    path = checked_ckpt.save(cfg.out_dir, it, zero, model, scaler, header, cfg.ckpt_format,
+                             cfg.keep_last)
     print0(f"saved {path}")
 
 

@@ -69,11 +69,11 @@ def main(argv=None):
     for _ in range(args.repeats):
         for label, ctx in (("with crc32", nullcontext), ("without", checksums_off)):
             with ctx():
-                t = timed(lambda: checkpoint.save(out, 1, zero, model, GradScaler(), header,
-                                                  args.format, 1))
+                t = timed(lambda: checked_ckpt.save(out, 1, zero, model, GradScaler(), header,
+                                                    args.format, 1))
                 path = checkpoint.list_checkpoints(out)[-1]
-                r = timed(lambda: checkpoint.restore(path, zero, model, GradScaler(), {}, {},
-                                                     None))
+                r = timed(lambda: checked_ckpt.restore(path, zero, model, GradScaler(), {}, {},
+                                                       None))
             best[label, "save"] = min(t, best.get((label, "save"), t))
             best[label, "restore"] = min(r, best.get((label, "restore"), r))
     keys_of = checkpoint.state_keys(zero)

@@ -1,45 +1,42 @@
 """
-A checkpoint's files, written and read back safely: every claim checked before it is used.
+The checkpoint train.py and a loop of one's own use: checkpoint.py's save and Reader, with
+every claim checked before it is used.
 
-A checkpoint is a folder: checkpoint.json (the header, JSON) and shard-NNNNN.safetensors (the
-tensors, 1 file or 1 per rank), written and read by the safetensors package's own save_file and
-safe_open: no pickle anywhere, so nothing in them can run code. Each piece is a 1-D tensor named
-"TENSOR/KEY" ("transformer.h.0.attn.c_attn.weight/exp_avg"); the header says which file holds
-which element range of which tensor (layout), each piece's crc32 (with its dtype), the save_id
-that each file's metadata repeats, and its own crc32 over every field (header_crc, in JSON's
-canonical form: sorted keys, no spaces).
-
-Checked before anything is used (validate.py for the header's types, ranges and layout): the
-header's bytes (JSON, its checksum), then each file as it is opened (safetensors' own header
-checks, its save_id, its tensor names) and each piece as it is read (its length and crc32). A
-bad file is one UserError line that names the older checkpoint to resume from instead.
-Which checkpoint a resume reads is rank 0's choice, the same for every rank (newest_checkpoint):
-nodes need not share a disk.
+checkpoint.py writes and reads the pieces and trusts its files. This extends it (docs/
+checkpoints.md, "What the checksums cover"):
+  - a crc32 of every piece (its bytes, then its dtype's name) in the header, and the header's
+    own crc32 over every other field (header_crc, in JSON's canonical form: sorted keys, no
+    spaces), checked before any field is used; the save_id each file's metadata repeats;
+  - the header's claims (types, ranges, a layout that tiles every tensor once, file names of
+    ours) checked by validate.check_header before any is used, each piece's length against
+    the layout: a header a writer with a bug sealed anew is one line, never a huge allocation;
+  - a save refused when the master weights hold inf/NaN (the run diverged); written into
+    OUT_DIR/ckpt-ITER.tmp, each file fsynced, renamed to ckpt-ITER once every rank's files are
+    written (rundir.write_save): a full disk or a crash leaves the previous checkpoint the
+    newest; the newest keep_last kept;
+  - a resume that checks the model, the vocabulary, the optimizer and LoRA's flags first
+    (validate.check_compatible), reads the checkpoint rank 0 chose (newest_checkpoint: nodes
+    need not share a disk), and raises any rank's refusal on every rank before anything changes.
+A bad file is one UserError line that names the older checkpoint to resume from instead.
 """
 import json
 import os
+import uuid
 import zlib
 
-import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from machinery import rundir, validate
-from machinery.lifecycle import agreed_error
+import checkpoint
+from checkpoint import HEADER, extra_keys, list_checkpoints, opt_state_keys
+from collectives import all_gather_object
 from configurator import UserError
+from machinery import declared, lifecycle, rundir, validate
 
-HEADER = "checkpoint.json"
 SEAL = "header_crc"  # the header's own checksum, kept in it
-FORMAT = "nanoZeRO"
 OLD = ("ckpt.pt", "meta.pt")  # the pickled formats of nanoZeRO before this one
 CONVERT = "python -m machinery.convert"
-
-
-
-
-def shard_name(i):
-    return f"shard-{i:05d}.safetensors"
 
 
 def _first_line(e):
@@ -93,6 +90,50 @@ def write_header(path, header):
         os.fsync(f.fileno())
 
 
+def save(out_dir, it, zero, model, scaler=None, header=None, fmt="consolidated", keep_last=2):
+    """checkpoint.save, checked: OUT_DIR/ckpt-IT written on every rank (a collective) into
+    ckpt-IT.tmp and renamed once every rank's files are written, then the newest keep_last
+    complete checkpoints kept. header as checkpoint.save's, and "fp8" (beyond/fp8.py's
+    state_dict: its amax histories become tensors of file 0). Inf/NaN master weights, or a
+    write error on any rank: every rank raises UserError and nothing changes in out_dir."""
+    rank, world_size = zero.rank, zero.world_size
+    final = os.path.join(out_dir, f"ckpt-{it:07d}")
+    any_rank = lambda failed: lifecycle.agree(failed, zero.device, world_size)
+    # a diverged run (inf / NaN master weights) is never saved over the last good checkpoint
+    if any_rank(not all(s.flat.isfinite().all() for s in zero.segments)):
+        previous = list_checkpoints(out_dir)
+        raise UserError(f"not saving {final}: the master weights hold inf/NaN (the run "
+                        "diverged); " + (f"{previous[-1]} is the newest good checkpoint"
+                                         if previous else "no checkpoint was saved"))
+    save_id = all_gather_object(uuid.uuid4().hex, world_size)[0]
+    header = dict(header or {}, save_id=save_id)
+    fp8 = header.get("fp8")
+    if fp8 is not None:  # the amax histories: tensors of file 0, their names in the header
+        header["fp8"] = {"settings": fp8["settings"], "history": sorted(fp8["history"])}
+    tensors, head = checkpoint.pieces_and_header(it, zero, model, scaler, header, fmt)
+    if fp8 is not None and rank == 0:
+        tensors.update({f"fp8/{n}": t for n, t in fp8["history"].items()})
+    # every file's crc32s, in the header rank 0 writes
+    head["crc"] = all_gather_object(checksums(tensors or {}), world_size)[:len(head["files"])]
+
+    def write(tmp):  # this rank's files into the save's .tmp folder (rundir.write_save)
+        if tensors is not None:
+            write_shard(os.path.join(tmp, head["files"][rank]), tensors,
+                        {"save_id": save_id, "file": str(rank)})
+        if rank == 0:
+            write_header(os.path.join(tmp, HEADER), head)
+
+    error = rundir.write_save(out_dir, final, write, rank, world_size, any_rank, keep_last)
+    if error:
+        previous = list_checkpoints(out_dir)
+        raise UserError(f"could not write {final} ({error}); "
+                        + (f"{previous[-1]} is intact" if previous else "nothing was saved"))
+    return final
+
+
+# ----------------------------------------------------------------------------------------------
+# reading
+
 def read_header(path):
     """A header's JSON, its checksum checked before any field is used: ValueError otherwise."""
     try:
@@ -110,9 +151,6 @@ def read_header(path):
     return header
 
 
-# ----------------------------------------------------------------------------------------------
-# reading
-
 # what a rank that cannot open the checkpoint rank 0 resumes, while others can, is told
 SHARE_OUT_DIR = ("every rank reads the checkpoint it resumes from: copy it into each node's "
                  "--out-dir, or put --out-dir on a disk the nodes share")
@@ -123,7 +161,7 @@ def newest_checkpoint(out_dir, world_size):
     path of that name in this rank's out_dir; None when rank 0 has none. Ranks that each list
     their own disk could pick another, or none, and enter other collectives: a hang. A rank
     that has no such folder stops every rank with one line (a UserError)."""
-    chosen = [os.path.basename(p) for p in rundir.list_checkpoints(out_dir)[-1:]] or [None]
+    chosen = [os.path.basename(p) for p in list_checkpoints(out_dir)[-1:]] or [None]
     if world_size > 1:
         dist.broadcast_object_list(chosen, src=0)
     if chosen[0] is None:
@@ -133,7 +171,7 @@ def newest_checkpoint(out_dir, world_size):
     errors = [missing] * world_size
     if world_size > 1:
         dist.all_gather_object(errors, missing)
-    error = agreed_error(errors, SHARE_OUT_DIR)
+    error = lifecycle.agreed_error(errors, SHARE_OUT_DIR)
     if error:
         raise UserError(error)
     return path
@@ -147,53 +185,56 @@ def refuse_old(path):
                         f"nanoZeRO: convert it with `{CONVERT} {path}`, then use it")
 
 
-class CheckpointFiles:
-    """A checkpoint's header (checked whole when opened) and its pieces, each checked as it is
-    read (piece). Which pieces make up a range is checkpoint.py's Reader (the resharding)."""
+class Reader(checkpoint.Reader):
+    """checkpoint.Reader, every claim checked before it is used: the header (its checksum, then
+    validate.check_header) when opened; each file once (its save_id and tensor names), each
+    piece (its crc32 and length) as it is read."""
 
     def __init__(self, path):
         if not os.path.isdir(path):
             raise UserError(f"no checkpoint at {path}")
-        self.path, self.checked = path, set()  # the files opened and checked
         self.hint = rundir.resume_hint(path)  # a bad file names what to resume from instead
-        self.file = os.path.join(path, HEADER)
+        self.file, self.checked, self.dtypes = os.path.join(path, HEADER), set(), {}
         if not os.path.isfile(self.file):
             refuse_old(path)
             raise UserError(f"{path} has no {HEADER}: not a complete checkpoint (pass "
                             "another, or delete it)")
         try:
-            self.header = self._checked(self.file, read_header, self.file)
+            super().__init__(path)
         except OSError as e:
             raise UserError(f"cannot read {self.file}: {e.strerror or e}")
-        if self.header.get("format") != FORMAT:
+        if self.header.get("format") != checkpoint.FORMAT:
             raise UserError(f"{path} is not a nanoZeRO checkpoint")
-        self._checked(self.file, validate.check_header, self.header)  # before any claim is used
+        self._checked(validate.check_header, self.header)  # before any claim is used
 
-    def _checked(self, file, check, *args):
-        """check(*args) (validate.py), its refusal a UserError naming the file."""
+    def read_header(self, file):
+        return self._checked(read_header, file)
+
+    def _checked(self, check, *args):
+        """check(*args) (validate.py), its refusal a UserError naming the header."""
         try:
             return check(*args)
         except ValueError as e:
-            raise UserError(f"{file}: {e} (a corrupt or edited file); {self.hint}")
+            raise UserError(f"{self.file}: {e} (a corrupt or edited file); {self.hint}")
 
     def tensor(self, i, key):
-        """Tensor `key` of file i, opened by safe_open (its own header checked), the file's
-        save_id and names against the header's, the tensor's crc32 before it is used."""
+        """Tensor key of file i: the file's save_id and names against the header's (once a
+        file; safe_open checks its own header), the tensor's crc32 before it is used."""
         h, name = self.header, self.header["files"][i]
         file = os.path.join(self.path, name)
         if key not in h["crc"][i]:
             raise UserError(f"{self.path} holds no {key} in {name}")
         try:
-            with safe_open(file, framework="pt") as f:  # memory-mapped: only key is read
-                if name not in self.checked:  # once a file: its save, its names
+            if name not in self.checked:
+                with safe_open(file, framework="pt") as f:
                     if f.metadata() != {"save_id": h["save_id"], "file": str(i)}:
                         raise UserError(f"{file} belongs to another save than its "
                                         f"{HEADER}: the folder was edited; use another")
                     if set(f.keys()) != set(h["crc"][i]):
                         raise UserError(f"{file} holds other tensors than its {HEADER} "
                                         f"says (a corrupt or edited file); {self.hint}")
-                    self.checked.add(name)
-                t = f.get_tensor(key)
+                self.checked.add(name)
+            t = super().tensor(i, key)
         except FileNotFoundError:
             raise UserError(f"{file} is missing: the checkpoint is incomplete")
         except (SafetensorError, OSError) as e:  # truncated, a header that lies, ...
@@ -205,25 +246,31 @@ class CheckpointFiles:
         return t
 
     def piece(self, i, name, key):
-        """File i's piece of tensor `name`: `key`'s elements [lo, hi) of the layout, checked."""
         lo, hi = self.header["layout"][i][name]
-        t = self.tensor(i, f"{name}/{key}")
+        t = super().piece(i, name, key)
         if t.dim() != 1 or len(t) != hi - lo:
             raise UserError(f"{self.path}: the piece of {name} holds {key} of shape "
                             f"{list(t.shape)}, not [{hi - lo}]; {self.hint}")
+        if self.dtypes.setdefault((name, key), t.dtype) != t.dtype:
+            raise UserError(f"{self.path}: the pieces of {name} differ in dtype")
         return t
 
     def numel(self, name):
-        shape = self.header["shapes"].get(name)
-        if shape is None:
+        if name not in self.header["shapes"]:
             raise UserError(f"{self.path} has no tensor {name!r}")
-        return int(torch.Size(shape).numel())
+        return super().numel(name)
+
+    def read(self, name, key, lo, hi):
+        if not 0 <= lo <= hi <= self.numel(name):
+            raise UserError(f"{self.path}: {name} has {self.numel(name)} elements, "
+                            f"not [{lo}, {hi})")
+        return super().read(name, key, lo, hi)
 
     def model_args(self):
         """The header's GPTConfig kwargs, checked against its tensors' shapes: build a model
         from these, never from a bare header (it may claim 10^5 layers)."""
         h = self.header
-        self._checked(self.file, validate.check_shapes_fit, h["model_args"], h["shapes"])
+        self._checked(validate.check_shapes_fit, h["model_args"], h["shapes"])
         return h["model_args"]
 
     def fp8(self, model):
@@ -236,11 +283,66 @@ class CheckpointFiles:
         if saved is not None:
             saved = {"settings": saved["settings"],
                      "history": {n: self.tensor(0, f"fp8/{n}") for n in saved["history"]}}
-        self._checked(self.file, fp8.check_state_dict, model, saved)
+        self._checked(fp8.check_state_dict, model, saved)
         return lambda: fp8.load_state_dict(model, saved, self.path)
 
     def rng(self, rank, device):
         state = self.header["rng"][rank]
-        self._checked(self.file, validate.check_rng, state, device)  # before any generator is set
+        self._checked(validate.check_rng, state, device)  # before any generator is set
         return state
 
+
+# ----------------------------------------------------------------------------------------------
+# resume
+
+def check_compatible(*args):
+    """validate.check_compatible's refusal as a UserError: this run cannot continue it."""
+    try:
+        validate.check_compatible(*args)
+    except ValueError as e:
+        raise UserError(str(e))
+
+
+def restore(path, zero, model, scaler=None, config=None, model_args=None, vocab_meta=None):
+    """checkpoint.restore, checked: into a freshly built run (any stage, any world size), each
+    rank reading only what it owns. Returns (iteration to continue from, a note to print or
+    None, the header). Checked first: the model (model_args: default the model's own; {}
+    checks the tensors alone), the vocabulary (vocab_meta, if given), the optimizer (config's,
+    else the engine's; "adamw" is torch.optim.AdamW's "AdamW"), its state keys tensor by tensor
+    and config's LoRA flags. The scaler is restored only when the precision is the one saved
+    (scaler None: not)."""
+    shapes, error = declared.stored_shapes(model), None
+    config = {"optimizer": zero.optimizer, **(config or {})}
+    model_args = declared.model_args(model) if model_args is None else model_args
+    try:
+        reader = Reader(path)
+        h = reader.header
+        check_compatible(h, model_args, vocab_meta, path, config, shapes)
+        for s in zero.segments:
+            saved, mine = validate.keys_of(h, s.name), opt_state_keys(zero.opt, s.master)
+            if tuple(mine) != saved:
+                raise UserError(f"{reader.path} holds optimizer state {list(saved)} of "
+                                f"{s.name}, this run's {zero.optimizer} keeps {mine}: the "
+                                "same --optimizer and torch are needed to resume")
+        pieces = checkpoint.read_owned(reader, zero, shapes)
+        rng = reader.rng(zero.rank, zero.device) if h["world_size"] == zero.world_size else None
+        fp8 = reader.fp8(model)  # --fp8's amax histories: checked now, restored below
+    except UserError as e:
+        error = str(e)
+    # a rank reads its own shards: one bad file stops every rank, with its line
+    errors = [e for e in all_gather_object(error, zero.world_size) if e]
+    if errors:
+        raise UserError(errors[0])
+    # everything is read: only now is the run changed
+    old = (h["config"].get("dtype"), h["config"].get("loss_scale"))
+    same_precision = old == (config.get("dtype"), config.get("loss_scale"))
+    checkpoint.load(pieces, zero, h, scaler if same_precision else None, rng)
+    notes = []
+    if "in_use" in h["extra_keys"] and "in_use" not in extra_keys(zero):
+        notes.append(f"{path} was saved by --offload-optimizer delayed, whose weights in use lag "
+                     "its master by one update: without the delay this run starts from the "
+                     "master")
+    if scaler is not None and not same_precision:
+        notes.append(f"{path} was saved with --dtype {old[0]} --loss-scale {old[1]}: this run's "
+                     f"--dtype {config.get('dtype')} starts a fresh loss scaler")
+    return h["iter"], "; ".join(n for n in (*notes, fp8()) if n) or None, h

@@ -17,6 +17,7 @@ import sys
 import numpy as np
 import torch
 
+import checkpoint
 from machinery import checked_ckpt, validate
 from configurator import UserError
 
@@ -79,7 +80,7 @@ def _files(path, h):
 
 def convert(path):
     """Rewrite the old checkpoint in folder path as checkpoint.json + shard-NNNNN.safetensors."""
-    if os.path.isfile(os.path.join(path, checked_ckpt.HEADER)):
+    if os.path.isfile(os.path.join(path, checkpoint.HEADER)):
         raise UserError(f"{path} is in today's format already")
     old = [f for f in checked_ckpt.OLD if os.path.isfile(os.path.join(path, f))]
     if not old:
@@ -93,9 +94,9 @@ def convert(path):
         if fp8:  # the amax histories: tensors of file 0
             pieces[0][1].update({f"fp8/{n}": t for n, t in fp8["history"].items()})
             fp8 = {"settings": fp8["settings"], "history": sorted(fp8["history"])}
-        names = [checked_ckpt.shard_name(i) for i in range(len(pieces))]
+        names = [checkpoint.shard_name(i) for i in range(len(pieces))]
         header = {k: v for k, v in h.items() if k not in OLD_ONLY}
-        header.update(format=checked_ckpt.FORMAT, files=names, fp8=fp8,
+        header.update(format=checkpoint.FORMAT, files=names, fp8=fp8, extra_keys=[],
                       layout=[layout for layout, _ in pieces], rng=[_rng(s) for s in rngs],
                       crc=[checked_ckpt.checksums(tensors) for _, tensors in pieces])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -104,13 +105,13 @@ def convert(path):
         for i, (name, (_, tensors)) in enumerate(zip(names, pieces)):
             checked_ckpt.write_shard(os.path.join(path, name), tensors,
                                     {"save_id": header["save_id"], "file": str(i)})
-        checked_ckpt.write_header(os.path.join(path, checked_ckpt.HEADER), header)
-        files = checked_ckpt.CheckpointFiles(path)  # read back: the header, every piece
+        checked_ckpt.write_header(os.path.join(path, checkpoint.HEADER), header)
+        files = checked_ckpt.Reader(path)  # read back: the header, every piece
         for i, crcs in enumerate(files.header["crc"]):
             for key in crcs:
                 files.tensor(i, key)
     except BaseException:  # the folder as it was: the old files alone
-        for name in [checked_ckpt.HEADER] + names:
+        for name in [checkpoint.HEADER] + names:
             if os.path.exists(os.path.join(path, name)):
                 os.remove(os.path.join(path, name))
         raise

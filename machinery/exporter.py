@@ -11,11 +11,12 @@ import os
 import torch
 import torch.nn as nn
 
-from checkpoint import Reader, check_compatible, stored_shapes
+from checkpoint import stored_shapes
 from lora import apply_lora, merge_lora, parse_targets, targets_of
 from safetensors.torch import save_file
 
 from machinery import adapters, declared, hf
+from machinery.checked_ckpt import Reader, check_compatible
 from machinery.validate import check_adapter, vocab_id
 import model as model_py
 from precision import DTYPES

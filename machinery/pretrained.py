@@ -18,10 +18,10 @@ import os
 
 import torch
 
-from checkpoint import Reader, check_compatible, list_checkpoints, stored, stored_shapes
+from checkpoint import HEADER, list_checkpoints, stored, stored_shapes
 from configurator import UserError
 from machinery import adapters, declared, hf, validate
-from machinery.checked_ckpt import HEADER, OLD
+from machinery.checked_ckpt import OLD, Reader, check_compatible
 import model as model_py
 from model import GPT
 

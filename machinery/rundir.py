@@ -31,6 +31,7 @@ import socket
 import torch.distributed as dist
 
 import collectives
+from checkpoint import list_checkpoints
 from configurator import UserError
 from machinery.validate import is_int
 
@@ -325,14 +326,6 @@ def clear_stale_saves(out_dir):
             owner = _read_json(os.path.join(out_dir, name, "owner.json"))
             if judge(owner)[0] in ("mine", "dead", "invalid"):
                 shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
-
-
-def list_checkpoints(out_dir):
-    """Complete checkpoints in out_dir, oldest first (a .tmp folder is not one)."""
-    if not os.path.isdir(out_dir):
-        return []
-    names = sorted(n for n in os.listdir(out_dir) if re.fullmatch(r"ckpt-\d+", n))
-    return [os.path.join(out_dir, n) for n in names]
 
 
 def resume_hint(path):

@@ -124,7 +124,7 @@ def check_hf_types(cfg):
 
 
 # ----------------------------------------------------------------------------------------------
-# checkpoint headers (checked_ckpt calls these before reading any tensor)
+# checkpoint headers (checked_ckpt.py calls these before reading any tensor)
 
 SCALER = {"scale": "number", "growth_factor": "number", "backoff_factor": "number",
           "growth_interval": "int", "_growth_tracker": "int", "dynamic": "bool",
@@ -164,7 +164,8 @@ FILE = re.compile(r"shard-\d{5}\.safetensors")  # the only names a header may ma
 def check_header(h):
     """checkpoint.json's header: types, ranges, files of our names, a layout whose pieces tile
     each tensor exactly once and name only its tensors, a crc32 of every piece the layout
-    implies (checkpoint.py's keys), one RNG state per rank of world_size."""
+    implies (checkpoint.py's keys, and the engine's extra_keys), one RNG state per rank of
+    world_size."""
     names = lambda x: isinstance(x, list) and all(isinstance(k, str) for k in x)
     keys = lambda x: isinstance(x, dict) and all(isinstance(n, str) and names(k)
                                                  for n, k in x.items())
@@ -172,7 +173,8 @@ def check_header(h):
                           ("world_size", is_int, "an integer"), ("stage", is_int, "0-3"),
                           ("save_id", lambda x: isinstance(x, str), "a string"),
                           ("optimizer", lambda x: isinstance(x, str), "a name"),
-                          ("state_keys", keys, "lists of names by tensor")):
+                          ("state_keys", keys, "lists of names by tensor"),
+                          ("extra_keys", names, "a list of names")):
         if key not in h or not ok(h[key]):
             raise ValueError(f"{key} is {h.get(key)!r}: want {want}")
     if h["iter"] < 0 or h["opt_step"] < 0 or h["world_size"] < 1 or h["stage"] not in range(4):
@@ -216,7 +218,8 @@ def _check_crcs(h, files):
         raise ValueError("crc is not one table of checksums per file")
     for i, layout in enumerate(h["layout"]):
         for name in layout:
-            want = ("value",) if name in h["frozen"] else ("master", *keys_of(h, name))
+            want = ("value",) if name in h["frozen"] else ("master", *keys_of(h, name),
+                                                           *h["extra_keys"])
             missing = [k for k in want if f"{name}/{k}" not in crcs[i]]
             if missing:
                 raise ValueError(f"{files[i]} has no checksum of {name}/{missing[0]}")

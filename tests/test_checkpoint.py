@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import Reader, list_checkpoints
+from checkpoint import list_checkpoints
 from conftest import ROOT, free_port, run_distributed, run_train
 from machinery import checked_ckpt
+from machinery.checked_ckpt import Reader
 from train import main
 from configurator import UserError
 
@@ -284,9 +285,9 @@ def test_zero3_restores_a_frozen_base_into_its_shards(tmp_path, fmt):
     za.backward(a(x, x)[1])
     zero_step(za, GradScaler(init_scale=1.0, dynamic=False), 1e-2, 1.0)  # adapters move too
     header = {"config": {}, "model_args": asdict(cfg), "meta": {"vocab_size": 20}}
-    path = checkpoint.save(str(tmp_path), 1, za, a, GradScaler(), header, fmt, 1)
+    path = checked_ckpt.save(str(tmp_path), 1, za, a, GradScaler(), header, fmt, 1)
     before = checkpoint.state_dict(zb, b)
-    checkpoint.restore(path, zb, b, GradScaler(), {}, asdict(cfg), {"vocab_size": 20})
+    checked_ckpt.restore(path, zb, b, GradScaler(), {}, asdict(cfg), {"vocab_size": 20})
     want, got = checkpoint.state_dict(za, a), checkpoint.state_dict(zb, b)
     assert any(not torch.equal(before[k], want[k]) for k in want if "codes" in k)  # the bases differed
     for k in want:
@@ -403,7 +404,6 @@ def test_the_loss_scale_floor_stops_a_nan_run(data_root, tmp_path):
 def _peak_gathered(rank, world_size, fmt, lora, folder):
     """ZeRO-3 on 2 ranks: save and restore, recording the most bytes gathered at once beyond the
     shards (zero.peak_gathered_bytes), against the largest unit."""
-    import checkpoint
     import lora as lora_mod
     from conftest import make_zero
     from model import GPT, GPTConfig
@@ -420,9 +420,9 @@ def _peak_gathered(rank, world_size, fmt, lora, folder):
     for step in ("save", "restore"):
         zero.peak_gathered_bytes = zero.gathered_bytes
         if step == "save":
-            path = checkpoint.save(folder, 1, zero, model, GradScaler(), header, fmt, 1)
+            path = checked_ckpt.save(folder, 1, zero, model, GradScaler(), header, fmt, 1)
         else:
-            checkpoint.restore(path, zero, model, GradScaler(), {}, {}, None)
+            checked_ckpt.restore(path, zero, model, GradScaler(), {}, {}, None)
         peaks.append(zero.peak_gathered_bytes)
     assert max(peaks) <= max(units), (peaks, max(units))
     if rank == 0:
@@ -443,18 +443,18 @@ def _files_read(rank, world_size, folder):
     from conftest import make_zero
     from model import GPT, GPTConfig
     from precision import GradScaler
-    opened, safe_open = [], checked_ckpt.safe_open
+    opened, safe_open = [], checkpoint.safe_open
 
     def counted(path, *args, **kwargs):
         opened.append(os.path.basename(path))
         return safe_open(path, *args, **kwargs)
 
-    checked_ckpt.safe_open = counted
+    checkpoint.safe_open = counted
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=30, n_layer=2, n_head=2, n_embd=32))
     zero = make_zero(model, 3, rank=rank, world_size=world_size)
     path = checkpoint.list_checkpoints(folder)[-1]
-    checkpoint.restore(path, zero, model, GradScaler(), {}, {}, None)
+    checked_ckpt.restore(path, zero, model, GradScaler(), {}, {}, None)
     layout = checkpoint.Reader(path).header["layout"]
     owned = [(s.name, s.lo, s.hi) for s in zero.segments]
     owned += [(name, lo, hi) for name, lo, hi, _ in zero.frozen_pieces()]
@@ -466,7 +466,6 @@ def _files_read(rank, world_size, folder):
 
 
 def _save_sharded_4(rank, world_size, folder):
-    import checkpoint
     from conftest import make_zero
     from model import GPT, GPTConfig
     from precision import GradScaler
@@ -474,7 +473,7 @@ def _save_sharded_4(rank, world_size, folder):
     model = GPT(GPTConfig(block_size=16, vocab_size=30, n_layer=2, n_head=2, n_embd=32))
     zero = make_zero(model, 3, rank=rank, world_size=world_size)
     header = {"config": {}, "model_args": {}, "meta": {"vocab_size": 30}}
-    checkpoint.save(folder, 1, zero, model, GradScaler(), header, "sharded", 1)
+    checked_ckpt.save(folder, 1, zero, model, GradScaler(), header, "sharded", 1)
 
 
 def test_a_sharded_resume_reads_only_the_shards_it_needs(tmp_path):

@@ -242,8 +242,8 @@ def test_an_edited_input_file_is_noticed_on_resume(data_root, tmp_path):
 
 def test_a_checkpoint_from_before_data_identities_resumes_as_before(data_root, tmp_path,
                                                                      monkeypatch):
-    import checkpoint
-    save = checkpoint.save
+    from machinery import checked_ckpt
+    save = checked_ckpt.save
 
     def save_as_before(out_dir, it, zero, model, scaler, header, *args):
         return save(out_dir, it, zero, model, scaler,
@@ -251,7 +251,7 @@ def test_a_checkpoint_from_before_data_identities_resumes_as_before(data_root, t
     root, out = own_data(data_root, tmp_path), tmp_path / "out"
     args = TINY + ["--data-root", str(root), "--out-dir", str(out)]
     with monkeypatch.context() as m:
-        m.setattr(checkpoint, "save", save_as_before)
+        m.setattr(checked_ckpt, "save", save_as_before)
         main(args + ["--max-iters", "2"])
     (tmp_path / "input.txt").write_text((TEXT * 100)[:40000][::-1])
     prepare(input_path=str(tmp_path / "input.txt"), name="tiny", out_root=str(root))

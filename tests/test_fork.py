@@ -363,14 +363,16 @@ class Built(tinyfork.TinyFork):
 
 
 def _own_loop(rank, world_size, tmp):
-    """docs/forking.md's recipe for a loop of one's own: checkpoint.save(out_dir, it, zero,
-    model) and checkpoint.restore(path, zero, model), nothing more. k + resume + k == 2k
+    """docs/forking.md's recipe for a loop of one's own: checked_ckpt.save(out_dir, it, zero,
+    model) and checked_ckpt.restore(path, zero, model) (machinery/checked_ckpt.py, checkpoint.py's
+    save and restore with every file checked), nothing more. k + resume + k == 2k
     bitwise at ZeRO-2 (consolidated) and ZeRO-3 (sharded) on TinyFork with torch's AdamW class
     (restored with config {"optimizer": "adamw"}, as a user may name it); its own config in
     the header, another one refused in one line; memory.py's model state for it, stages 0-3,
     equals what ZeRO holds, the optimizer a class."""
     import dataclasses
     import checkpoint
+    from machinery import checked_ckpt
     opt = functools.partial(torch.optim.AdamW, lr=1e-2, fused=False)
     cfg = tinyfork.TinyConfig(**TINYFORK)
 
@@ -379,7 +381,7 @@ def _own_loop(rank, world_size, tmp):
         model = tinyfork.TinyFork(config)
         zero = make_zero(model, stage, optimizer=opt, rank=rank, world_size=world_size)
         if path:
-            checkpoint.restore(path, zero, model, config={"optimizer": "adamw"})
+            checked_ckpt.restore(path, zero, model, config={"optimizer": "adamw"})
         for step in steps:
             g = torch.Generator().manual_seed(step)
             idx = torch.randint(0, 40, (world_size * 2, 17), generator=g)[2 * rank:2 * rank + 2]
@@ -388,7 +390,7 @@ def _own_loop(rank, world_size, tmp):
             zero.finish_backward()
             zero.step()
         if save:
-            return checkpoint.save(f"{tmp}/s{stage}", steps[-1] + 1, zero, model, fmt=save)
+            return checked_ckpt.save(f"{tmp}/s{stage}", steps[-1] + 1, zero, model, fmt=save)
         return checkpoint.state_dict(zero, model)
 
     for stage, fmt in ((2, "consolidated"), (3, "sharded")):

@@ -21,9 +21,10 @@ import torch
 import checkpoint
 import memory
 import train
-from checkpoint import Reader, list_checkpoints
+from checkpoint import list_checkpoints
 from configurator import UserError
 from machinery import adapters, checked_ckpt, hf, lifecycle, rundir
+from machinery.checked_ckpt import Reader
 from configurator import parse_args
 from model import GPT, GPTConfig
 from precision import GradScaler
@@ -196,7 +197,7 @@ def tiny_checkpoint(folder, fmt="consolidated", header=None):
     model = GPT(cfg)
     zero = ZeRO(model, 0)
     header = {"config": {}, "model_args": vars(cfg), "meta": {"vocab_size": 8}, **(header or {})}
-    return checkpoint.save(str(folder), 4, zero, model, GradScaler(), header, fmt, 2)
+    return checked_ckpt.save(str(folder), 4, zero, model, GradScaler(), header, fmt, 2)
 
 
 def flipped_files_refused(path, file, spans, read, all_bits_every=1):
@@ -229,8 +230,8 @@ def read_all(path):
 
 
 def test_every_byte_of_a_header_is_checked_before_any_is_read(tmp_path, monkeypatch):
-    opened, safe_open = [], checked_ckpt.safe_open
-    monkeypatch.setattr(checked_ckpt, "safe_open", lambda p, **k: opened.append(p) or safe_open(p, **k))
+    opened, safe_open = [], checkpoint.safe_open
+    monkeypatch.setattr(checkpoint, "safe_open", lambda p, **k: opened.append(p) or safe_open(p, **k))
     path = tiny_checkpoint(tmp_path / "shard", "sharded")
     header = os.path.join(path, "checkpoint.json")  # every byte: not JSON, or its checksum fails
     # (all 8 bits of every 8th byte: a header read is ~1 ms of JSON, and 27 kB of it twice over

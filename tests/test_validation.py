@@ -26,7 +26,8 @@ from machinery import pretrained
 from machinery import rundir
 import sample
 from machinery import checked_ckpt, validate
-from checkpoint import Reader, list_checkpoints
+from checkpoint import list_checkpoints
+from machinery.checked_ckpt import Reader
 from configurator import UserError
 from configurator import parse_args
 from conftest import ROOT, TEXT, free_port, make_zero
@@ -112,7 +113,7 @@ def rewrite(path, tensors=None, **fields):
     """Checkpoint folder path as a writer with a bug would leave it: file 0's tensors replaced
     or added (`tensors`, their crc32 in the header fitting them), header fields replaced
     (`fields`), sealed anew: every checksum fits, only the checks behind them can tell."""
-    meta = os.path.join(path, checked_ckpt.HEADER)
+    meta = os.path.join(path, checkpoint.HEADER)
     h = json.loads(json.dumps({**checked_ckpt.read_header(meta), **fields}))  # a copy
     if tensors:
         file = os.path.join(path, h["files"][0])
@@ -270,7 +271,7 @@ def test_adapter_settings_are_checked_before_apply_lora(tmp_path):
 def test_edited_checkpoint_headers_are_one_line(runs, tmp_path):
     out = copy_run(runs, "shard", tmp_path)
     path = list_checkpoints(out)[-1]
-    good = checked_ckpt.read_header(os.path.join(path, checked_ckpt.HEADER))
+    good = checked_ckpt.read_header(os.path.join(path, checkpoint.HEADER))
     name = "transformer.h.0.attn.c_attn.lora_A"
     lo, hi = good["layout"][0][name]
     scaler = {k: v for k, v in good["scaler"].items() if k != "scale"}
@@ -289,7 +290,7 @@ def test_edited_checkpoint_headers_are_one_line(runs, tmp_path):
 def test_exports_check_model_args_and_write_only_the_models_names(runs, tmp_path, capsys):
     out = copy_run(runs, "cons", tmp_path)
     path = list_checkpoints(out)[-1]
-    good = checked_ckpt.read_header(os.path.join(path, checked_ckpt.HEADER))
+    good = checked_ckpt.read_header(os.path.join(path, checkpoint.HEADER))
     files = {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)}
     target = str(tmp_path / "w.safetensors")
 
@@ -344,8 +345,8 @@ def test_a_fixed_scale_that_always_overflows_stops_and_nan_is_never_saved(data_r
         zero.segments[0].master[3] = float("inf")
     header = {"config": {}, "model_args": HF_ARGS, "meta": {"vocab_size": 50}}
     with pytest.raises(UserError, match="master weights hold inf/NaN"):
-        checkpoint.save(str(tmp_path / "nan"), 1, zero, model, GradScaler(), header,
-                        "consolidated", 1)
+        checked_ckpt.save(str(tmp_path / "nan"), 1, zero, model, GradScaler(), header,
+                          "consolidated", 1)
     assert list_checkpoints(tmp_path / "nan") == []
 
 
