@@ -35,8 +35,6 @@ from configurator import UserError
 from machinery import declared, lifecycle, rundir, validate
 
 SEAL = "header_crc"  # the header's own checksum, kept in it
-OLD = ("ckpt.pt", "meta.pt")  # the pickled formats of nanoZeRO before this one
-CONVERT = "python -m machinery.convert"
 
 
 def _first_line(e):
@@ -177,14 +175,6 @@ def newest_checkpoint(out_dir, world_size):
     return path
 
 
-def refuse_old(path):
-    """A folder in a format of an earlier nanoZeRO: one line naming the command that converts."""
-    old = [f for f in OLD if os.path.exists(os.path.join(path, f))]
-    if old:
-        raise UserError(f"{path} holds {old[0]}, the pickled format of an earlier "
-                        f"nanoZeRO: convert it with `{CONVERT} {path}`, then use it")
-
-
 class Reader(checkpoint.Reader):
     """checkpoint.Reader, every claim checked before it is used: the header (its checksum, then
     validate.check_header) when opened; each file once (its save_id and tensor names), each
@@ -196,7 +186,6 @@ class Reader(checkpoint.Reader):
         self.hint = rundir.resume_hint(path)  # a bad file names what to resume from instead
         self.file, self.checked, self.dtypes = os.path.join(path, HEADER), set(), {}
         if not os.path.isfile(self.file):
-            refuse_old(path)
             raise UserError(f"{path} has no {HEADER}: not a complete checkpoint (pass "
                             "another, or delete it)")
         try:

@@ -21,7 +21,7 @@ import torch
 from checkpoint import HEADER, list_checkpoints, stored, stored_shapes
 from configurator import UserError
 from machinery import adapters, declared, hf, validate
-from machinery.checked_ckpt import OLD, Reader, check_compatible
+from machinery.checked_ckpt import Reader, check_compatible
 import model as model_py
 from model import GPT
 
@@ -33,9 +33,8 @@ SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "bias", "block_size")
 # In: --init-from
 
 def is_checkpoint(path):
-    """A checkpoint folder of ours, as opposed to a Hugging Face model (one of the old pickled
-    format too: the Reader refuses it, naming the command that converts it)."""
-    return any(os.path.isfile(os.path.join(path, f)) for f in (HEADER, *OLD))
+    """A checkpoint folder of ours, as opposed to a Hugging Face model."""
+    return os.path.isfile(os.path.join(path, HEADER))
 
 
 def open_init(cfg):

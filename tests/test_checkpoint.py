@@ -1,9 +1,7 @@
 """Checkpoints: exact resume, resharding across world sizes, stages and file counts, bad files,
-an old checkpoint converted, preemption (SIGTERM) and a killed rank under torchrun
---max-restarts."""
+preemption (SIGTERM) and a killed rank under torchrun --max-restarts."""
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -479,59 +477,3 @@ def _save_sharded_4(rank, world_size, folder):
 def test_a_sharded_resume_reads_only_the_shards_it_needs(tmp_path):
     run_distributed(_save_sharded_4, 4, str(tmp_path))
     run_distributed(_files_read, 2, str(tmp_path))
-
-
-OLD = os.path.join(ROOT, "tests", "fixtures", "old-format")  # written by train.py at 6089cbf
-OLD_FLAGS = ["--device", "cpu", "--n-layer", "1", "--n-head", "1", "--n-embd", "8", "--block-size", "8",
-             "--batch-size", "2", "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "1",
-             "--warmup-iters", "1", "--lr-decay-iters", "8", "--learning-rate", "3e-3", "--dataset", "tiny",
-             "--dropout", "0.1"]
-
-
-def old_pieces(folder):
-    """{(name, key): (lo, the old file's tensor, flat)} and the RNG states of an old checkpoint."""
-    if os.path.exists(os.path.join(folder, "ckpt.pt")):
-        h = torch.load(os.path.join(folder, "ckpt.pt"), weights_only=True)
-        return {(n, k): (0, t.reshape(-1)) for n, e in h["tensors"].items() for k, t in e.items()}, h["rng"]
-    h = torch.load(os.path.join(folder, "meta.pt"), weights_only=True)
-    out, rngs = {}, []
-    for r in range(h["world_size"]):
-        shard = torch.load(os.path.join(folder, f"shard-{r:05d}.pt"), weights_only=True)
-        rngs.append(shard["rng"])
-        for n, p in shard["pieces"].items():
-            out.update({(n, k): (p["lo"], t) for k, t in p.items() if k not in ("lo", "hi", "crc")})
-    return out, rngs
-
-
-@pytest.mark.parametrize("fmt, flags", [("consolidated", []), ("sharded", ["--zero", "2"])])
-def test_an_old_checkpoint_is_refused_naming_a_converter_that_converts_it(data_root, tmp_path, fmt, flags):
-    """A checkpoint of the pickled format (ckpt.pt; meta.pt + a shard per rank, here 2) is one
-    line naming `python -m machinery.convert CKPT`; that command converts it (every tensor and
-    RNG state as the old files held them) and the run resumes from it, here on 1 rank."""
-    import base64
-    out = tmp_path / "run"
-    ckpt = out / "ckpt-0000002"
-    shutil.copytree(os.path.join(OLD, fmt), ckpt)
-    args = OLD_FLAGS + flags + ["--data-root", data_root, "--max-iters", "4", "--resume", "--out-dir", str(out)]
-    before = sorted(os.listdir(ckpt))
-    with pytest.raises(UserError, match=f"convert it with `python -m machinery.convert {ckpt}`"):
-        main(args)
-    assert sorted(os.listdir(ckpt)) == before
-    with pytest.raises(UserError, match="machinery.convert"):  # --init-from: the same line
-        main(OLD_FLAGS + ["--data-root", data_root, "--init-from", str(ckpt), "--out-dir", str(tmp_path / "new")])
-    r = subprocess.run([sys.executable, "-m", "machinery.convert", str(ckpt)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert r.returncode == 0 and r.stderr == "", r.stderr
-    n = 2 if fmt == "sharded" else 1
-    assert sorted(os.listdir(ckpt)) == ["checkpoint.json"] + [f"shard-{i:05d}.safetensors" for i in range(n)]
-    pieces, rngs = old_pieces(os.path.join(OLD, fmt))
-    reader = Reader(str(ckpt))
-    for (name, key), (lo, t) in pieces.items():
-        assert torch.equal(reader.read(name, key, lo, lo + len(t)), t), (name, key)
-    for old, new in zip(rngs, reader.header["rng"], strict=True):
-        assert base64.b64decode(new["torch"]) == old["torch"]
-        assert new["python"][1] == list(old["python"][1])
-    main(args)
-    assert sorted(losses(out)) == [2, 3]  # it carried on from iteration 2
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    assert rows[0]["event"] == "resume" and rows[0]["from"].endswith("ckpt-0000002")

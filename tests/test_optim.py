@@ -161,13 +161,3 @@ def _resume_and_state(rank, world_size, tmp):
 
 def test_sgd_and_lion_resume_bitwise_at_every_stage(tmp_path):
     run_distributed(_resume_and_state, 2, str(tmp_path))
-
-
-def test_a_checkpoint_from_before_the_generic_state_is_one_line(tmp_path):
-    """An earlier nanoZeRO's header (AdamW's adam_step, no optimizer keys, no checksums) is
-    refused in one line that says so, not as a corrupt file."""
-    (tmp_path / "ckpt-0000002").mkdir()
-    torch.save({"format": "consolidated", "iter": 2, "adam_step": 2, "world_size": 1},
-               tmp_path / "ckpt-0000002" / "ckpt.pt")
-    with pytest.raises(UserError, match="earlier nanoZeRO"):
-        checked_ckpt.Reader(str(tmp_path / "ckpt-0000002"))
