@@ -6,7 +6,8 @@ checkpoint.py writes and reads the pieces and trusts its files. This extends it 
 checkpoints.md, "What the checksums cover"):
   - a crc32 of every piece (its bytes, then its dtype's name) in the header, and the header's
     own crc32 over every other field (header_crc, in JSON's canonical form: sorted keys, no
-    spaces), checked before any field is used; the save_id each file's metadata repeats;
+    spaces), checked before any field is used: a flipped byte, an edited field, a truncated
+    shard or one copied in from another save fails one of them;
   - the header's claims (types, ranges, a layout that tiles every tensor once, file names of
     ours) checked by validate.check_header before any is used, each piece's length against
     the layout: a header a writer with a bug sealed anew is one line, never a huge allocation;
@@ -21,11 +22,10 @@ A bad file is one UserError line that names the older checkpoint to resume from 
 """
 import json
 import os
-import uuid
 import zlib
 
 import torch.distributed as dist
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 import checkpoint
@@ -63,11 +63,11 @@ def _fsync(path):
         os.close(fd)
 
 
-def write_shard(path, tensors, metadata):
+def write_shard(path, tensors):
     """{"TENSOR/KEY": 1-D tensor} by safetensors' own writer, fsynced. An OSError (a full disk,
     a file-size limit) when the bytes did not reach the disk."""
     try:
-        save_file(tensors, path, metadata=metadata)
+        save_file(tensors, path)
     except SafetensorError as e:  # the writer's I/O error, as a str: "... File too large ..."
         raise OSError(_first_line(e))
     _fsync(path)
@@ -103,11 +103,10 @@ def save(out_dir, it, zero, model, scaler=None, header=None, fmt="consolidated",
         raise UserError(f"not saving {final}: the master weights hold inf/NaN (the run "
                         "diverged); " + (f"{previous[-1]} is the newest good checkpoint"
                                          if previous else "no checkpoint was saved"))
-    save_id = all_gather_object(uuid.uuid4().hex, world_size)[0]
-    header = dict(header or {}, save_id=save_id)
-    fp8 = header.get("fp8")
+    fp8 = (header or {}).get("fp8")
     if fp8 is not None:  # the amax histories: tensors of file 0, their names in the header
-        header["fp8"] = {"settings": fp8["settings"], "history": sorted(fp8["history"])}
+        header = dict(header, fp8={"settings": fp8["settings"],
+                                   "history": sorted(fp8["history"])})
     tensors, head = checkpoint.pieces_and_header(it, zero, model, scaler, header, fmt)
     if fp8 is not None and rank == 0:
         tensors.update({f"fp8/{n}": t for n, t in fp8["history"].items()})
@@ -116,8 +115,7 @@ def save(out_dir, it, zero, model, scaler=None, header=None, fmt="consolidated",
 
     def write(tmp):  # this rank's files into the save's .tmp folder (rundir.write_save)
         if tensors is not None:
-            write_shard(os.path.join(tmp, head["files"][rank]), tensors,
-                        {"save_id": save_id, "file": str(rank)})
+            write_shard(os.path.join(tmp, head["files"][rank]), tensors)
         if rank == 0:
             write_header(os.path.join(tmp, HEADER), head)
 
@@ -177,14 +175,14 @@ def newest_checkpoint(out_dir, world_size):
 
 class Reader(checkpoint.Reader):
     """checkpoint.Reader, every claim checked before it is used: the header (its checksum, then
-    validate.check_header) when opened; each file once (its save_id and tensor names), each
-    piece (its crc32 and length) as it is read."""
+    validate.check_header) when opened, each piece (its crc32, length and dtype) as it is
+    read."""
 
     def __init__(self, path):
         if not os.path.isdir(path):
             raise UserError(f"no checkpoint at {path}")
         self.hint = rundir.resume_hint(path)  # a bad file names what to resume from instead
-        self.file, self.checked, self.dtypes = os.path.join(path, HEADER), set(), {}
+        self.file, self.dtypes = os.path.join(path, HEADER), {}
         if not os.path.isfile(self.file):
             raise UserError(f"{path} has no {HEADER}: not a complete checkpoint (pass "
                             "another, or delete it)")
@@ -207,22 +205,13 @@ class Reader(checkpoint.Reader):
             raise UserError(f"{self.file}: {e} (a corrupt or edited file); {self.hint}")
 
     def tensor(self, i, key):
-        """Tensor key of file i: the file's save_id and names against the header's (once a
-        file; safe_open checks its own header), the tensor's crc32 before it is used."""
+        """Tensor key of file i (safe_open checks the file's own header), its crc32 before it
+        is used."""
         h, name = self.header, self.header["files"][i]
         file = os.path.join(self.path, name)
         if key not in h["crc"][i]:
             raise UserError(f"{self.path} holds no {key} in {name}")
         try:
-            if name not in self.checked:
-                with safe_open(file, framework="pt") as f:
-                    if f.metadata() != {"save_id": h["save_id"], "file": str(i)}:
-                        raise UserError(f"{file} belongs to another save than its "
-                                        f"{HEADER}: the folder was edited; use another")
-                    if set(f.keys()) != set(h["crc"][i]):
-                        raise UserError(f"{file} holds other tensors than its {HEADER} "
-                                        f"says (a corrupt or edited file); {self.hint}")
-                self.checked.add(name)
             t = super().tensor(i, key)
         except FileNotFoundError:
             raise UserError(f"{file} is missing: the checkpoint is incomplete")

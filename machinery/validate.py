@@ -171,7 +171,6 @@ def check_header(h):
                                                  for n, k in x.items())
     for key, ok, want in (("iter", is_int, "an integer"), ("opt_step", is_int, "an integer"),
                           ("world_size", is_int, "an integer"), ("stage", is_int, "0-3"),
-                          ("save_id", lambda x: isinstance(x, str), "a string"),
                           ("optimizer", lambda x: isinstance(x, str), "a name"),
                           ("state_keys", keys, "lists of names by tensor"),
                           ("extra_keys", names, "a list of names")):

@@ -118,9 +118,9 @@ def rewrite(path, tensors=None, **fields):
     if tensors:
         file = os.path.join(path, h["files"][0])
         with safe_open(file, framework="pt") as f:
-            saved, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+            saved = {k: f.get_tensor(k) for k in f.keys()}
         saved.update(tensors)
-        checked_ckpt.write_shard(file, saved, metadata)
+        checked_ckpt.write_shard(file, saved)
         h["crc"][0].update(checked_ckpt.checksums(tensors))
     checked_ckpt.write_header(meta, h)
 
