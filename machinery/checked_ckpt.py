@@ -183,9 +183,11 @@ class Reader(checkpoint.Reader):
             raise UserError(f"no checkpoint at {path}")
         self.hint = rundir.resume_hint(path)  # a bad file names what to resume from instead
         self.file, self.dtypes = os.path.join(path, HEADER), {}
-        if not os.path.isfile(self.file):
-            raise UserError(f"{path} has no {HEADER}: not a complete checkpoint (pass "
-                            "another, or delete it)")
+        kind = validate.file_kind(self.file)
+        if kind != "a file":
+            raise UserError((f"{path} has no {HEADER}" if kind is None else
+                             f"{self.file} is {kind}, not a file") + ": not a complete "
+                            "checkpoint (pass another, or move it away)")
         try:
             super().__init__(path)
         except OSError as e:
@@ -205,16 +207,19 @@ class Reader(checkpoint.Reader):
             raise UserError(f"{self.file}: {e} (a corrupt or edited file); {self.hint}")
 
     def tensor(self, i, key):
-        """Tensor key of file i (safe_open checks the file's own header), its crc32 before it
-        is used."""
+        """Tensor key of file i: the file a file (safe_open checks its own header), the
+        tensor's crc32 before it is used."""
         h, name = self.header, self.header["files"][i]
         file = os.path.join(self.path, name)
         if key not in h["crc"][i]:
             raise UserError(f"{self.path} holds no {key} in {name}")
+        kind = validate.file_kind(file)  # before it is opened: a FIFO would wait for ever
+        if kind is None:
+            raise UserError(f"{file} is missing: the checkpoint is incomplete")
+        if kind != "a file":
+            raise UserError(f"{file} is {kind}, not a file; {self.hint}")
         try:
             t = super().tensor(i, key)
-        except FileNotFoundError:
-            raise UserError(f"{file} is missing: the checkpoint is incomplete")
         except (SafetensorError, OSError) as e:  # truncated, a header that lies, ...
             raise UserError(f"cannot read {file}: {_first_line(e)}; {self.hint}")
         got = piece_crc(t)

@@ -8,16 +8,19 @@ model or copy elements, so a file that claims 10^5 layers or a LoRA rank of 10^9
 once, not minutes of work and a 256 GB allocation. Every function raises ValueError with the
 line to print; the caller puts its own file name and error class in front.
 
-Also here: the crc32 of a tensor's bytes (about 7 GB/s on one CPU core: small beside writing
-the bytes), and the identity of a vocabulary (two character sets of 65 characters are not the
-same vocabulary).
+Also here: what a path is before it is opened (file_kind: a FIFO, a folder or a device where a
+file belongs is one line, never an open() that waits for ever), the crc32 of a tensor's bytes
+(about 7 GB/s on one CPU core: small beside writing the bytes), and the identity of a
+vocabulary (two character sets of 65 characters are not the same vocabulary).
 """
 import base64
 import binascii
 import hashlib
 import math
+import os
 import random
 import re
+import stat
 import zlib
 from dataclasses import fields
 
@@ -42,6 +45,23 @@ def is_int(x):
 
 def is_number(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def file_kind(path):
+    """What is at path, asked before it is opened: None (nothing), "a file" (a regular file, or
+    a symlink to one), "a folder", "a FIFO", "a socket", "a device", "a dangling symlink".
+    open() on a FIFO waits for a writer for ever, and safetensors' reader retries through
+    signals, so not even SIGTERM ends it; a device or a folder is no file of ours either.
+    Everything a run opens is asked first: anything but a file is one line."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a dangling symlink" if os.path.islink(path) else None
+    except OSError as e:  # a symlink loop, a path through a file
+        return f"unreadable ({e.strerror})"
+    kinds = ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((kind for test, kind in kinds if test(mode)), "a device")
 
 
 def crc(t):

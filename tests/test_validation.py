@@ -4,6 +4,7 @@ One test per kind of bad input: another vocabulary of the same size, flipped or 
 bytes, two runs on one folder, a cut-off metrics.jsonl, configs, adapters and headers that
 claim absurd sizes, edited exports, flags out of range, and the wording of the refusals. Runs
 are tiny and in-process (train.main); a CLI's one-line form is checked by calling its main."""
+import errno
 import json
 import os
 import shutil
@@ -184,7 +185,21 @@ def test_one_writer_per_out_dir(data_root, runs, tmp_path, capsys):
     assert not os.path.exists(out / "lock") and max(map(str, list_checkpoints(out))).endswith("3")
 
 
-def test_metrics_jsonl_survives_a_cut_line_and_a_full_disk(data_root, runs, tmp_path, capsys):
+class FullDisk:
+    """metrics.jsonl on a full disk: every write fails with ENOSPC."""
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_metrics_jsonl_survives_a_cut_line_and_a_full_disk(data_root, runs, tmp_path, capsys,
+                                                            monkeypatch):
     out = copy_run(runs, "cons", tmp_path)
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"iter": 2, "loss": 3.8')  # a write cut short by a crash
@@ -195,9 +210,10 @@ def test_metrics_jsonl_survives_a_cut_line_and_a_full_disk(data_root, runs, tmp_
     assert text.startswith(before + "\n")  # appended after the cut line, nothing truncated
     rows = rundir.read_metrics(out / "metrics.jsonl")  # the cut line skipped
     assert rows[-1]["event"] == "end" and [r["iter"] for r in rows if "loss" in r] == [0, 1, 2]
-    full = tmp_path / "full"
-    full.mkdir()
-    os.symlink("/dev/full", full / "metrics.jsonl")  # every write: No space left on device
+    full = tmp_path / "full"  # (/dev/full as metrics.jsonl is a device: refused at start)
+    monkeypatch.setattr(rundir, "open", lambda path, mode="r", *args, **kwargs: FullDisk()
+                        if path.endswith("metrics.jsonl") and "a" in mode
+                        else open(path, mode, *args, **kwargs), raising=False)
     main(TINY + ["--data-root", data_root, "--out-dir", str(full)])
     printed = capsys.readouterr().out
     assert printed.count("cannot write") == 1 and "No space left on device" in printed
