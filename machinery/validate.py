@@ -29,6 +29,7 @@ import torch
 
 import optim
 from configurator import SCHEDULE, UserError
+from data.prepare import check_meta
 from lora import TARGETS, parse_targets
 from model import GPTConfig
 
@@ -185,7 +186,9 @@ def check_header(h):
     """checkpoint.json's header: types, ranges, files of our names, a layout whose pieces tile
     each tensor exactly once and name only its tensors, a crc32 of every piece the layout
     implies (checkpoint.py's keys, and the engine's extra_keys), one RNG state per rank of
-    world_size."""
+    world_size, each one its generators take (whatever world size resumes: not only those
+    set), a vocabulary as data/prepare.py writes it (sample.py encodes by its stoi and decodes
+    by its itos)."""
     names = lambda x: isinstance(x, list) and all(isinstance(k, str) for k in x)
     keys = lambda x: isinstance(x, dict) and all(isinstance(n, str) and names(k)
                                                  for n, k in x.items())
@@ -226,6 +229,10 @@ def check_header(h):
         raise ValueError(f"world_size {h['world_size']} but "
                          f"{len(h['rng']) if isinstance(h.get('rng'), list) else 'no'} "
                          "RNG states")
+    for state in h["rng"]:
+        check_rng(state)
+    if h["meta"].get("tokenizer") in ("char", "gpt2") and check_meta(h["meta"]):
+        raise ValueError(f"its meta {check_meta(h['meta'])}")
 
 
 def _check_crcs(h, files):
@@ -279,10 +286,11 @@ def keys_of(header, name):
     return tuple(header["state_keys"].get(name, ()))
 
 
-def check_rng(state, device):
+def check_rng(state, device=None):
     """One rank's saved RNG states (checkpoint.rng_state's JSON), each set on a generator of
     its own first: a state of the wrong size, type or value is refused before the run's are set.
-    A CUDA state is checked only on a CUDA run (the one that restores it)."""
+    A CUDA state's bytes are checked against a CUDA device's generator where device is one
+    (the run that restores it), as base64 otherwise."""
     if not isinstance(state, dict) or not {"torch", "numpy", "python"} <= set(state) \
             or not set(state) <= {"torch", "numpy", "python", "cuda"}:
         raise ValueError("its RNG states are not the ones a save writes")
@@ -295,8 +303,9 @@ def check_rng(state, device):
                                            has_gauss, gauss))
         version, words, gauss_next = state["python"]
         random.Random().setstate((version, tuple(words), gauss_next))
-        if "cuda" in state and device.type == "cuda" and \
-                len(as_bytes(state["cuda"])) != torch.cuda.get_rng_state(device).numel():
+        cuda = as_bytes(state["cuda"]) if "cuda" in state else None
+        if cuda is not None and device is not None and device.type == "cuda" and \
+                len(cuda) != torch.cuda.get_rng_state(device).numel():
             raise ValueError("a CUDA state of another size")
     except (TypeError, ValueError, RuntimeError, OverflowError, IndexError, binascii.Error) as e:
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]

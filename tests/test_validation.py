@@ -291,7 +291,11 @@ def test_edited_checkpoint_headers_are_one_line(runs, tmp_path):
     name = "transformer.h.0.attn.c_attn.lora_A"
     lo, hi = good["layout"][0][name]
     scaler = {k: v for k, v in good["scaler"].items() if k != "scale"}
+    meta, rng = good["meta"], good["rng"][0]
+    stoi = {**meta["stoi"], meta["itos"][0]: 1, meta["itos"][1]: 0}  # two ids swapped
     edits = [({"layout": [{**good["layout"][0], name: [lo + 8, hi + 8]}]}, "do not cover"),
+             ({"meta": {**meta, "stoi": stoi}}, "stoi that is not itos read backwards"),
+             ({"rng": [{**rng, "numpy": ["MT19937", 7, 0, 0, 0.0]}]}, "RNG states do not fit"),
              ({"opt_step": "7"}, "opt_step is '7'"), ({"scaler": scaler}, "loss scaler"),
              ({"iter": -3}, "iter -3"), ({"opt_step": -7}, "opt_step -7"),
              ({"world_size": 5}, "world_size 5 but 1 RNG states"),
