@@ -47,7 +47,6 @@ from precision import GradScaler
 from machinery.declared import model_args, stored_shapes
 
 HEADER = "checkpoint.json"
-FORMAT = "nanoZeRO"
 
 
 def shard_name(i):
@@ -67,7 +66,7 @@ def list_checkpoints(out_dir):
 
 def stored(shapes, name, lo, hi):
     """[lo, hi) of a flattened tensor, cut to what the checkpoint stores of it."""
-    return lo, min(hi, int(np.prod(shapes[name])))
+    return lo, min(hi, math.prod(shapes[name]))
 
 
 def state_piece(t, n):
@@ -164,7 +163,7 @@ def full_tensors(zero, shapes, keys, keys_of=None):
     out = {}
 
     def host(name, flat):  # the stored part of a tensor, on the host
-        return flat[:int(np.prod(shapes[name]))].view(shapes[name]).cpu().clone()
+        return flat[:math.prod(shapes[name])].view(shapes[name]).cpu().clone()
 
     for b in zero.buckets:
         for key in keys:
@@ -289,7 +288,7 @@ def pieces_and_header(it, zero, model, scaler=None, header=None, fmt="consolidat
     # every rank's layout and RNG states, for the header rank 0 writes
     every = all_gather_object({"layout": {n: [p["lo"], p["hi"]] for n, p in pieces.items()},
                                "rng": rng_state(zero.device)}, world_size)
-    head = dict(header, format=FORMAT, iter=it, world_size=world_size, stage=zero.stage,
+    head = dict(header, iter=it, world_size=world_size, stage=zero.stage,
                 scaler=scaler.state_dict(), shapes=shapes,
                 frozen=[name for name in shapes if name not in trainable], **opt_header,
                 extra_keys=list(extra_keys(zero)), files=[shard_name(i) for i in range(n_files)],
@@ -345,6 +344,7 @@ class Reader:
         return math.prod(self.header["shapes"][name])
 
     def read(self, name, key, lo, hi):
+        assert 0 <= lo <= hi <= self.numel(name), (name, lo, hi)
         # the layout tiles every tensor exactly once: every element of [lo, hi) is in exactly
         # one of the pieces that overlap it
         out = None
