@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from machinery import adapters, declared, hf
 from machinery.checked_ckpt import Reader, check_compatible
-from machinery.validate import check_adapter, vocab_id
+from machinery.validate import check_adapter, file_kind, vocab_id
 import model as model_py
 from precision import DTYPES
 from quant import QuantizedWeight, quantize_base
@@ -63,11 +63,16 @@ def rebuild(reader, weights=None):
 
 def check_writable(out, to):
     """Refuse an output path we could not write, before any work: its nearest existing
-    ancestor must be a folder we may write into, and the path itself of the right kind."""
+    ancestor must be a folder we may write into, and the path itself of the right kind (in an
+    hf folder, config.json too: transformers opens it to write, and a FIFO would wait for
+    ever)."""
     if os.path.exists(out) and os.path.isdir(out) != (to == "hf"):
         kind = "a file" if to == "hf" else "a folder"
         raise UserError(f"{out} is {kind}: --to {to} writes " +
                         ("a folder" if to == "hf" else "one .safetensors file"))
+    config = os.path.join(out, "config.json")
+    if to == "hf" and file_kind(config) not in (None, "a file"):
+        raise UserError(f"{config} is {file_kind(config)}, not a file: move it away")
     parent = os.path.dirname(os.path.abspath(out))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)

@@ -550,6 +550,11 @@ def test_what_is_not_a_file_in_a_checkpoint_is_one_line(data_root, tmp_path):
     line = refused_in_time([ckpt, "--to", "safetensors", str(tmp_path / "w.safetensors")],
                            tmp_path / "err-export", "export")
     assert "shard-00000.safetensors is a FIFO" in line and not os.path.exists(tmp_path / "w")
+    os.makedirs(tmp_path / "hf")  # and where export.py --to hf writes: config.json a FIFO
+    os.mkfifo(tmp_path / "hf" / "config.json")
+    line = refused_in_time([list_checkpoints(first)[-1], "--to", "hf", str(tmp_path / "hf")],
+                           tmp_path / "err-hf", "export")
+    assert "config.json is a FIFO, not a file" in line, line
     line = refused_in_time(TINY + ["--data-root", data_root, "--init-from", ckpt, "--out-dir",
                                    str(tmp_path / "new")], tmp_path / "err-init")
     assert "shard-00000.safetensors is a FIFO" in line and not os.path.exists(tmp_path / "new")
