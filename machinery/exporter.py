@@ -70,14 +70,14 @@ def check_writable(out, to):
         kind = "a file" if to == "hf" else "a folder"
         raise UserError(f"{out} is {kind}: --to {to} writes " +
                         ("a folder" if to == "hf" else "one .safetensors file"))
-    config = os.path.join(out, "config.json")
-    if to == "hf" and file_kind(config) not in (None, "a file"):
-        raise UserError(f"{config} is {file_kind(config)}, not a file: move it away")
     parent = os.path.dirname(os.path.abspath(out))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise UserError(f"cannot write {out}: {parent} is not a folder we may write into")
+    config = os.path.join(out, "config.json")
+    if to == "hf" and file_kind(config) not in (None, "a file"):
+        raise UserError(f"{config} is {file_kind(config)}, not a file: move it away")
 
 
 def export(ckpt, to, out, dtype=None, merge=False):

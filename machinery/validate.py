@@ -56,9 +56,9 @@ def file_kind(path):
     Everything a run opens is asked first: anything but a file is one line."""
     try:
         mode = os.stat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (a path through a file: nothing there)
         return "a dangling symlink" if os.path.islink(path) else None
-    except OSError as e:  # a symlink loop, a path through a file
+    except OSError as e:  # a symlink loop
         return f"unreadable ({e.strerror})"
     kinds = ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
              (stat.S_ISSOCK, "a socket"))
