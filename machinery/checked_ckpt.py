@@ -32,7 +32,7 @@ import checkpoint
 from checkpoint import HEADER, extra_keys, list_checkpoints, opt_state_keys
 from collectives import all_gather_object
 from configurator import UserError
-from machinery import declared, lifecycle, rundir, validate
+from machinery import lifecycle, rundir, validate
 
 SEAL = "header_crc"  # the header's own checksum, kept in it
 
@@ -278,9 +278,9 @@ def restore(path, zero, model, scaler=None, config=None, model_args=None, vocab_
     else the engine's; "adamw" is torch.optim.AdamW's "AdamW"), its state keys tensor by tensor
     and config's LoRA flags. The scaler is restored only when the precision is the one saved
     (scaler None: not)."""
-    shapes, error = declared.stored_shapes(model), None
+    shapes, error = checkpoint.stored_shapes(model), None
     config = {"optimizer": zero.optimizer, **(config or {})}
-    model_args = declared.model_args(model) if model_args is None else model_args
+    model_args = checkpoint.model_args(model) if model_args is None else model_args
     try:
         reader = Reader(path)
         h = reader.header
