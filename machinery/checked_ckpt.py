@@ -192,6 +192,9 @@ class Reader(checkpoint.Reader):
             super().__init__(path)
         except OSError as e:
             raise UserError(f"cannot read {self.file}: {e.strerror or e}")
+        if "extra_keys" not in self.header:  # saved before the engine named its keys: then
+            delayed = self.header.get("delayed") is True  # only the delayed update kept any
+            self.header["extra_keys"] = ["in_use"] if delayed else []
         self._checked(validate.check_header, self.header)  # before any claim is used
 
     def read_header(self, file):

@@ -252,6 +252,24 @@ def test_every_byte_of_a_header_is_checked_before_any_is_read(tmp_path, monkeypa
     Reader(path).weights()
 
 
+def test_a_header_saved_before_extra_keys_reads_as_it_did(tmp_path):
+    """A header as 0315d48 saved it (a format and a save_id, and delayed where extra_keys is
+    now) reads: delayed false is no extra key, delayed true the weights in use ("in_use"),
+    whose pieces it must then hold. (Checkpoints that 0315d48's train.py wrote, plain and
+    --offload-optimizer delayed, resume bitwise here: checked by hand.)"""
+    path = tiny_checkpoint(tmp_path / "c")
+    file = os.path.join(path, "checkpoint.json")
+    h = checked_ckpt.read_header(file)
+    old = {k: v for k, v in h.items() if k != "extra_keys"}
+    want = Reader(path).weights()
+    checked_ckpt.write_header(file, dict(old, format="nanoZeRO", save_id="0" * 32, delayed=False))
+    got = Reader(path).weights()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    checked_ckpt.write_header(file, dict(old, delayed=True))
+    with pytest.raises(UserError, match="has no checksum of .*/in_use"):
+        Reader(path)
+
+
 def test_edited_fields_and_other_saves_files_are_refused(tmp_path):
     import json
     from safetensors.torch import save_file
