@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # run as a script: import from the repository roo
 import torch
 
 import checkpoint
-from machinery import ckpt_reader, validate
+from machinery import checked_ckpt, validate
 from bench.common import Stopwatch, command, parser, report, table
 from model import GPT, GPTConfig
 from precision import GradScaler
@@ -36,12 +36,12 @@ GPT2_124M = dict(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_emb
 @contextmanager
 def checksums_off():
     """crc32 replaced by a constant: what save and restore cost without it."""
-    crc = ckpt_reader.piece_crc  # what a save writes and a read checks
-    ckpt_reader.piece_crc = lambda t: 0
+    crc = checked_ckpt.piece_crc  # what a save writes and a read checks
+    checked_ckpt.piece_crc = lambda t: 0
     try:
         yield
     finally:
-        ckpt_reader.piece_crc = crc
+        checked_ckpt.piece_crc = crc
 
 
 def timed(fn):
@@ -69,11 +69,11 @@ def main(argv=None):
     for _ in range(args.repeats):
         for label, ctx in (("with crc32", nullcontext), ("without", checksums_off)):
             with ctx():
-                t = timed(lambda: checkpoint.save(out, 1, zero, model, GradScaler(), header,
-                                                  args.format, 1))
+                t = timed(lambda: checked_ckpt.save(out, 1, zero, model, GradScaler(), header,
+                                                    args.format, 1))
                 path = checkpoint.list_checkpoints(out)[-1]
-                r = timed(lambda: checkpoint.restore(path, zero, model, GradScaler(), {}, {},
-                                                     None))
+                r = timed(lambda: checked_ckpt.restore(path, zero, model, GradScaler(), {}, {},
+                                                       None))
             best[label, "save"] = min(t, best.get((label, "save"), t))
             best[label, "restore"] = min(r, best.get((label, "restore"), r))
     keys_of = checkpoint.state_keys(zero)

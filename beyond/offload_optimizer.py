@@ -286,8 +286,10 @@ class DelayedUpdate(OffloadOptimizer):
     The fp32 gradient slice is double-buffered: the next backward's copies go to the spare
     while the thread reads this one. A save (wait_published() with no buckets) joins first:
     the checkpoint's master then holds update t, one ahead of the weights in use (the
-    snapshot). So it saves those too, by (tensor, range) as the master (in_use, checkpoint.py),
-    and a resume publishes them rather than the master: k + save + resume + k == 2k."""
+    snapshot). So it saves those too, by (tensor, range) as the master ("in_use": checkpoint.py
+    asks checkpoint_keys), and a resume publishes them rather than the master: k + save +
+    resume + k == 2k."""
+    checkpoint_keys = ("in_use",)  # saved and restored beside each master
 
     def __init__(self, model, stage, **kwargs):
         super().__init__(model, stage, **kwargs)
@@ -303,9 +305,12 @@ class DelayedUpdate(OffloadOptimizer):
         behind its master), flat, in the working dtype."""
         return self.snapshot[self.bucket_of[id(s)]][s.start:s.start + s.hi - s.lo]
 
-    def restore_in_use(self, pieces):
-        """A checkpoint's weights in use, [(segment, values)]: the snapshot is the master's
-        but for these pieces' stored elements, and the restore's publish sends it."""
+    def checkpoint_piece(self, s, key):  # checkpoint.py's "in_use" of segment s, in fp32
+        return self.in_use(s).float()
+
+    def restore_checkpoint_pieces(self, key, pieces):
+        """A checkpoint's weights in use ("in_use"), [(segment, values)]: the snapshot is the
+        master's but for these pieces' stored elements, and the restore's publish sends it."""
         self._join()
         for i in range(len(self.master)):
             self._take_snapshot(i)

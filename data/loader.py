@@ -19,7 +19,7 @@ from collectives import all_gather_object, all_reduce_sum
 from configurator import UserError
 from data.prepare import DATASETS, load_meta, prepare, rebuild_command
 from machinery.lifecycle import agreed_error
-from machinery.validate import vocab_id
+from machinery.validate import file_kind, vocab_id
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,7 +81,8 @@ def load_data(cfg, rank, world_size, base_meta=None):
         cfg.dataset = os.path.splitext(os.path.basename(cfg.input))[0]
     data_dir = os.path.join(ROOT, cfg.data_root, cfg.dataset)  # an absolute data_root wins
     fix = rebuild_command(data_dir, cfg.input or None)
-    missing, error = not os.path.isfile(os.path.join(data_dir, "val.bin")), None
+    # nothing there: prepared first; anything else (a FIFO...) is check_folder's one line
+    missing, error = file_kind(os.path.join(data_dir, "val.bin")) is None, None
     if missing and not cfg.input and cfg.dataset not in DATASETS:
         error = f"no prepared data in {data_dir}: run {fix}"
     elif (missing or cfg.input) and int(os.environ.get("LOCAL_RANK", rank)) == 0:
@@ -108,14 +109,19 @@ def load_data(cfg, rank, world_size, base_meta=None):
 
 def check_folder(data_dir, block_size, input_path=None):
     """A prepared folder as prepare() writes it, checked before anything is memory-mapped:
-    meta.json (load_meta), then each .bin file there, not empty, of whole uint16 ids, holding
-    the tokens meta.json counts, and more than a block of them. Returns meta; a UserError, one
+    each of its files a file (not a FIFO, a folder...), meta.json (load_meta), then each .bin
+    file there, not empty, of whole uint16 ids, holding the tokens meta.json counts, and more
+    than a block of them. Returns meta; a UserError, one
     line naming the file and the data/prepare.py command that writes it again, otherwise."""
     if not os.path.isdir(data_dir):
         raise UserError(f"no prepared data in {data_dir}: run "
                         f"{rebuild_command(data_dir, input_path)}")
-    meta = load_meta(data_dir, input_path)
     fix = f"rebuild it with {rebuild_command(data_dir, input_path)}"
+    for name in ("meta.json", "train.bin", "val.bin"):  # before any is opened: a FIFO waits
+        kind = file_kind(os.path.join(data_dir, name))  # for ever, a folder is no data
+        if kind not in (None, "a file"):
+            raise UserError(f"{os.path.join(data_dir, name)} is {kind}, not a file: {fix}")
+    meta = load_meta(data_dir, input_path)
     for split in ("train", "val"):
         path = os.path.join(data_dir, f"{split}.bin")
         try:

@@ -191,6 +191,11 @@ def read_adapter(path):
     """(adapter_config.json, our metadata, {PEFT name: tensor}) of an adapter folder (or its
     adapter_model.safetensors). UserError, one line, for anything unreadable."""
     folder = path if os.path.isdir(path) else os.path.dirname(os.fspath(path))
+    for name in (CONFIG, WEIGHTS):  # before either is opened: a FIFO would wait for ever
+        kind = validate.file_kind(os.path.join(folder, name))
+        if kind not in (None, "a file"):
+            raise UserError(f"{os.path.join(folder, name)} is {kind}, not a file: not a "
+                            "readable adapter folder")
     try:  # safetensors: tensors and strings only, nothing that could run code
         with open(os.path.join(folder, CONFIG)) as f:
             config = json.load(f)

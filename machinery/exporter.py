@@ -11,12 +11,13 @@ import os
 import torch
 import torch.nn as nn
 
-from checkpoint import Reader, check_compatible, stored_shapes
+from checkpoint import stored_shapes
 from lora import apply_lora, merge_lora
 from safetensors.torch import save_file
 
 from machinery import adapters, declared, hf
-from machinery.validate import check_adapter, parse_targets, targets_of, vocab_id
+from machinery.checked_ckpt import Reader, check_compatible
+from machinery.validate import check_adapter, file_kind, parse_targets, targets_of, vocab_id
 import model as model_py
 from precision import DTYPES
 from quant import QuantizedWeight, quantize_base
@@ -62,7 +63,9 @@ def rebuild(reader, weights=None):
 
 def check_writable(out, to):
     """Refuse an output path we could not write, before any work: its nearest existing
-    ancestor must be a folder we may write into, and the path itself of the right kind."""
+    ancestor must be a folder we may write into, and the path itself of the right kind (in an
+    hf folder, config.json too: transformers opens it to write, and a FIFO would wait for
+    ever)."""
     if os.path.exists(out) and os.path.isdir(out) != (to == "hf"):
         kind = "a file" if to == "hf" else "a folder"
         raise UserError(f"{out} is {kind}: --to {to} writes " +
@@ -72,6 +75,9 @@ def check_writable(out, to):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise UserError(f"cannot write {out}: {parent} is not a folder we may write into")
+    config = os.path.join(out, "config.json")
+    if to == "hf" and file_kind(config) not in (None, "a file"):
+        raise UserError(f"{config} is {file_kind(config)}, not a file: move it away")
 
 
 def export(ckpt, to, out, dtype=None, merge=False):

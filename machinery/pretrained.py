@@ -18,10 +18,10 @@ import os
 
 import torch
 
-from checkpoint import Reader, check_compatible, list_checkpoints, stored, stored_shapes
+from checkpoint import HEADER, list_checkpoints, stored, stored_shapes
 from configurator import UserError
 from machinery import adapters, declared, hf, validate
-from machinery.ckpt_reader import HEADER, OLD
+from machinery.checked_ckpt import Reader, check_compatible
 import model as model_py
 from model import GPT
 
@@ -33,9 +33,26 @@ SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "bias", "block_size")
 # In: --init-from
 
 def is_checkpoint(path):
-    """A checkpoint folder of ours, as opposed to a Hugging Face model (one of the old pickled
-    format too: the Reader refuses it, naming the command that converts it)."""
-    return any(os.path.isfile(os.path.join(path, f)) for f in (HEADER, *OLD))
+    """A checkpoint folder of ours, as opposed to a Hugging Face model (its header anything
+    but a file too: the Reader's one line)."""
+    return validate.file_kind(os.path.join(path, HEADER)) is not None
+
+
+def check_local_files(path):
+    """A local Hugging Face model (a folder, a weights file): it and the files hf.py may open
+    beside it (config.json, the weights, their shards) files, before any is opened
+    (validate.file_kind: a FIFO would wait for ever). A hub name is hf.locate's."""
+    kind = validate.file_kind(path)
+    if kind is None:
+        return
+    folder = path if kind == "a folder" else os.path.dirname(os.path.abspath(path))
+    files = [] if kind == "a folder" else [path]
+    files += [os.path.join(folder, n) for n in sorted(os.listdir(folder))
+              if n == "config.json" or n in hf.WEIGHT_FILES or n.startswith("model-")]
+    for file in files:
+        kind = validate.file_kind(file)
+        if kind != "a file":
+            raise UserError(f"{file} is {kind}, not a file: not a Hugging Face model's")
 
 
 def open_init(cfg):
@@ -111,6 +128,7 @@ def hf_flags(cfg):
     training choice (--dropout), not the config's. Returns (the local folder or file, the meta
     of the vocabulary the data must be in)."""
     path = cfg.init_from
+    check_local_files(path)
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise UserError(f"--init-from {path} is neither a checkpoint of ours ({HEADER}) "
                         "nor a Hugging Face GPT-2 folder (config.json + weights)")
@@ -201,9 +219,11 @@ def load_checkpoint(path):
         weights = exporter.merged_weights(reader) if lora else reader.weights()
         return {"model_args": reader.model_args(), "model": weights, "lora": lora,
                 "meta": reader.header["meta"], "iter": reader.header["iter"]}
-    if not os.path.isfile(path):
-        raise UserError(f"no checkpoint at {path}: train one first, e.g. "
-                          f"`python train.py --out-dir {os.path.dirname(path) or '.'}`")
+    kind = validate.file_kind(path)  # before torch.load opens it: a FIFO would wait for ever
+    if kind != "a file":
+        raise UserError(f"{path} is {kind}, not a checkpoint" if kind else
+                        f"no checkpoint at {path}: train one first, e.g. "
+                        f"`python train.py --out-dir {os.path.dirname(path) or '.'}`")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -223,6 +243,7 @@ def load_checkpoint(path):
 
 def load_hf_for_sampling(source):
     """A Hugging Face GPT-2 (a hub name, a folder, a weights file): its ckpt dict, GPT-2 BPE."""
+    check_local_files(source)
     model_args, weights = hf.load_pretrained(source)
     if model_args["vocab_size"] != 50257:  # the ids tiktoken's GPT-2 encoding knows
         raise UserError(f"{source} has a vocabulary of {model_args['vocab_size']} tokens, "

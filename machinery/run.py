@@ -21,7 +21,7 @@ import torch
 
 import checkpoint
 from configurator import SCHEDULE, TrainConfig, UserError
-from machinery import lifecycle, quirks, report
+from machinery import checked_ckpt, lifecycle, quirks, report
 from machinery.rundir import releasing_locks  # noqa: F401 (train.py's, through this module)
 
 
@@ -195,14 +195,14 @@ class Run:
         metrics row of accepted new data or None)."""
         from data.loader import changed_data
         cfg, zero, print0 = self.cfg, self.zero, self.print0
-        path = checkpoint.newest_checkpoint(cfg.out_dir, zero.world_size) if cfg.resume else None
+        path = checked_ckpt.newest_checkpoint(cfg.out_dir, zero.world_size) if cfg.resume else None
         if not path:
             if cfg.resume:
                 print0(f"--resume: no checkpoint in {cfg.out_dir} yet, starting fresh")
             return 0, None, None, None
-        start_it, note, saved = checkpoint.restore(path, zero, self.model, self.scaler,
-                                                   asdict(cfg), checkpoint.model_args(self.model),
-                                                   self.meta)
+        start_it, note, saved = checked_ckpt.restore(path, zero, self.model, self.scaler,
+                                                     asdict(cfg),
+                                                     checkpoint.model_args(self.model), self.meta)
         # the batch of step t is the run's only on the bytes it trained on: every rank compares
         # the files it reads with the header's (a checkpoint older than that has none)
         changed = changed_data(saved.get("data"), self.data_id, path, zero.world_size)
@@ -274,8 +274,8 @@ class Run:
         if cfg.fp8:  # the amax histories
             from beyond import fp8
             header = dict(header, fp8=fp8.state_dict(self.model))
-        path = checkpoint.save(cfg.out_dir, it, zero, self.model, self.scaler, header,
-                               cfg.ckpt_format, cfg.keep_last)
+        path = checked_ckpt.save(cfg.out_dir, it, zero, self.model, self.scaler, header,
+                                 cfg.ckpt_format, cfg.keep_last)
         self.print0(f"saved {path}")
 
     def finish(self):

@@ -31,8 +31,9 @@ import socket
 import torch.distributed as dist
 
 import collectives
+from checkpoint import list_checkpoints
 from configurator import UserError
-from machinery.validate import is_int
+from machinery.validate import file_kind, is_int
 
 LOCK = "lock"
 RUN_FILES = re.compile(r"ckpt-\d+(\.tmp)?|metrics\.jsonl|adapter")  # a run's own
@@ -118,8 +119,9 @@ def take_lock(out_dir, take_over=False):
         os.makedirs(out_dir, exist_ok=True)
         _created.add(os.path.abspath(out_dir))
     path, me = os.path.join(out_dir, LOCK), _owner()
-    if os.path.isdir(path):
-        raise UserError(f"{path} is a folder where the run's lock file belongs: move it away")
+    kind = file_kind(path)  # a FIFO would hold the read below for ever
+    if kind not in (None, "a file"):
+        raise UserError(f"{path} is {kind} where the run's lock file belongs: move it away")
     tmp = f"{path}.{me['pid']}"
     with open(tmp, "w") as f:
         json.dump(me, f)
@@ -196,11 +198,12 @@ def claim(cfg, rank, world_size, print0, check=None):
 
 def _one_history(cfg):
     """A fresh run where an earlier one left checkpoints or a log: refused, or (--archive) that
-    run moved into OUT_DIR/archive-N/. A folder where a run's file belongs: refused."""
+    run moved into OUT_DIR/archive-N/. Anything else where a run's file or folder belongs (a
+    FIFO would hold metrics.jsonl's open for ever): refused."""
     out = cfg.out_dir
-    for name, wrong, kind in (("metrics.jsonl", os.path.isdir, "a folder"),
-                              ("adapter", os.path.isfile, "a file")):  # PEFT's adapter folder
-        if wrong(os.path.join(out, name)):
+    for name, want in (("metrics.jsonl", "a file"), ("adapter", "a folder")):  # PEFT's folder
+        kind = file_kind(os.path.join(out, name))
+        if kind not in (None, want):
             raise UserError(f"{os.path.join(out, name)} is {kind} where the run's "
                             f"{name} belongs: move it away, or use another --out-dir")
     log = os.path.join(out, "metrics.jsonl")
@@ -325,14 +328,6 @@ def clear_stale_saves(out_dir):
             owner = _read_json(os.path.join(out_dir, name, "owner.json"))
             if judge(owner)[0] in ("mine", "dead", "invalid"):
                 shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
-
-
-def list_checkpoints(out_dir):
-    """Complete checkpoints in out_dir, oldest first (a .tmp folder is not one)."""
-    if not os.path.isdir(out_dir):
-        return []
-    names = sorted(n for n in os.listdir(out_dir) if re.fullmatch(r"ckpt-\d+", n))
-    return [os.path.join(out_dir, n) for n in names]
 
 
 def resume_hint(path):

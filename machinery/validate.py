@@ -8,16 +8,19 @@ model or copy elements, so a file that claims 10^5 layers or a LoRA rank of 10^9
 once, not minutes of work and a 256 GB allocation. Every function raises ValueError with the
 line to print; the caller puts its own file name and error class in front.
 
-Also here: the crc32 of a tensor's bytes (about 7 GB/s on one CPU core: small beside writing
-the bytes), and the identity of a vocabulary (two character sets of 65 characters are not the
-same vocabulary).
+Also here: what a path is before it is opened (file_kind: a FIFO, a folder or a device where a
+file belongs is one line, never an open() that waits for ever), the crc32 of a tensor's bytes
+(about 7 GB/s on one CPU core: small beside writing the bytes), and the identity of a
+vocabulary (two character sets of 65 characters are not the same vocabulary).
 """
 import base64
 import binascii
 import hashlib
 import math
+import os
 import random
 import re
+import stat
 import zlib
 from dataclasses import fields
 
@@ -27,6 +30,7 @@ import torch
 import optim
 from configurator import SCHEDULE, UserError
 import model as model_py  # model.GPT when called: a fork's edit of model.py is read
+from data.prepare import check_meta
 from model import GPTConfig
 
 # the largest model a config or header may describe: GPT-2 xl is 48 x 1600 over 1024 positions
@@ -42,6 +46,23 @@ def is_int(x):
 
 def is_number(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def file_kind(path):
+    """What is at path, asked before it is opened: None (nothing), "a file" (a regular file, or
+    a symlink to one), "a folder", "a FIFO", "a socket", "a device", "a dangling symlink".
+    open() on a FIFO waits for a writer for ever, and safetensors' reader retries through
+    signals, so not even SIGTERM ends it; a device or a folder is no file of ours either.
+    Everything a run opens is asked first: anything but a file is one line."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # (a path through a file: nothing there)
+        return "a dangling symlink" if os.path.islink(path) else None
+    except OSError as e:  # a symlink loop
+        return f"unreadable ({e.strerror})"
+    kinds = ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((kind for test, kind in kinds if test(mode)), "a device")
 
 
 def crc(t):
@@ -124,7 +145,7 @@ def check_hf_types(cfg):
 
 
 # ----------------------------------------------------------------------------------------------
-# checkpoint headers (ckpt_reader calls these before reading any tensor)
+# checkpoint headers (checked_ckpt.py calls these before reading any tensor)
 
 SCALER = {"scale": "number", "growth_factor": "number", "backoff_factor": "number",
           "growth_interval": "int", "_growth_tracker": "int", "dynamic": "bool",
@@ -164,15 +185,18 @@ FILE = re.compile(r"shard-\d{5}\.safetensors")  # the only names a header may ma
 def check_header(h):
     """checkpoint.json's header: types, ranges, files of our names, a layout whose pieces tile
     each tensor exactly once and name only its tensors, a crc32 of every piece the layout
-    implies (checkpoint.py's keys), one RNG state per rank of world_size."""
+    implies (checkpoint.py's keys, and the engine's extra_keys), one RNG state per rank of
+    world_size, each one its generators take (whatever world size resumes: not only those
+    set), a vocabulary as data/prepare.py writes it (sample.py encodes by its stoi and decodes
+    by its itos)."""
     names = lambda x: isinstance(x, list) and all(isinstance(k, str) for k in x)
     keys = lambda x: isinstance(x, dict) and all(isinstance(n, str) and names(k)
                                                  for n, k in x.items())
     for key, ok, want in (("iter", is_int, "an integer"), ("opt_step", is_int, "an integer"),
                           ("world_size", is_int, "an integer"), ("stage", is_int, "0-3"),
-                          ("save_id", lambda x: isinstance(x, str), "a string"),
                           ("optimizer", lambda x: isinstance(x, str), "a name"),
-                          ("state_keys", keys, "lists of names by tensor")):
+                          ("state_keys", keys, "lists of names by tensor"),
+                          ("extra_keys", names, "a list of names")):
         if key not in h or not ok(h[key]):
             raise ValueError(f"{key} is {h.get(key)!r}: want {want}")
     if h["iter"] < 0 or h["opt_step"] < 0 or h["world_size"] < 1 or h["stage"] not in range(4):
@@ -205,6 +229,10 @@ def check_header(h):
         raise ValueError(f"world_size {h['world_size']} but "
                          f"{len(h['rng']) if isinstance(h.get('rng'), list) else 'no'} "
                          "RNG states")
+    for state in h["rng"]:
+        check_rng(state)
+    if h["meta"].get("tokenizer") in ("char", "gpt2") and check_meta(h["meta"]):
+        raise ValueError(f"its meta {check_meta(h['meta'])}")
 
 
 def _check_crcs(h, files):
@@ -216,7 +244,8 @@ def _check_crcs(h, files):
         raise ValueError("crc is not one table of checksums per file")
     for i, layout in enumerate(h["layout"]):
         for name in layout:
-            want = ("value",) if name in h["frozen"] else ("master", *keys_of(h, name))
+            want = ("value",) if name in h["frozen"] else ("master", *keys_of(h, name),
+                                                           *h["extra_keys"])
             missing = [k for k in want if f"{name}/{k}" not in crcs[i]]
             if missing:
                 raise ValueError(f"{files[i]} has no checksum of {name}/{missing[0]}")
@@ -257,10 +286,11 @@ def keys_of(header, name):
     return tuple(header["state_keys"].get(name, ()))
 
 
-def check_rng(state, device):
+def check_rng(state, device=None):
     """One rank's saved RNG states (checkpoint.rng_state's JSON), each set on a generator of
     its own first: a state of the wrong size, type or value is refused before the run's are set.
-    A CUDA state is checked only on a CUDA run (the one that restores it)."""
+    A CUDA state's bytes are checked against a CUDA device's generator where device is one
+    (the run that restores it), as base64 otherwise."""
     if not isinstance(state, dict) or not {"torch", "numpy", "python"} <= set(state) \
             or not set(state) <= {"torch", "numpy", "python", "cuda"}:
         raise ValueError("its RNG states are not the ones a save writes")
@@ -273,8 +303,9 @@ def check_rng(state, device):
                                            has_gauss, gauss))
         version, words, gauss_next = state["python"]
         random.Random().setstate((version, tuple(words), gauss_next))
-        if "cuda" in state and device.type == "cuda" and \
-                len(as_bytes(state["cuda"])) != torch.cuda.get_rng_state(device).numel():
+        cuda = as_bytes(state["cuda"]) if "cuda" in state else None
+        if cuda is not None and device is not None and device.type == "cuda" and \
+                len(cuda) != torch.cuda.get_rng_state(device).numel():
             raise ValueError("a CUDA state of another size")
     except (TypeError, ValueError, RuntimeError, OverflowError, IndexError, binascii.Error) as e:
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]

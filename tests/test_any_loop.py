@@ -112,6 +112,7 @@ def adafactor_run(stage, rank, world_size, steps, path=None, save=None):
     """Adafactor through the engine, in one bucket (every rank owns some whole tensors), on
     steps; restored from path first, saved in format save after. Returns the master weights."""
     import checkpoint
+    from machinery import checked_ckpt
     torch.manual_seed(0)
     model = (ToyBlocks if stage == 3 else Toy)()  # the same tensors, by the same names
     zero = make_zero(model, stage, optimizer=OPTIMIZERS["adafactor"], weight_decay=0.0,
@@ -119,7 +120,7 @@ def adafactor_run(stage, rank, world_size, steps, path=None, save=None):
     scaler, header = GradScaler(init_scale=1.0, dynamic=False), \
         {"config": {"dtype": "fp32", "loss_scale": "none"}, "meta": {}, "model_args": {}}
     if path:
-        checkpoint.restore(path, zero, model, scaler, {}, {}, None)
+        checked_ckpt.restore(path, zero, model, scaler, {}, {}, None)
     for step in steps:  # the global batch of 2 ranks: on one rank, all of it
         model.zero_grad()
         x, y = (torch.cat(t) for t in zip(*(batch(step, r, 2) for r in range(2)
@@ -128,7 +129,8 @@ def adafactor_run(stage, rank, world_size, steps, path=None, save=None):
         zero.finish_backward()
         zero.step()
     if save:
-        return checkpoint.save(save[0], steps[-1] + 1, zero, model, scaler, header, save[1], 1)
+        return checked_ckpt.save(save[0], steps[-1] + 1, zero, model, scaler, header,
+                                 save[1], 1)
     return checkpoint.state_dict(zero, model)
 
 

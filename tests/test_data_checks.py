@@ -117,6 +117,34 @@ def test_a_broken_data_folder_is_one_line_naming_the_file_and_the_command(data_r
     assert not list_checkpoints(out) and not (out / "metrics.jsonl").exists()
 
 
+def test_data_files_that_are_not_files_are_one_line_before_any_is_opened(data_root, tmp_path):
+    """A FIFO, a folder or a dangling symlink where meta.json, train.bin or val.bin belongs: one
+    line naming it and the command that writes it again, before it is opened. A FIFO meta.json
+    held the run in open() for ever; a folder train.bin was a traceback from np.memmap; a FIFO
+    val.bin of a built-in data set was taken for a missing one and prepared over."""
+    from test_robust import ODD, refused_in_time
+    cases = [("meta.json", "a FIFO"), ("train.bin", "a folder"), ("val.bin", "a FIFO"),
+             ("train.bin", "a dangling symlink")]
+    for i, (name, kind) in enumerate(cases):
+        root = own_data(data_root, tmp_path / str(i))
+        os.remove(root / "tiny" / name)
+        ODD[kind](root / "tiny" / name)
+        line = refused_in_time(TINY + ["--data-root", str(root), "--out-dir",
+                                       str(tmp_path / str(i) / "out"), "--max-iters", "1"],
+                               tmp_path / f"err-{i}")
+        assert f"{root / 'tiny' / name} is {kind}, not a file: rebuild it with" in line, line
+        assert not os.path.exists(tmp_path / str(i) / "out")  # a refused run leaves none
+    root = tmp_path / "built-in" / "data"  # a built-in data set: not prepared over it
+    (root / "shakespeare_char").mkdir(parents=True)
+    os.mkfifo(root / "shakespeare_char" / "val.bin")
+    line = refused_in_time(TINY[:-2] + ["--data-root", str(root), "--out-dir",
+                                        str(tmp_path / "built-in" / "out"), "--max-iters", "1"],
+                           tmp_path / "err-built-in")
+    assert "val.bin is a FIFO, not a file: rebuild it with `python data/prepare.py --dataset " \
+           "shakespeare_char" in line, line
+    assert os.listdir(root / "shakespeare_char") == ["val.bin"]
+
+
 def test_a_broken_folder_refuses_a_resume_and_changes_nothing_in_the_run(data_root, tmp_path):
     root, out = own_data(data_root, tmp_path), tmp_path / "out"
     main(TINY + ["--data-root", str(root), "--out-dir", str(out), "--max-iters", "2"])
@@ -242,8 +270,8 @@ def test_an_edited_input_file_is_noticed_on_resume(data_root, tmp_path):
 
 def test_a_checkpoint_from_before_data_identities_resumes_as_before(data_root, tmp_path,
                                                                      monkeypatch):
-    import checkpoint
-    save = checkpoint.save
+    from machinery import checked_ckpt
+    save = checked_ckpt.save
 
     def save_as_before(out_dir, it, zero, model, scaler, header, *args):
         return save(out_dir, it, zero, model, scaler,
@@ -251,7 +279,7 @@ def test_a_checkpoint_from_before_data_identities_resumes_as_before(data_root, t
     root, out = own_data(data_root, tmp_path), tmp_path / "out"
     args = TINY + ["--data-root", str(root), "--out-dir", str(out)]
     with monkeypatch.context() as m:
-        m.setattr(checkpoint, "save", save_as_before)
+        m.setattr(checked_ckpt, "save", save_as_before)
         main(args + ["--max-iters", "2"])
     (tmp_path / "input.txt").write_text((TEXT * 100)[:40000][::-1])
     prepare(input_path=str(tmp_path / "input.txt"), name="tiny", out_root=str(root))

@@ -18,7 +18,7 @@ import llama
 import mlpfork
 import tinyfork
 from checkpoint import Reader, list_checkpoints
-from machinery import ckpt_reader
+from machinery import checked_ckpt
 from conftest import make_zero, run_distributed, run_train
 from machinery.activations import activation_bytes
 from machinery.footprint import estimate
@@ -319,7 +319,7 @@ def test_a_fork_that_is_not_a_gpt_samples_exports_and_is_estimated(data_root, tm
     shutil.copytree(path, edited)
     header = json.load(open(edited / "checkpoint.json"))
     header.pop("header_crc")
-    ckpt_reader.write_header(str(edited / "checkpoint.json"),
+    checked_ckpt.write_header(str(edited / "checkpoint.json"),
                              {**header, "model_args": {**header["model_args"], "n_embd": 2048}})
     monkeypatch.setattr(model, "GPT", Built)
     with pytest.raises(UserError, match=r"describe tok.weight as \[54, 2048\], its tensors "
@@ -364,14 +364,16 @@ class Built(tinyfork.TinyFork):
 
 
 def _own_loop(rank, world_size, tmp):
-    """docs/forking.md's recipe for a loop of one's own: checkpoint.save(out_dir, it, zero,
-    model) and checkpoint.restore(path, zero, model), nothing more. k + resume + k == 2k
+    """docs/forking.md's recipe for a loop of one's own: checked_ckpt.save(out_dir, it, zero,
+    model) and checked_ckpt.restore(path, zero, model) (machinery/checked_ckpt.py, checkpoint.py's
+    save and restore with every file checked), nothing more. k + resume + k == 2k
     bitwise at ZeRO-2 (consolidated) and ZeRO-3 (sharded) on TinyFork with torch's AdamW class
     (restored with config {"optimizer": "adamw"}, as a user may name it); its own config in
     the header, another one refused in one line; memory.py's model state for it, stages 0-3,
     equals what ZeRO holds, the optimizer a class."""
     import dataclasses
     import checkpoint
+    from machinery import checked_ckpt
     opt = functools.partial(torch.optim.AdamW, lr=1e-2, fused=False)
     cfg = tinyfork.TinyConfig(**TINYFORK)
 
@@ -380,7 +382,7 @@ def _own_loop(rank, world_size, tmp):
         model = tinyfork.TinyFork(config)
         zero = make_zero(model, stage, optimizer=opt, rank=rank, world_size=world_size)
         if path:
-            checkpoint.restore(path, zero, model, config={"optimizer": "adamw"})
+            checked_ckpt.restore(path, zero, model, config={"optimizer": "adamw"})
         for step in steps:
             g = torch.Generator().manual_seed(step)
             idx = torch.randint(0, 40, (world_size * 2, 17), generator=g)[2 * rank:2 * rank + 2]
@@ -389,7 +391,7 @@ def _own_loop(rank, world_size, tmp):
             zero.finish_backward()
             zero.step()
         if save:
-            return checkpoint.save(f"{tmp}/s{stage}", steps[-1] + 1, zero, model, fmt=save)
+            return checked_ckpt.save(f"{tmp}/s{stage}", steps[-1] + 1, zero, model, fmt=save)
         return checkpoint.state_dict(zero, model)
 
     for stage, fmt in ((2, "consolidated"), (3, "sharded")):

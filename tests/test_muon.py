@@ -7,6 +7,7 @@ moments for the rest."""
 import torch
 
 import checkpoint
+from machinery import checked_ckpt
 from beyond.muon import deal, newton_schulz
 from conftest import make_zero, run_distributed, zero_step
 from data.loader import get_batch
@@ -136,10 +137,10 @@ def _runs(rank, world_size, tmp):
         model, zero = engine(stage, rank, world_size)
         train(model, zero, range(STEPS // 2), rank, world_size, scaler)
         fmt = "sharded" if stage == 1 else "consolidated"
-        path = checkpoint.save(f"{tmp}/n{world_size}s{stage}", STEPS // 2, zero, model, scaler,
-                               HEADER, fmt, 1)
+        path = checked_ckpt.save(f"{tmp}/n{world_size}s{stage}", STEPS // 2, zero, model,
+                                 scaler, HEADER, fmt, 1)
         model, zero = engine(stage, rank, world_size)
-        checkpoint.restore(path, zero, model, scaler, {"optimizer": "muon"}, {}, None)
+        checked_ckpt.restore(path, zero, model, scaler, {"optimizer": "muon"}, {}, None)
         train(model, zero, range(STEPS // 2, STEPS), rank, world_size, scaler)
         resumed = checkpoint.state_dict(zero, model)
         if rank == 0:
@@ -159,7 +160,7 @@ def test_muon_one_and_two_ranks_and_an_exact_resume(tmp_path):
     scaler = GradScaler(init_scale=1.0, dynamic=False)
     model, zero = engine(1, 0, 1)
     path = checkpoint.list_checkpoints(tmp_path / "n2s2")[-1]
-    checkpoint.restore(path, zero, model, scaler, {"optimizer": "muon"}, {}, None)
+    checked_ckpt.restore(path, zero, model, scaler, {"optimizer": "muon"}, {}, None)
     train(model, zero, range(STEPS // 2, STEPS), 0, 1, scaler)
     two = torch.load(tmp_path / "n2s2.pt")
     for k, v in checkpoint.state_dict(zero, model).items():

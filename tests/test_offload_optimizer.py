@@ -359,7 +359,7 @@ def test_a_delayed_run_resumes_exactly(data_root, tmp_path):
     export.export(str(saved[0]), "safetensors", str(tmp_path / "w.safetensors"))
     written = load_file(str(tmp_path / "w.safetensors"))
     in_use = {n: reader.read(n, "in_use", 0, reader.numel(n)) for n in reader.header["shapes"]}
-    assert reader.header["delayed"] and written.keys() == in_use.keys()
+    assert reader.header["extra_keys"] == ["in_use"] and written.keys() == in_use.keys()
     for n, t in written.items():
         assert torch.equal(t.flatten(), reader.read(n, "master", 0, reader.numel(n))), n
     assert any(not torch.equal(t.flatten(), in_use[n]) for n, t in written.items())

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import checkpoint
+from machinery import checked_ckpt
 import optim
 from beyond.lion import Lion
 from beyond.muon import MuonAdamW
@@ -145,9 +146,9 @@ def _resume_and_state(rank, world_size, tmp):
             train(model, zero, scaler, range(3))
             out = f"{tmp}/{name}{stage}"
             fmt = "sharded" if stage % 2 else "consolidated"
-            path = checkpoint.save(out, 3, zero, model, scaler, header, fmt, 1)
+            path = checked_ckpt.save(out, 3, zero, model, scaler, header, fmt, 1)
             model, zero = engine()
-            checkpoint.restore(path, zero, model, scaler, {"optimizer": name}, {}, None)
+            checked_ckpt.restore(path, zero, model, scaler, {"optimizer": name}, {}, None)
             train(model, zero, scaler, range(3, 6))
             resumed = checkpoint.state_dict(zero, model)
             if rank == 0:
@@ -156,19 +157,9 @@ def _resume_and_state(rank, world_size, tmp):
             if stage == 3:  # another optimizer cannot carry this state on
                 _, other = engine()
                 with pytest.raises(UserError, match="--optimizer"):
-                    checkpoint.restore(path, other, model, scaler, {"optimizer": "adamw"}, {},
-                                       None)
+                    checked_ckpt.restore(path, other, model, scaler, {"optimizer": "adamw"},
+                                         {}, None)
 
 
 def test_sgd_and_lion_resume_bitwise_at_every_stage(tmp_path):
     run_distributed(_resume_and_state, 2, str(tmp_path))
-
-
-def test_a_checkpoint_from_before_the_generic_state_is_one_line(tmp_path):
-    """An earlier nanoZeRO's header (AdamW's adam_step, no optimizer keys, no checksums) is
-    refused in one line that says so, not as a corrupt file."""
-    (tmp_path / "ckpt-0000002").mkdir()
-    torch.save({"format": "consolidated", "iter": 2, "adam_step": 2, "world_size": 1},
-               tmp_path / "ckpt-0000002" / "ckpt.pt")
-    with pytest.raises(UserError, match="earlier nanoZeRO"):
-        checkpoint.Reader(str(tmp_path / "ckpt-0000002"))

@@ -25,7 +25,8 @@ import export as export_cli
 from machinery import exporter
 from machinery import pretrained
 import sample
-from checkpoint import Reader, list_checkpoints
+from checkpoint import list_checkpoints
+from machinery.checked_ckpt import Reader  # exporter.rebuild takes the checked one
 from conftest import ROOT, TEXT, run_train
 from configurator import UserError
 from configurator import parse_args

@@ -6,6 +6,7 @@ bounded before any work, and the safetensors files we write carry a crc32 per te
 Each test is named by its issue's item. Runs are tiny and in-process (train.main); a CLI's
 one-line form is checked by calling its main or run_main."""
 import errno
+import importlib
 import json
 import multiprocessing
 import os
@@ -21,9 +22,10 @@ import torch
 import checkpoint
 import memory
 import train
-from checkpoint import Reader, list_checkpoints
+from checkpoint import list_checkpoints
 from configurator import UserError
-from machinery import adapters, ckpt_reader, hf, lifecycle, rundir
+from machinery import adapters, checked_ckpt, hf, lifecycle, rundir
+from machinery.checked_ckpt import Reader
 from configurator import parse_args
 from model import GPT, GPTConfig
 from precision import GradScaler
@@ -41,12 +43,14 @@ def run(data_root, out, *flags):
 
 
 def snapshot(folder):
-    """Every file under folder, by its path relative to it: its bytes."""
+    """Every file under folder, by its path relative to it: its bytes (a FIFO or a symlink to
+    nothing: its mode, never opened)."""
     out = {}
     for d, _, files in os.walk(folder):
         for f in files:
             path = os.path.join(d, f)
-            out[os.path.relpath(path, folder)] = open(path, "rb").read()
+            out[os.path.relpath(path, folder)] = open(path, "rb").read() \
+                if os.path.isfile(path) else os.lstat(path).st_mode
     return out
 
 
@@ -196,7 +200,7 @@ def tiny_checkpoint(folder, fmt="consolidated", header=None):
     model = GPT(cfg)
     zero = ZeRO(model, 0)
     header = {"config": {}, "model_args": vars(cfg), "meta": {"vocab_size": 8}, **(header or {})}
-    return checkpoint.save(str(folder), 4, zero, model, GradScaler(), header, fmt, 2)
+    return checked_ckpt.save(str(folder), 4, zero, model, GradScaler(), header, fmt, 2)
 
 
 def flipped_files_refused(path, file, spans, read, all_bits_every=1):
@@ -229,8 +233,8 @@ def read_all(path):
 
 
 def test_every_byte_of_a_header_is_checked_before_any_is_read(tmp_path, monkeypatch):
-    opened, safe_open = [], ckpt_reader.safe_open
-    monkeypatch.setattr(ckpt_reader, "safe_open", lambda p, **k: opened.append(p) or safe_open(p, **k))
+    opened, safe_open = [], checkpoint.safe_open
+    monkeypatch.setattr(checkpoint, "safe_open", lambda p, **k: opened.append(p) or safe_open(p, **k))
     path = tiny_checkpoint(tmp_path / "shard", "sharded")
     header = os.path.join(path, "checkpoint.json")  # every byte: not JSON, or its checksum fails
     # (all 8 bits of every 8th byte: a header read is ~1 ms of JSON, and 27 kB of it twice over
@@ -246,6 +250,24 @@ def test_every_byte_of_a_header_is_checked_before_any_is_read(tmp_path, monkeypa
     path = tiny_checkpoint(tmp_path / "cons")
     flipped_files_refused(path, os.path.join(path, "checkpoint.json"), [(0, 2000, 1)], Reader)
     Reader(path).weights()
+
+
+def test_a_header_saved_before_extra_keys_reads_as_it_did(tmp_path):
+    """A header as 0315d48 saved it (a format and a save_id, and delayed where extra_keys is
+    now) reads: delayed false is no extra key, delayed true the weights in use ("in_use"),
+    whose pieces it must then hold. (Checkpoints that 0315d48's train.py wrote, plain and
+    --offload-optimizer delayed, resume bitwise here: checked by hand.)"""
+    path = tiny_checkpoint(tmp_path / "c")
+    file = os.path.join(path, "checkpoint.json")
+    h = checked_ckpt.read_header(file)
+    old = {k: v for k, v in h.items() if k != "extra_keys"}
+    want = Reader(path).weights()
+    checked_ckpt.write_header(file, dict(old, format="nanoZeRO", save_id="0" * 32, delayed=False))
+    got = Reader(path).weights()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    checked_ckpt.write_header(file, dict(old, delayed=True))
+    with pytest.raises(UserError, match="has no checksum of .*/in_use"):
+        Reader(path)
 
 
 def test_edited_fields_and_other_saves_files_are_refused(tmp_path):
@@ -268,12 +290,12 @@ def test_edited_fields_and_other_saves_files_are_refused(tmp_path):
     assert torch.equal(Reader(path).tensor(0, "fp8/h.0"), history)  # the histories: file 0's
     shard = os.path.join(path, "shard-00000.safetensors")
     with safe_open(shard, framework="pt") as f:
-        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
-    for edit in ({"save_id": "0" * 32}, {"file": "1"}):  # a shard of another save, or place
-        save_file(tensors, shard, metadata={**metadata, **edit})
-        with pytest.raises(UserError, match="belongs to another save"):
-            Reader(path).weights()
-    save_file(tensors, shard, metadata=metadata)
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    # a shard of another save: the same names and sizes, other values
+    save_file({k: t + 1 if k.endswith("/master") else t for k, t in tensors.items()}, shard)
+    with pytest.raises(UserError, match="master fails its checksum"):
+        Reader(path).weights()
+    save_file(tensors, shard)
     Reader(path).weights()
 
 
@@ -356,13 +378,15 @@ def test_the_lock_comes_before_any_work(data_root, tmp_path):
                                                or "holds an earlier run" in results[1][1])
 
 
-def _cli(argv, err):
-    """train.py as its command runs it (lifecycle.run_main), its stderr into the file err."""
+def _cli(argv, err, command="train"):
+    """A command as its __main__ runs it (train.py: lifecycle.run_main; export.py, sample.py:
+    their main's exit status), its stderr into the file err."""
     sys.stderr = open(err, "w", buffering=1)
     sys.stdout = open(os.devnull, "w")
     torch.set_num_threads(1)
-    lifecycle.run_main(lambda: train.main(argv), "train.py",
-                       UserError)
+    if command == "train":
+        return lifecycle.run_main(lambda: train.main(argv), "train.py", UserError)
+    sys.exit(importlib.import_module(command).main(argv))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -492,3 +516,110 @@ def test_safetensors_we_write_carry_a_crc32_per_tensor(tmp_path):
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     hf.load_pretrained(folder)
+
+
+# ----------------------------------------------------------------------------------------------
+# 51.1 files that are not files: one line before any is opened, never an open() that waits
+
+def refused_in_time(argv, err, command="train", seconds=60):
+    """`python COMMAND.py ARGV`, forked from the tests' warm server: exit 2 and one line on
+    stderr, returned. A process still waiting after `seconds` (an open() on a FIFO never
+    returns, and safetensors' reader retries through signals) is killed: the test fails."""
+    p = multiprocessing.get_context("forkserver").Process(target=_cli,
+                                                          args=(argv, str(err), command))
+    p.start()
+    p.join(timeout=seconds)
+    if p.is_alive():
+        p.kill()
+        p.join()
+        pytest.fail(f"{command}.py {' '.join(map(str, argv))}: still waiting after {seconds} s")
+    text = open(err).read()
+    assert p.exitcode == 2 and text.count("\n") == 1, (p.exitcode, text)
+    return text
+
+
+def dangling(path):
+    os.symlink(str(path) + ".gone", path)
+
+
+ODD = {"a FIFO": os.mkfifo, "a folder": os.mkdir, "a dangling symlink": dangling}
+
+
+def test_what_is_not_a_file_in_a_checkpoint_is_one_line(data_root, tmp_path):
+    """A FIFO, a folder or a dangling symlink where a checkpoint's shard or checkpoint.json
+    belongs: --resume, export.py and --init-from each say so in one line, the run's lock
+    released and its folder as it was. A FIFO shard blocked train.py and export.py in open()
+    for ever (safetensors retries on EINTR: a SIGTERM then left the lock behind)."""
+    first = tmp_path / "first"
+    run(data_root, first, *SCHEDULE, "--max-iters", "2")
+    resume = TINY + SCHEDULE + ["--data-root", data_root, "--max-iters", "3", "--resume"]
+    cases = [("shard-00000.safetensors", kind) for kind in ODD] + [("checkpoint.json", "a FIFO")]
+    for i, (name, kind) in enumerate(cases):
+        out = tmp_path / f"odd-{i}"
+        shutil.copytree(first, out)
+        path = os.path.join(list_checkpoints(out)[-1], name)
+        os.remove(path)
+        ODD[kind](path)
+        before = snapshot(out)
+        line = refused_in_time(resume + ["--out-dir", str(out)], tmp_path / f"err-{i}")
+        assert f"{name} is {kind}, not a file" in line, line
+        assert snapshot(out) == before  # nothing written, no lock left behind
+    ckpt = list_checkpoints(tmp_path / "odd-0")[-1]  # the FIFO shard
+    line = refused_in_time([ckpt, "--to", "safetensors", str(tmp_path / "w.safetensors")],
+                           tmp_path / "err-export", "export")
+    assert "shard-00000.safetensors is a FIFO" in line and not os.path.exists(tmp_path / "w")
+    os.makedirs(tmp_path / "hf")  # and where export.py --to hf writes: config.json a FIFO
+    os.mkfifo(tmp_path / "hf" / "config.json")
+    line = refused_in_time([list_checkpoints(first)[-1], "--to", "hf", str(tmp_path / "hf")],
+                           tmp_path / "err-hf", "export")
+    assert "config.json is a FIFO, not a file" in line, line
+    line = refused_in_time(TINY + ["--data-root", data_root, "--init-from", ckpt, "--out-dir",
+                                   str(tmp_path / "new")], tmp_path / "err-init")
+    assert "shard-00000.safetensors is a FIFO" in line and not os.path.exists(tmp_path / "new")
+
+
+def test_what_is_not_a_file_where_the_log_or_the_lock_belongs_is_one_line(data_root,
+                                                                          tmp_path):
+    """A FIFO named metrics.jsonl held a resume at start-up for ever (opened to append, it
+    waits for a reader); a FIFO named lock held the lock's read. Each is one line before any
+    work now, the folder as it was and no lock of this run left; so is a dangling symlink."""
+    first = tmp_path / "first"
+    run(data_root, first, *SCHEDULE, "--max-iters", "2")
+    resume = TINY + SCHEDULE + ["--data-root", data_root, "--max-iters", "3", "--resume"]
+    for i, (name, kind) in enumerate([("metrics.jsonl", "a FIFO"), ("lock", "a FIFO"),
+                                      ("metrics.jsonl", "a dangling symlink"),
+                                      ("lock", "a dangling symlink")]):
+        out = tmp_path / f"odd-{i}"
+        shutil.copytree(first, out)
+        if os.path.exists(out / name):
+            os.remove(out / name)
+        ODD[kind](out / name)
+        before = snapshot(out)
+        line = refused_in_time(resume + ["--out-dir", str(out)], tmp_path / f"err-{i}")
+        assert f"{out / name} is {kind} where the run's" in line, line
+        assert snapshot(out) == before  # nothing written, no lock of this run left behind
+
+
+def test_what_is_not_a_file_in_an_adapter_or_a_model_to_start_from_is_one_line(data_root,
+                                                                                 tmp_path):
+    """sample.py --adapter FOLDER whose adapter_config.json is a FIFO, and --init-from
+    (train.py, sample.py) a Hugging Face folder whose model.safetensors is a FIFO: each held
+    its open() for ever; each is one line now, and train.py leaves no --out-dir behind."""
+    run(data_root, tmp_path / "run", *SCHEDULE, "--max-iters", "2")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    os.mkfifo(adapter / "adapter_config.json")
+    line = refused_in_time(["--ckpt", list_checkpoints(tmp_path / "run")[-1], "--adapter",
+                            str(adapter), "--max-new-tokens", "1"], tmp_path / "err-a", "sample")
+    assert "adapter_config.json is a FIFO, not a file" in line, line
+    args = dict(block_size=16, vocab_size=20, n_layer=1, n_head=2, n_embd=16, bias=True)
+    folder = tmp_path / "hf"
+    hf.save_hf(GPT(GPTConfig(**args)).state_dict(), {**args, "dropout": 0.0}, str(folder))
+    os.remove(folder / "model.safetensors")
+    os.mkfifo(folder / "model.safetensors")
+    for command, argv in (("train", TINY + ["--data-root", data_root, "--out-dir",
+                                            str(tmp_path / "new"), "--init-from", str(folder)]),
+                          ("sample", ["--init-from", str(folder)])):
+        line = refused_in_time(argv, tmp_path / f"err-{command}", command)
+        assert "model.safetensors is a FIFO, not a file" in line, line
+    assert not os.path.exists(tmp_path / "new")

@@ -4,6 +4,7 @@ One test per kind of bad input: another vocabulary of the same size, flipped or 
 bytes, two runs on one folder, a cut-off metrics.jsonl, configs, adapters and headers that
 claim absurd sizes, edited exports, flags out of range, and the wording of the refusals. Runs
 are tiny and in-process (train.main); a CLI's one-line form is checked by calling its main."""
+import errno
 import json
 import os
 import shutil
@@ -25,8 +26,9 @@ import export
 from machinery import pretrained
 from machinery import rundir
 import sample
-from machinery import ckpt_reader, validate
-from checkpoint import Reader, list_checkpoints
+from machinery import checked_ckpt, validate
+from checkpoint import list_checkpoints
+from machinery.checked_ckpt import Reader
 from configurator import UserError
 from configurator import parse_args
 from conftest import ROOT, TEXT, free_port, make_zero
@@ -112,16 +114,16 @@ def rewrite(path, tensors=None, **fields):
     """Checkpoint folder path as a writer with a bug would leave it: file 0's tensors replaced
     or added (`tensors`, their crc32 in the header fitting them), header fields replaced
     (`fields`), sealed anew: every checksum fits, only the checks behind them can tell."""
-    meta = os.path.join(path, ckpt_reader.HEADER)
-    h = json.loads(json.dumps({**ckpt_reader.read_header(meta), **fields}))  # a copy
+    meta = os.path.join(path, checkpoint.HEADER)
+    h = json.loads(json.dumps({**checked_ckpt.read_header(meta), **fields}))  # a copy
     if tensors:
         file = os.path.join(path, h["files"][0])
         with safe_open(file, framework="pt") as f:
-            saved, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+            saved = {k: f.get_tensor(k) for k in f.keys()}
         saved.update(tensors)
-        ckpt_reader.write_shard(file, saved, metadata)
-        h["crc"][0].update(ckpt_reader.checksums(tensors))
-    ckpt_reader.write_header(meta, h)
+        checked_ckpt.write_shard(file, saved)
+        h["crc"][0].update(checked_ckpt.checksums(tensors))
+    checked_ckpt.write_header(meta, h)
 
 
 def test_flipped_tensor_bytes_fail_their_checksum(data_root, runs, tmp_path):
@@ -183,7 +185,21 @@ def test_one_writer_per_out_dir(data_root, runs, tmp_path, capsys):
     assert not os.path.exists(out / "lock") and max(map(str, list_checkpoints(out))).endswith("3")
 
 
-def test_metrics_jsonl_survives_a_cut_line_and_a_full_disk(data_root, runs, tmp_path, capsys):
+class FullDisk:
+    """metrics.jsonl on a full disk: every write fails with ENOSPC."""
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_metrics_jsonl_survives_a_cut_line_and_a_full_disk(data_root, runs, tmp_path, capsys,
+                                                            monkeypatch):
     out = copy_run(runs, "cons", tmp_path)
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"iter": 2, "loss": 3.8')  # a write cut short by a crash
@@ -194,9 +210,10 @@ def test_metrics_jsonl_survives_a_cut_line_and_a_full_disk(data_root, runs, tmp_
     assert text.startswith(before + "\n")  # appended after the cut line, nothing truncated
     rows = rundir.read_metrics(out / "metrics.jsonl")  # the cut line skipped
     assert rows[-1]["event"] == "end" and [r["iter"] for r in rows if "loss" in r] == [0, 1, 2]
-    full = tmp_path / "full"
-    full.mkdir()
-    os.symlink("/dev/full", full / "metrics.jsonl")  # every write: No space left on device
+    full = tmp_path / "full"  # (/dev/full as metrics.jsonl is a device: refused at start)
+    monkeypatch.setattr(rundir, "open", lambda path, mode="r", *args, **kwargs: FullDisk()
+                        if path.endswith("metrics.jsonl") and "a" in mode
+                        else open(path, mode, *args, **kwargs), raising=False)
     main(TINY + ["--data-root", data_root, "--out-dir", str(full)])
     printed = capsys.readouterr().out
     assert printed.count("cannot write") == 1 and "No space left on device" in printed
@@ -270,11 +287,15 @@ def test_adapter_settings_are_checked_before_apply_lora(tmp_path):
 def test_edited_checkpoint_headers_are_one_line(runs, tmp_path):
     out = copy_run(runs, "shard", tmp_path)
     path = list_checkpoints(out)[-1]
-    good = ckpt_reader.read_header(os.path.join(path, ckpt_reader.HEADER))
+    good = checked_ckpt.read_header(os.path.join(path, checkpoint.HEADER))
     name = "transformer.h.0.attn.c_attn.lora_A"
     lo, hi = good["layout"][0][name]
     scaler = {k: v for k, v in good["scaler"].items() if k != "scale"}
+    meta, rng = good["meta"], good["rng"][0]
+    stoi = {**meta["stoi"], meta["itos"][0]: 1, meta["itos"][1]: 0}  # two ids swapped
     edits = [({"layout": [{**good["layout"][0], name: [lo + 8, hi + 8]}]}, "do not cover"),
+             ({"meta": {**meta, "stoi": stoi}}, "stoi that is not itos read backwards"),
+             ({"rng": [{**rng, "numpy": ["MT19937", 7, 0, 0, 0.0]}]}, "RNG states do not fit"),
              ({"opt_step": "7"}, "opt_step is '7'"), ({"scaler": scaler}, "loss scaler"),
              ({"iter": -3}, "iter -3"), ({"opt_step": -7}, "opt_step -7"),
              ({"world_size": 5}, "world_size 5 but 1 RNG states"),
@@ -289,7 +310,7 @@ def test_edited_checkpoint_headers_are_one_line(runs, tmp_path):
 def test_exports_check_model_args_and_write_only_the_models_names(runs, tmp_path, capsys):
     out = copy_run(runs, "cons", tmp_path)
     path = list_checkpoints(out)[-1]
-    good = ckpt_reader.read_header(os.path.join(path, ckpt_reader.HEADER))
+    good = checked_ckpt.read_header(os.path.join(path, checkpoint.HEADER))
     files = {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)}
     target = str(tmp_path / "w.safetensors")
 
@@ -344,8 +365,8 @@ def test_a_fixed_scale_that_always_overflows_stops_and_nan_is_never_saved(data_r
         zero.segments[0].master[3] = float("inf")
     header = {"config": {}, "model_args": HF_ARGS, "meta": {"vocab_size": 50}}
     with pytest.raises(UserError, match="master weights hold inf/NaN"):
-        checkpoint.save(str(tmp_path / "nan"), 1, zero, model, GradScaler(), header,
-                        "consolidated", 1)
+        checked_ckpt.save(str(tmp_path / "nan"), 1, zero, model, GradScaler(), header,
+                          "consolidated", 1)
     assert list_checkpoints(tmp_path / "nan") == []
 
 
