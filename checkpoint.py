@@ -30,6 +30,7 @@ files are on the disk, the newest keep_last kept.
 """
 import base64
 from contextlib import contextmanager
+from dataclasses import asdict, is_dataclass
 import json
 import math
 import os
@@ -42,11 +43,28 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from collectives import Traffic, all_gather_object, all_gather_params, barrier
+import model as model_py  # model.py's defaults, for any model (a fork's too)
 from precision import GradScaler
-# what files keep of the model: its declarations, or the defaults (docs/forking.md)
-from machinery.declared import model_args, stored_shapes
 
 HEADER = "checkpoint.json"
+
+
+def model_args(owner, config=None):
+    """What a checkpoint's header keeps of the model: its config's fields and its ARCH (owner:
+    the model, or its class with the config it is built from). {} for a model with neither: a
+    resume then checks its tensors alone."""
+    config = getattr(owner, "config", None) if config is None else config
+    args = asdict(config) if is_dataclass(config) and not isinstance(config, type) else {}
+    arch = getattr(owner, "ARCH", None)
+    return {"arch": arch, **args} if arch is not None else args
+
+
+def stored_shapes(model):
+    """{name: shape} of every tensor as files hold it: the model's own (GPT's leaves out the zero
+    rows its vocabulary is padded with), else model.py's default for any model."""
+    if hasattr(model, "stored_shapes"):
+        return model.stored_shapes()
+    return model_py.stored_shapes(model)
 
 
 def shard_name(i):

@@ -23,6 +23,7 @@ from dataclasses import asdict, fields, is_dataclass
 import torch
 
 import model as model_py  # model.GPTConfig when called: a fork's edit of model.py is read
+from checkpoint import stored_shapes  # what files keep of a model
 from configurator import UserError
 from machinery.validate import check_model_args, declared_linears
 
@@ -75,16 +76,6 @@ def config_for(cls, config):
         return want(**values)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{want.__name__}: {e}")
-
-
-def model_args(owner, config=None):
-    """What a checkpoint's header keeps of the model: its config's fields and its ARCH (owner:
-    the model, or its class with the config it is built from). {} for a model with neither: a
-    resume then checks its tensors alone."""
-    config = getattr(owner, "config", None) if config is None else config
-    args = asdict(config) if is_dataclass(config) and not isinstance(config, type) else {}
-    arch = getattr(owner, "ARCH", None)
-    return {"arch": arch, **args} if arch is not None else args
 
 
 def build(cls, args, shapes=None):
@@ -150,14 +141,6 @@ def check_model(model, flags):
 
 # ----------------------------------------------------------------------------------------------
 # the weights as files hold them
-
-def stored_shapes(model):
-    """{name: shape} of every tensor as files hold it: the model's own declaration (GPT's
-    leaves out the zero rows its vocabulary is padded with), else model.py's default."""
-    if hasattr(model, "stored_shapes"):
-        return model.stored_shapes()
-    return model_py.stored_shapes(model)
-
 
 def load_weights(model, weights):
     """The model's load_weights, else model.py's: a copy of every stored tensor into its own,

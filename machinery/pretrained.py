@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from checkpoint import HEADER, list_checkpoints, stored, stored_shapes
+from checkpoint import HEADER, list_checkpoints, model_args, stored, stored_shapes
 from configurator import UserError
 from machinery import adapters, declared, hf, validate
 from machinery.checked_ckpt import Reader, check_compatible
@@ -98,7 +98,7 @@ def init_trained(reader, cfg, zero, model):
     """The LoRA run's tensors init_weights left for after the build, into this run's ZeRO on
     any stage and world size: the adapters (fp32 masters) and the frozen base as stored. Not
     its optimizer, scaler, RNG or iteration: a new run. The adapter file names its base."""
-    check_compatible(reader.header, declared.model_args(model), None, cfg.init_from,
+    check_compatible(reader.header, model_args(model), None, cfg.init_from,
                      {k: getattr(cfg, k) for k in validate.SETTINGS}, stored_shapes(model))
     shapes = reader.header["shapes"]
     for s in zero.segments:
