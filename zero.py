@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_leaves
 
 import optim
@@ -185,8 +186,8 @@ def frozen_tensors(module, keep=lambda t: True):
 def check_same_weights(tensors, world_size, group=None):
     """Every rank must start from the same weights: ZeRO would otherwise mix them, shard by
     shard. One all-gather of each tensor's sum and sum of squares (float64); a mismatch is one
-    line, on every rank."""
-    if world_size == 1 or not tensors:
+    line, on every rank. A fake tensor (memory.py --measure) has a shape and no values: skipped."""
+    if world_size == 1 or not tensors or is_fake(tensors[0]):
         return
     mine = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()])
                         for t in tensors]).reshape(-1)
