@@ -22,9 +22,10 @@ import sys
 
 from configurator import UserError
 from optim import OPTIMIZERS
+from machinery import measure
 from machinery.estimator import (GB, HEADROOM, advise_plans, breakdown, command, dataset_note,
-                                 fits, model_from_flags, parse_bytes, parse_flags, print_run,
-                                 save_flags)
+                                 fits, measured_config, model_from_flags, parse_bytes, parse_flags,
+                                 plan_of, print_run, save_flags)
 from machinery.footprint import estimate
 
 
@@ -169,6 +170,9 @@ def main(argv=None):
     psi = int(a.params) if a.params else None
     cfg, model_flags = model_from_flags(a, tc, psi)
     gpu = parse_bytes(a.gpu_mem)
+    if a.measure and not a.advise:  # the real engine at this size, one step on fake tensors
+        batch = tc.batch_size if "batch_size" in tc.explicit or not psi else 1  # as print_run
+        return measure.run(measured_config(tc, cfg, batch), cfg, a.world_size, a.ranks, gpu)
     if not a.advise:  # these flags' estimate, term by term
         return print_run(a, tc, cfg, psi, gpu)
     # --advise: mixed precision always, bf16 unless fp16 is asked for
@@ -178,6 +182,13 @@ def main(argv=None):
     print("\n".join(lines) + ("\n\n" + cmd if cmd else ""))
     for note in dataset_note(model_flags, cfg.vocab_size, cmd, a.params):
         print(note)
+    if a.measure:  # the plan confirmed: its command's run, one step on fake tensors
+        if cmd is None:
+            raise UserError("--measure: no plan fits these GPUs, so there is no command to "
+                            "measure; measure one of the runs above without --advise")
+        plan, world_size = plan_of(cmd)
+        print("\nthe command above, measured:")
+        measure.run(plan, cfg, world_size, a.ranks, gpu)
     return cmd
 
 
