@@ -294,7 +294,8 @@ def print_estimate(e, cfg, gpu, optimizer="adamw"):
             ("ZeRO-3 gathered units", e["gathered"], "root + a block (+ the prefetched one)"
              " (+ ZeRO++'s second shards and codes)"),
             ("loss head, transient", e["head"], "the logits' gradient + fp32 work"),
-            ("reductions in flight", e["in_flight"], "stages 2-3: two buckets' temporaries"),
+            ("reductions in flight", e["in_flight"], "stages 2-3: two buckets' temporaries + "
+             "the next one's gradients"),
             ("step: fp32 grad slice", e["step"], "in the optimizer step, activations freed"),
             ("NCCL communicators", e["nccl"], f"{e['communicators']} x {fmt(NCCL_BYTES)}, "
              "outside torch's allocator: an estimate (NVIDIA/nccl#864)"),

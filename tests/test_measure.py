@@ -123,6 +123,27 @@ def test_muon_deals_whole_matrices_at_eight_ranks():
     assert m.state == for_run(tc, train.model_config(tc, VOCAB), 8, owner)["state"]
 
 
+def test_a_bucket_plan_at_70b_widths():
+    """Two blocks 8,192 wide, at 1,024 ranks: each matrix a bucket of its own (4h x h = 268M
+    elements, over --bucket-mb's 13M), as footprint.bucket_sizes plans them. memory.py's peak
+    bounds the measured one at stages 2 and 3, where the gradients of the bucket being packed
+    sit beside the two reductions in flight (without them it fell under the measurement)."""
+    from machinery.footprint import bucket_sizes, param_numels
+    for stage in (2, 3):
+        tc = parse_args(["--n-layer", "2", "--n-embd", "8192", "--n-head", "64", "--block-size",
+                         "2048", "--batch-size", "1", "--bf16", "--zero", str(stage)])
+        cfg = train.model_config(tc, VOCAB)
+        m = measure.measure_rank(tc, VOCAB, 1024, 1023)
+        real = [sum(p.numel() for p in b.params) for b in m.zero.buckets]
+        planned = bucket_sizes(param_numels(cfg), stage, "bf16", tc.bucket_mb)
+        assert (real if stage == 2 else sorted(real)) == \
+            (planned if stage == 2 else sorted(planned))
+        assert 4 * 8192 * 8192 in real or stage == 3  # c_fc's weight, a bucket alone
+        est = for_run(tc, cfg, 1024, 1023, device="cpu")
+        assert est["state"] == m.state
+        assert m.peak <= est["peak"] <= 1.25 * m.peak, (stage, m.peak, est["peak"])
+
+
 def test_offload_host_bytes_at_405b_widths():
     """--offload-optimizer at Llama 3 405B's width (16,384; two blocks) on 1,024 ranks: the
     host holds the fp32 master, AdamW's moments, an fp32 gradient slice and a bf16 staging
@@ -139,6 +160,18 @@ def test_offload_host_bytes_at_405b_widths():
     assert m.host == for_run(tc, train.model_config(tc, VOCAB), 1024, 1023)["host"]
     assert (m.traffic.d2h, m.traffic.h2d) == (2 * owned, 2 * owned)
     assert m.state["master"] == m.state["optimizer"] == 0  # on the host
+
+
+@pytest.mark.parametrize("head", [[], ["--no-chunked-loss"]])
+def test_memory_pys_peak_is_the_measured_one(head):
+    """GPT-2 124M's head, ZeRO-2 on 8 ranks: memory.py's peak (the CPU run's) is the measured one, but
+    for a few scalars. Its loss head was 64 MB low with the chunked loss (two fp32 chunks, not
+    three: the last chunk's softmax is alive while the next one's is made) and 0.8 GB high with
+    model.py's plain head (an fp32 copy of the logits that backward no longer holds)."""
+    tc = parse_args(GPT2_124M + ["--zero", "2", "--n-layer", "2", *head])  # its head, 2 blocks
+    m = measure.measure_rank(tc, VOCAB, 8, 7)
+    est = for_run(tc, train.model_config(tc, VOCAB), 8, 7, device="cpu")
+    assert abs(m.peak - est["peak"]) < 2**20, (m.peak, est["peak"])
 
 
 def test_cli_measures_and_names_the_ranks_that_differ(capsys):
