@@ -5,6 +5,7 @@ Will my model fit, and which flags do I need? Memory per GPU, from the same code
   python memory.py --config config/gpt2_124m.py --dtype bf16 --world-size 8 --zero 2 --gpu-mem 80GB
   python memory.py --params 7e9 --world-size 8 --gpu-mem 80GB --advise  # which flags, as a command
   python memory.py --config config/gpt2_124m.py --world-size 4 --zero 3 --optimizer adafactor
+  python memory.py --params 70e9 --world-size 1024 --zero 3 --bf16 --grad-ckpt --measure
 
 The arithmetic is footprint.py's (model state, exact) and activations.py's (saved for backward,
 per module kind), both counted on the model the flags describe and held to measurement by
@@ -16,6 +17,9 @@ command that runs what it estimated. Sizes are decimal: 1 GB = 1e9 bytes. A fork
 (model.GPT edited) is counted by its own formulas: docs/forking.md, "memory.py for a fork".
 --optimizer takes train.py's names and, here only, adafactor: torch's Adafactor on
 beyond/muon.py's whole-tensor layout, which a fork's own loop builds (docs/forking.md).
+--measure builds and steps the real engine instead, at this size, as a rank of --world-size, on
+fake tensors (machinery/measure.py, docs/scale.md): what it holds, its peak and its traffic,
+measured beside this estimate and the paper; with --advise, the command it ends in.
 """
 import bisect
 import sys

@@ -238,21 +238,22 @@ def real_per_rank(zero):
 def ranks_that_differ(zero):
     """The ranks holding the most and the fewest parameters (ties: the first and the last): a
     flat cut rank 0 and the last slice, which holds the padding; under Muon's dealing
-    (beyond/muon.py), the owners of the most and the least of the whole matrices."""
+    (beyond/muon.py), the owners of the most and the least of the whole matrices. Rank 0 alone
+    where every rank holds alike."""
     real = real_per_rank(zero)
     most, fewest = real.index(max(real)), len(real) - 1 - real[::-1].index(min(real))
-    return sorted({most, fewest})
+    return sorted({most, fewest}) if real[most] > real[fewest] else [0]
 
 
-def why_rank(zero, rank, real):
-    """A few words on why this rank is measured."""
+def why_rank(rank, real, named):
+    """A few words on why this rank is measured (real: real_per_rank)."""
     if len(set(real)) == 1:
         return "every rank holds alike"
     if real[rank] == max(real):
         return "the most parameters"
     if real[rank] == min(real):
         return "the fewest parameters" + (": the last slice" if rank == len(real) - 1 else "")
-    return "named by --rank"
+    return "named by --rank" if named else "the first"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,6 +264,15 @@ def check_measurable(tc, model_cfg, world_size, ranks, grad_accum, gpu_bytes):
     a rank outside it, a model whose state cannot fit these GPUs even sharded (ZeRO-3), or a
     run too large for fake tensors' bookkeeping on this host (each op is Python; each flat
     buffer a few fake tensors). Returns tc with its node size (PER_NODE a node by default)."""
+    try:  # torch's fake process group and memory tracker, both private, both recent
+        import torch.distributed._tools.mem_tracker
+        import torch.testing._internal.distributed.fake_pg
+    except ImportError as e:
+        raise UserError(f"--measure needs torch's fake process group and MemTracker, which "
+                        f"torch {torch.__version__} lacks ({e}): torch 2.5 or later")
+    if tc.compile:
+        raise UserError("--measure runs the eager step on fake tensors, not --compile's fused "
+                        "kernels: measure without --compile")
     node = tc.node_size or min(world_size, PER_NODE)
     if world_size % node:
         raise UserError(f"--world-size {world_size} is not a whole number of {node}-GPU nodes: "
@@ -327,7 +337,7 @@ def run(tc, model_cfg, world_size, ranks=(), gpu_bytes=80e9, say=print):
         done[r] = done[r] or measure_rank(tc, vocab, world_size, r)
     real = real_per_rank(first.zero)
     for r in sorted(done):
-        say("\n".join(report(done[r], tc, model_cfg, gpu_bytes, why_rank(first.zero, r, real))))
+        say("\n".join(report(done[r], tc, model_cfg, gpu_bytes, why_rank(r, real, ranks))))
     skipped = [what for what, read in (("the same-weights check (zero.check_same_weights)",
                                          world_size > 1),
                                         ("LoRA's base fingerprint", tc.lora)) if read]
@@ -413,8 +423,12 @@ def padding_lines(zero):
     P, own = padding(zero)
     if P == zero.psi:
         return [f"  padding: none (every flat buffer divides into {zero.world_size:,} slices)"]
+    real = lambda b: sum(p.numel() for p in b.params)
+    most = max(zero.buckets, key=lambda b: b.numel / real(b))
+    worst = most.numel / real(most) - 1
     line = (f"  padding: {P - zero.psi:,} elements ({(P - zero.psi) / zero.psi:.2%} of Ψ) in "
-            f"the flat buffers, {own:,} in this rank's slices")
+            f"the flat buffers" + (f" (the most: {most.label}, {worst:.1%})" if worst >= 0.01
+                                   else "") + f", {own:,} in this rank's slices")
     exact = optim.elementwise(zero.optimizer) and not zero.frozen_numel and \
         zero.grad_dtype == zero.dtype and not hasattr(zero, "host_bytes")
     if exact:

@@ -29,13 +29,6 @@ def flags(*more):
     return parse_args(GPT2_SHAPED + ["--bf16", "--no-fp32-grad-accum", *more])
 
 
-def padded(zero):
-    """(P, this rank's padding) from the engine's own layout: its buckets' elements, padding
-    included, and those of its owned slices that no segment (no parameter) covers."""
-    owned = sum(b.hi - b.lo for b in zero.buckets)
-    return sum(b.numel for b in zero.buckets), owned - sum(s.hi - s.lo for s in zero.segments)
-
-
 @pytest.mark.parametrize("world_size", [8, 64, 1024])
 def test_state_is_the_papers_at_the_padded_size_and_traffic_its_formula(world_size):
     """The last rank (its slices hold the padding) of each stage: weights, gradients and the
@@ -47,7 +40,7 @@ def test_state_is_the_papers_at_the_padded_size_and_traffic_its_formula(world_si
         m = measure.measure_rank(flags("--zero", str(stage), "--grad-accum", str(accum)), VOCAB,
                                  world_size, rank)
         z = m.zero
-        P, own = padded(z)
+        P, own = measure.padding(z)
         assert 0 <= P - z.psi < world_size * len(z.buckets)
         assert (P > z.psi) == (stage > 0), (stage, P - z.psi)  # stage 0 pads nothing
         paper = zero_formula(P, stage, world_size, torch.bfloat16)
@@ -83,6 +76,7 @@ def real_step(rank, world_size, fake):
         assert tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] == peak, stage
 
 
+@pytest.mark.slow
 def test_fake_and_real_ranks_measure_alike():
     """Fake N = 2 and two real gloo ranks, every stage: the same model state, the same traffic
     by collective, the same peak, to the byte."""
@@ -153,7 +147,7 @@ def test_offload_host_bytes_at_405b_widths():
                      "2048", "--batch-size", "1", "--bf16", "--zero", "3",
                      "--offload-optimizer"])
     m = measure.measure_rank(tc, VOCAB, 1024, 1023)
-    P, own = padded(m.zero)
+    P, own = measure.padding(m.zero)
     owned = P // 1024
     assert m.host == {"master": 4 * owned, "optimizer": 8 * (owned - own), "grads": 4 * owned,
                       "staging": 2 * owned, "total": 18 * owned - 8 * own}
