@@ -204,6 +204,7 @@ def test_advise_measures_its_own_command(capsys):
     (GPT2_SHAPED + ["--world-size", "131072"], "--world-size 131,072: --measure keeps"),
     (GPT2_SHAPED + ["--world-size", "8", "--bucket-mb", "0.00001"], "buckets, over the 200,000"),
     (GPT2_SHAPED + ["--optimizer", "adafactor"], "Adafactor is no train.py --optimizer"),
+    (GPT2_SHAPED + ["--compile"], "--measure runs the eager step on fake tensors"),
 ])
 def test_bad_input_is_one_line_before_any_work(argv, line):
     with pytest.raises(UserError, match=re.escape(line)):
