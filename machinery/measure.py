@@ -364,12 +364,12 @@ def report(m, tc, model_cfg, gpu_bytes, why):
     z, N = m.zero, m.world_size
     est, gpu = estimates(tc, model_cfg, N, m.rank)
     paper = zero_formula(z.psi, z.stage, N, z.dtype, z.optimizer)
-    side = lambda state: state["master"] + state["optimizer"]
-    rows = [("weights", m.state["params"], est and est["state"]["params"], paper["params"]),
-            ("gradients", m.state["grads"], est and est["state"]["grads"], paper["grads"]),
-            ("optimizer side", side(m.state), est and side(est["state"]),
-             paper["optimizer_side"]),
-            ("model state", m.state["total"], est and est["state"]["total"], paper["total"])]
+    # the paper's optimizer side is the fp32 master and the optimizer's state (optim.py's K)
+    state = optim.STATE_BYTES.get(z.optimizer, 0) * z.psi / (N if z.stage >= 1 else 1)
+    paper.update(optimizer=state, master=paper["optimizer_side"] - state)
+    part = lambda name, key: (name, m.state[key], est and est["state"][key], paper[key])
+    rows = [part("weights", "params"), part("gradients", "grads"), part("fp32 master", "master"),
+            part(f"{z.optimizer} state", "optimizer"), part("model state", "total")]
     if m.host:  # --offload-optimizer: the master and the optimizer state on the host
         rows.append(("host (offload)", m.host["total"], est and est["host"]["total"], None))
     rows.append(("step's peak", m.peak, est and est["peak"], None))
@@ -381,6 +381,9 @@ def report(m, tc, model_cfg, gpu_bytes, why):
     lines += [f"  {name:16}{cell(ours):>11}{cell(guess):>11}{cell(p):>11}"
               for name, ours, guess, p in rows]
     host = (m.host or {}).get("total", 0)
+    if host:  # offload_optimizer.py's host_bytes(), part by part
+        lines.append("  host (offload): " + ", ".join(f"{k} {fmt(v)}" for k, v in m.host.items()
+                                                      if k != "total"))
     lines.append(f"  the peak (MemTracker): the model state{', the host part' if host else ''} "
                  f"and {fmt(m.peak - m.state['total'] - host)} of activations and the step's "
                  "transients")
