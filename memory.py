@@ -5,6 +5,7 @@ Will my model fit, and which flags do I need? Memory per GPU, from the same code
   python memory.py --config config/gpt2_124m.py --dtype bf16 --world-size 8 --zero 2 --gpu-mem 80GB
   python memory.py --params 7e9 --world-size 8 --gpu-mem 80GB --advise  # which flags, as a command
   python memory.py --config config/gpt2_124m.py --world-size 4 --zero 3 --optimizer adafactor
+  python memory.py --params 70e9 --world-size 1024 --zero 3 --bf16 --grad-ckpt --measure
 
 The arithmetic is footprint.py's (model state, exact) and activations.py's (saved for backward,
 per module kind), both counted on the model the flags describe and held to measurement by
@@ -16,15 +17,19 @@ command that runs what it estimated. Sizes are decimal: 1 GB = 1e9 bytes. A fork
 (model.GPT edited) is counted by its own formulas: docs/forking.md, "memory.py for a fork".
 --optimizer takes train.py's names and, here only, adafactor: torch's Adafactor on
 beyond/muon.py's whole-tensor layout, which a fork's own loop builds (docs/forking.md).
+--measure builds and steps the real engine instead, at this size, as a rank of --world-size, on
+fake tensors (machinery/measure.py, docs/scale.md): what it holds, its peak and its traffic,
+measured beside this estimate and the paper; with --advise, the command it ends in.
 """
 import bisect
 import sys
 
 from configurator import UserError
 from optim import OPTIMIZERS
+from machinery import measure
 from machinery.estimator import (GB, HEADROOM, advise_plans, breakdown, command, dataset_note,
-                                 fits, model_from_flags, parse_bytes, parse_flags, print_run,
-                                 save_flags)
+                                 fits, measured_config, model_from_flags, parse_bytes, parse_flags,
+                                 plan_of, print_run, save_flags)
 from machinery.footprint import estimate
 
 
@@ -169,6 +174,9 @@ def main(argv=None):
     psi = int(a.params) if a.params else None
     cfg, model_flags = model_from_flags(a, tc, psi)
     gpu = parse_bytes(a.gpu_mem)
+    if a.measure and not a.advise:  # the real engine at this size, one step on fake tensors
+        batch = tc.batch_size if "batch_size" in tc.explicit or not psi else 1  # as print_run
+        return measure.run(measured_config(tc, cfg, batch), cfg, a.world_size, a.ranks, gpu)
     if not a.advise:  # these flags' estimate, term by term
         return print_run(a, tc, cfg, psi, gpu)
     # --advise: mixed precision always, bf16 unless fp16 is asked for
@@ -178,6 +186,13 @@ def main(argv=None):
     print("\n".join(lines) + ("\n\n" + cmd if cmd else ""))
     for note in dataset_note(model_flags, cfg.vocab_size, cmd, a.params):
         print(note)
+    if a.measure:  # the plan confirmed: its command's run, one step on fake tensors
+        if cmd is None:
+            raise UserError("--measure: no plan fits these GPUs, so there is no command to "
+                            "measure; measure one of the runs above without --advise")
+        plan, world_size = plan_of(cmd)
+        print("\nthe command above, measured:")
+        measure.run(plan, cfg, world_size, a.ranks, gpu)
     return cmd
 
 

@@ -329,13 +329,15 @@ KEPT = {LayerNorm: lambda name, m, flow: {}, CausalSelfAttention: kept_attention
 
 def head_working_bytes(cfg, batch, seq, dtype, chunked_loss=False):
     """The loss head's transient bytes at its peak, in its backward, beyond what is saved:
-    the 16-bit gradient of the logits (b*s*padded vocab), and then either one chunk's fp32
-    softmax and its scaled copy (beyond/chunked_loss.py) or, for model.py's plain head, the
-    fp32 copy of the logits and two fp32 gradients of all of them: 12 bytes a logit more."""
+    the 16-bit gradient of the logits (b*s*padded vocab), and then either three chunks of
+    fp32 (beyond/chunked_loss.py: the last chunk's softmax, still held while the next chunk's
+    fp32 copy and its softmax are made) or, for model.py's plain head, two fp32 gradients of
+    all the logits (the NLL's and the log-softmax's): 8 bytes a logit more. Both as
+    memory.py --measure found them (machinery/measure.py): they were 2 chunks and 12 bytes."""
     # the logits are as wide as the head: model.py's padded vocabulary, else a fork's own
     grad = BYTES[dtype] * batch * seq * getattr(cfg, "padded_vocab", cfg.vocab_size)
     if not chunked_loss:
-        return grad + 3 * 4 * batch * seq * cfg.vocab_size
+        return grad + 2 * 4 * batch * seq * cfg.vocab_size
     from beyond.chunked_loss import chunk_rows
     rows = min(batch * seq, chunk_rows(cfg.vocab_size))
-    return grad + 2 * 4 * rows * cfg.vocab_size
+    return grad + 3 * 4 * rows * cfg.vocab_size

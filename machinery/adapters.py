@@ -23,6 +23,7 @@ import os
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -57,6 +58,8 @@ def base_fingerprint(model_or_state_dict):
     integer codes survive fp32 exactly, so an fp32 copy of the base hashes the same."""
     sd = model_or_state_dict
     sd = sd.state_dict() if isinstance(sd, nn.Module) else sd
+    if any(is_fake(t) for t in sd.values()):  # memory.py --measure: shapes, no bytes
+        return None
     return fingerprint_tensors((k, sd[k]) for k in sorted(k for k in sd if "lora_" not in k))
 
 

@@ -3,9 +3,9 @@ Guards memory.py's command line: sizes parsed and bounded, a bare --params given
 shape, the estimate printed term by term. The arithmetic itself is footprint.py's.
 """
 import math
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 
-from configurator import UserError, config_from, load_preset, make_parser
+from configurator import UserError, config_from, load_preset, make_parser, parse_args
 from machinery.declared import MODEL_FLAGS, config_for
 from machinery.footprint import NCCL_BYTES, estimate, for_run, state_bytes_per_param
 from machinery.validate import BOUNDS, check_model_args, check_optimizer
@@ -155,7 +155,15 @@ def parse_flags(argv):
                    "saves sharded checkpoints when a consolidated one would not fit in half")
     p.add_argument("--advise", action="store_true", help="the lecture's decision flow, ending in "
                    "a command")
+    p.add_argument("--measure", action="store_true", help="build and step the real engine at this "
+                   "size, as a rank of --world-size, on fake tensors (machinery/measure.py): what "
+                   "it holds, its peak and its traffic, measured; with --advise, of its command")
+    p.add_argument("--rank", help="--measure these ranks, e.g. 0,63 (default: 0 and the ranks "
+                   "whose slices hold the most and the fewest parameters)")
     a = p.parse_args(argv)
+    a.ranks = parse_ranks(a.rank) if a.rank is not None else ()
+    if a.rank is not None and not a.measure:
+        raise UserError("--rank names the ranks --measure measures: add --measure")
     for name, most in LIMITS.items():  # NaN fails every comparison: refused too
         value = getattr(a, name)
         if value is not None and not 1 <= value <= most:
@@ -173,7 +181,38 @@ def parse_flags(argv):
                         "and no --lora")
     if tc.quantize == "int8":
         raise UserError("memory.py models the nf4 base (QLoRA's): use --quantize nf4")
+    if a.measure and tc.optimizer == "adafactor":
+        raise UserError("--measure builds what train.py builds, and Adafactor is no train.py "
+                        "--optimizer (a fork's loop builds it): measure muon or adamw")
     return a, tc
+
+
+def parse_ranks(text):
+    """--rank 0,63 -> (0, 63); anything else is one line."""
+    try:
+        ranks = tuple(dict.fromkeys(int(r) for r in text.split(",")))
+    except ValueError:
+        ranks = ()
+    if not ranks or min(ranks) < 0:
+        raise UserError(f"--rank {text}: give ranks as numbers from 0, e.g. --rank 0,63")
+    return ranks
+
+
+def measured_config(tc, cfg, batch):
+    """The TrainConfig --measure builds: the flags, with the model memory.py describes (a bare
+    --params' shape too) and its micro-batch."""
+    shape = {k: getattr(cfg, k) for k in MODEL_FLAGS if hasattr(cfg, k)}
+    return replace(tc, batch_size=batch, **shape)
+
+
+def plan_of(cmd):
+    """(its flags as a TrainConfig, its world size) of --advise's train.py command: what
+    --advise --measure measures."""
+    words = cmd.split()
+    at = words.index("train.py")
+    launch = dict(w[2:].split("=", 1) for w in words[:at] if w.startswith("--") and "=" in w)
+    world_size = int(launch.get("nnodes", 1)) * int(launch.get("nproc_per_node", 1))
+    return parse_args(words[at + 1:]), world_size
 
 
 def model_from_flags(a, tc, psi):
@@ -255,7 +294,8 @@ def print_estimate(e, cfg, gpu, optimizer="adamw"):
             ("ZeRO-3 gathered units", e["gathered"], "root + a block (+ the prefetched one)"
              " (+ ZeRO++'s second shards and codes)"),
             ("loss head, transient", e["head"], "the logits' gradient + fp32 work"),
-            ("reductions in flight", e["in_flight"], "stages 2-3: two buckets' temporaries"),
+            ("reductions in flight", e["in_flight"], "stages 2-3: two buckets' temporaries + "
+             "the next one's gradients"),
             ("step: fp32 grad slice", e["step"], "in the optimizer step, activations freed"),
             ("NCCL communicators", e["nccl"], f"{e['communicators']} x {fmt(NCCL_BYTES)}, "
              "outside torch's allocator: an estimate (NVIDIA/nccl#864)"),

@@ -363,8 +363,10 @@ def for_run(tc, cfg, world_size, rank=0, psi=None, batch=None, device="cuda"):
 
 def reduce_in_flight_bytes(buckets, stage, world_size, dtype):
     """Stages 2-3: the full-size gradient temporaries of the reductions in flight, which zero.py
-    bounds to MAX_IN_FLIGHT: the largest buckets (numels), padded to a multiple of N."""
+    bounds to MAX_IN_FLIGHT: the largest buckets (numels), padded to a multiple of N; and beside
+    them the next bucket's gradients, whole until the bucket is complete and packed (zero.py's
+    _grads_to_flat): one largest bucket more (memory.py --measure found it)."""
     if stage < 2:
         return 0  # stages 0-1 reduce their persistent gradient buffers in place
     padded = sorted((math.ceil(n / world_size) * world_size for n in buckets), reverse=True)
-    return BYTES[dtype] * sum(padded[:MAX_IN_FLIGHT])
+    return BYTES[dtype] * (sum(padded[:MAX_IN_FLIGHT]) + max(buckets))

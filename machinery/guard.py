@@ -16,6 +16,7 @@ persistent buffer the engine would shard, no trainable parameter), the optimizer
 reads tensors whole, which zero.ZeRO would hand flat pieces), a list of parameters for a module.
 """
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_leaves
 
 import optim
@@ -51,16 +52,11 @@ def elementwise(optimizer):
         getattr(cls, "elementwise", False)
 
 
-def is_fake(t):
-    """A tensor with a shape and no values (memory.py --measure's FakeTensorMode)."""
-    return type(t).__name__ == "FakeTensor"
-
-
 @torch.no_grad()
 def check_same_weights(tensors, world_size, group=None):
     """Every rank must start from the same weights: ZeRO would otherwise mix them, shard by
     shard. One all-gather of each tensor's sum and sum of squares (float64); a mismatch is one
-    line, on every rank. Fake tensors have no values to compare: skipped (memory.py says so)."""
+    line, on every rank. A fake tensor (memory.py --measure) has a shape and no values: skipped."""
     if world_size == 1 or not tensors or is_fake(tensors[0]):
         return
     mine = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()])

@@ -221,7 +221,9 @@ def test_advise_offloads_a_1_5b_model_onto_one_24gb_gpu_when_the_host_holds_it(c
     argv = ["--params", "1.5e9", "--world-size", "1", "--gpu-mem", "24GB", "--advise"]
     cmd = memory.main(argv)
     out = capsys.readouterr().out
-    assert cmd.endswith("--zero 1 --bf16 --batch-size 7 --grad-ckpt --offload-optimizer"), cmd
+    # batch 9 (7 while memory.py priced model.py's loss head 4 bytes a logit high): measured,
+    # that step peaks at 20.19 GB on a GPU of 21.6 usable (--advise --measure, docs/scale.md)
+    assert cmd.endswith("--zero 1 --bf16 --batch-size 9 --grad-ckpt --offload-optimizer"), cmd
     assert "27.0 GB of host memory" in out and "before LoRA" in out
     cmd = memory.main(argv + ["--host-mem", "16GB"])
     assert "--lora" in cmd and "--offload-optimizer" not in cmd
