@@ -255,7 +255,7 @@ def optimizer_header(zero):
     counts = [step_count(zero.opt, s.master) for s in zero.segments]
     every = all_gather_object(max((c for c in counts if c is not None), default=None),
                               zero.world_size)
-    return {"optimizer": zero.optimizer, "state_keys": state_keys(zero),
+    return {"optimizer": zero.optimizer_name, "state_keys": state_keys(zero),
             "opt_step": max((c for c in every if c is not None), default=0)}
 
 
@@ -385,7 +385,7 @@ def _read_owned(reader, zero, shapes):
         saved, mine = validate.keys_of(reader.header, s.name), opt_state_keys(zero.opt, s.master)
         if tuple(mine) != saved:
             raise UserError(f"{reader.path} holds optimizer state {list(saved)} of "
-                            f"{s.name}, this run's {zero.optimizer} keeps {mine}: the "
+                            f"{s.name}, this run's {zero.optimizer_name} keeps {mine}: the "
                             "same --optimizer and torch are needed to resume")
         lo, hi = stored(shapes, s.name, s.lo, s.hi)
         if lo < hi:
@@ -407,7 +407,7 @@ def restore(path, zero, model, scaler=None, config=None, model_args=None, vocab_
     engine's; "adamw" is torch.optim.AdamW's "AdamW") and config's LoRA flags. The scaler is
     restored only when the precision is the same as when it was saved (scaler None: not)."""
     shapes, error = stored_shapes(model), None
-    config = {"optimizer": zero.optimizer, **(config or {})}
+    config = {"optimizer": zero.optimizer_name, **(config or {})}
     model_args = declared.model_args(model) if model_args is None else model_args
     try:
         reader = Reader(path)
