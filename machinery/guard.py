@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 import optim
 from collectives import all_gather_list, broadcast
 from zero import frozen_tensors
-from zero3 import ZeRO3
+from zero3 import ZeRO3, before_backward
 
 STEPPED = "stepped"    # no gradient since the last step() or zero_grad() (or the start)
 BACKWARD = "backward"  # a backward's gradients arrive and are reduced; not all landed yet
@@ -438,13 +438,40 @@ class Guard3(Guard):
                              f"{type(model).__name__}.blocks(), its repeated layers in forward "
                              "order (see model.py's GPT), or use stage 0-2")
         super().__init__(model, stage, **kwargs)
+        self.began = set()  # the units whose backward began in this backward
+        # the root's backward begins where the gradients of what the model returns arrive
+        model.register_forward_hook(
+            lambda m, args, out: before_backward(out, lambda: self._pre_unit_backward(None)))
+
+    def _pre_backward(self, i):
+        self._pre_unit_backward(i)
+        super()._pre_backward(i)
+
+    def _pre_unit_backward(self, i):
+        """Unit i's backward begins (None: the root's), its weights about to be read. Twice in
+        one backward cannot be: this is a second backward through a graph the last one went
+        through (loss.backward(retain_graph=True) and another loss, or two forwards and then a
+        backward each). The last is finished here, its reductions landed and its units freed,
+        and this one gathers again each unit it reaches: the gradients add up, as on one
+        process, for one more gather of those units."""
+        if i in self.began:
+            self.finish_backward()
+        self.began.add(i)
+        if i is None:
+            self._gather(self.root)  # the root: kept from the forward, unless that finish freed it
+
+    def finish_backward(self):
+        super().finish_backward()
+        self.began.clear()
 
     def _begin_backward(self):
-        """Two forwards, then a backward for each: the first backward's end frees the gathered
-        weights (the root's too) that the second needs. One line."""
+        """A second backward that reached the weights without passing through what the model or
+        a block returns (a tensor kept aside on a module) finds them freed. One line."""
         if self.phase == BACKWARD:
-            raise RuntimeError("ZeRO-3 runs one backward per forward: loss.backward() before "
-                               "the next forward (or sum the losses and call backward once)")
+            raise RuntimeError("a second backward reached the weights by a tensor that the model "
+                               "and its blocks do not return: ZeRO-3 gathers a unit again where "
+                               "the gradients of its outputs arrive. Return it from forward(), "
+                               "or sum the losses and call backward once")
         super()._begin_backward()
 
     def _to_step(self):

@@ -1,0 +1,137 @@
+"""A Mixture of Experts in a loop of one's own (#50): tests/moe.py's blocks return (hidden,
+router_logits), a balance loss reads every block's router, and an expert no token chose has no
+gradient. Each row is one training step of a forker's loop, at stages 0-3 on 2 gloo ranks:
+equal to one process (to 1e-6) or refused in one line on every rank. docs/forking.md's
+contract table is these rows."""
+import functools
+
+import pytest
+import torch
+
+import checkpoint
+from conftest import make_zero, run_distributed
+from moe import TinyMoE, moe_batch
+
+STEPS = 4
+# weight decay and momentum: an expert stepped with a zero gradient still moves
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=False)
+
+
+class Plain:
+    """The calls a loop makes on the engine, on one process with torch's own optimizer.
+    unused="zero": a parameter without a gradient is stepped with zeros, as DDP (and the
+    engine by default) steps it; "skip": not stepped, as plain PyTorch."""
+
+    def __init__(self, model, unused):
+        self.model, self.unused = model, unused
+        self.optimizer = ADAMW(model.parameters())
+        self.idle = 0  # steps in which some parameter had no gradient anywhere
+
+    def finish_backward(self):
+        pass
+
+    def step(self):
+        idle = [p for p in self.model.parameters() if p.requires_grad and p.grad is None]
+        self.idle += bool(idle)
+        for p in idle if self.unused == "zero" else ():
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+
+
+# -- the rows: one step of a loop, for the engine and for one process alike ----------------------
+# loss(apart) runs this rank's forward: the summed loss, or (lm, balance) apart; `kept` carries
+# what a row keeps from step to step (a scheduler)
+
+def summed(model, e, loss, step, kept):  # docs/forking.md's loop
+    model.zero_grad()
+    loss().backward()
+    e.finish_backward()
+    e.step()
+
+
+def lm_then_balance(model, e, loss, step, kept):
+    model.zero_grad()
+    lm, balance = loss(apart=True)
+    lm.backward(retain_graph=True)
+    (model.config.balance * balance).backward()
+    e.step()
+
+
+def balance_then_lm(model, e, loss, step, kept):
+    model.zero_grad()
+    lm, balance = loss(apart=True)
+    (model.config.balance * balance).backward(retain_graph=True)
+    lm.backward()
+    e.step()
+
+
+# row -> None (equal to one process) or what its one line says, at every stage
+ROWS = {
+    summed: None,
+    lm_then_balance: None,
+    balance_then_lm: None,
+}
+
+
+def losses(model, step, ranks, world_size):
+    """loss(apart): the forward of `ranks`' slices of step's global batch, each apart (a balance
+    loss is a statistic of its batch: DDP's is each rank's), their mean."""
+    def loss(apart=False):
+        every = [model(*moe_batch(step, r, world_size), apart=apart)[1] for r in ranks]
+        if apart:
+            return tuple(sum(parts) / len(ranks) for parts in zip(*every))
+        return sum(every) / len(ranks)
+    return loss
+
+
+@functools.cache
+def one_process(row, unused, world_size, tmp):
+    torch.manual_seed(0)
+    model = TinyMoE()
+    e, kept = Plain(model, unused), {"tmp": tmp}
+    for step in range(STEPS):
+        row(model, e, losses(model, step, range(world_size), world_size), step, kept)
+    return model.state_dict(), e.idle
+
+
+def run_row(row, unused, stage, rank, world_size, tmp):
+    """('equal', max |dw| against one process), ('refused', the message) or ('error', ...)."""
+    torch.manual_seed(0)
+    model = TinyMoE()
+    zero = make_zero(model, stage, optimizer=ADAMW, rank=rank, world_size=world_size,
+                     bucket_mb=2e-3)
+    kept = {"tmp": f"{tmp}/{row.__name__}{stage}"}
+    try:
+        for step in range(STEPS):
+            row(model, zero, losses(model, step, [rank], world_size), step, kept)
+        got = checkpoint.state_dict(zero, model)  # rank 0's, the others None
+    except RuntimeError as e:  # the engine's one line
+        return "refused", str(e)
+    except Exception as e:  # anything else is a traceback the loop did not deserve
+        return "error", f"{type(e).__name__}: {e}"
+    if ROWS[row] is not None:
+        return "ran", "without its line"
+    want, idle = one_process(row, unused, world_size, tmp)
+    if row is summed:  # the rows test what they claim: an expert idle in some step, everywhere
+        assert idle > 0
+    return "equal", max([(got[k] - want[k]).abs().max().item() for k in got or {}] or [0.0])
+
+
+def check_rows(rank, world_size, rows, tmp):
+    wrong = []
+    for row in rows:
+        for stage in (0, 1, 2, 3):
+            for unused in ("zero",):
+                what, value = run_row(row, unused, stage, rank, world_size, tmp)
+                if ROWS[row] is None:
+                    right = what == "equal" and value <= 1e-6
+                else:
+                    right = what == "refused" and ROWS[row] in value and "\n" not in value
+                if not right:
+                    wrong.append((row.__name__, unused, stage, what, value))
+    assert not wrong, "\n".join(map(str, wrong))
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_loop_means_one_process_or_one_line_at_every_stage(tmp_path):
+    run_distributed(check_rows, 2, list(ROWS), str(tmp_path))
