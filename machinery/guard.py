@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 import optim
-from collectives import all_gather_list, broadcast
+from collectives import all_gather_list, all_reduce_max, broadcast
 from zero import frozen_tensors
 from zero3 import ZeRO3, before_backward
 
@@ -150,8 +150,22 @@ def touched(what, how):
                         "zero.master_grads(), this rank's fp32 pieces")
 
 
+def surgery(before, now):
+    """The first change between two lists of (name, id) of a model's parameters, in words."""
+    was, names = dict(before), dict(now)
+    for name, i in now:
+        if name not in was:
+            return f"{name} was added"
+        if was[name] != i:
+            return f"{name} was replaced"
+    gone = [name for name, _ in before if name not in names]
+    return f"{gone[0]} was removed" if gone else "the parameters were reordered"
+
+
 # ----------------------------------------------------------------------------------------------
 # the layer
+
+UNUSED = ("zero", "skip")  # a parameter no rank used this step: stepped with zeros (DDP), or not
 
 class Guard:
     """Put before an engine class (guarded() does): its entry points keep the phase."""
@@ -159,7 +173,9 @@ class Guard:
     WHOLE = False  # the engine deals whole tensors to the ranks (beyond/muon.py's WholeZeRO)
 
     def __init__(self, model, stage, optimizer="adamw", broadcast_from=None,
-                 master_weights=None, **kwargs):
+                 master_weights=None, unused="zero", **kwargs):
+        if unused not in UNUSED:
+            raise ValueError(f"unused={unused!r}: one of {', '.join(map(repr, UNUSED))}")
         if stage not in self.STAGES:
             also = f": stage 3 shards the weights too, {self.STAGE3} (the same arguments)" \
                 if stage == 3 else ""
@@ -200,6 +216,21 @@ class Guard:
         for b in self.buckets:
             for p in b.params:
                 p.register_hook(lambda grad, p=p: self._grad_arriving(p))
+        # what the engine packed, held to the model at each step and each state_dict() (a save)
+        self.model, self.built = model, [(n, id(p)) for n, p in model.named_parameters()]
+        self.frozen_at_build = [p for p in model.parameters() if not p.requires_grad]
+        self.packed = [p for b in self.buckets for p in b.params]
+        model.register_state_dict_pre_hook(lambda m, prefix, keep_vars: self.check_model())
+        self.unused, self.touched = unused, set()  # ids of the parameters with a gradient
+        self.owed = False  # zero.step() is stepping the optimizer
+        self.opt.register_step_pre_hook(self._optimizer_step)
+
+    @property
+    def optimizer(self):
+        """The torch optimizer over this rank's fp32 master pieces, for what a torch user hands
+        it to (a scheduler: StepLR(zero.optimizer, ...)) and its param_groups. zero.step()
+        steps it; zero.optimizer_name is its name."""
+        return self.opt
 
     def check_optimizer(self, optimizer, stage):
         """zero.ZeRO hands the optimizer flat 1-D pieces of buckets, one group for all matrices:
@@ -249,6 +280,7 @@ class Guard:
             self._take(p)
         elif isinstance(held, HeldGrad):
             p.grad = None  # the sum so far stays where the engine holds it; autograd adds anew
+        self.touched.add(id(p))
 
     def _grad_ready(self, p):
         held = self.held[id(p)]
@@ -324,7 +356,18 @@ class Guard:
         return super().master_grads()
 
     def step(self, lr=None, found_inf=None):
-        super().step(lr, found_inf)
+        self.check_model()
+        self.master_grads()  # the backward finished, the master gradients prepared
+        skipped = self._skipped()
+        for s in self.segments:
+            if id(s.param) in skipped:
+                s.master.grad = None  # torch's optimizers step no tensor without a gradient
+        self.owed = True
+        try:
+            super().step(lr, found_inf)
+        finally:  # unless the delayed update's thread steps it (beyond/offload_optimizer.py)
+            if getattr(self, "pending", None) is None:
+                self.owed = False
         self.unpublished = True  # publish() runs before the next forward, if nothing else did
         if self.publish_in_step:  # parameters, not a module: no forward will wait for them
             self.publish()
@@ -344,6 +387,7 @@ class Guard:
         if self.phase == BACKWARD:
             self.finish_backward()
         super().zero_grad()
+        self.touched.clear()
         for b in self.buckets:
             b.carry = None
             for p in b.params:  # no gradient held: None, as torch's zero_grad() leaves it
@@ -352,6 +396,46 @@ class Guard:
         self.phase = STEPPED
 
     # -- what the entry points do ------------------------------------------------------------
+
+    def _skipped(self):
+        """The ids of the parameters step() leaves alone, their weight and optimizer state as
+        they are: those frozen since the engine was built (requires_grad_(False): plain
+        PyTorch's gradient is then None), and with unused="skip" those no rank had a gradient
+        for since the last step (used on one rank, a parameter's reduced gradient is real).
+        Each rank's flags, one all-reduce MAX: every rank skips alike."""
+        skip = [not p.requires_grad for p in self.packed]
+        if self.unused == "skip":
+            used = torch.tensor([id(p) in self.touched for p in self.packed],
+                                dtype=torch.float32, device=self.device)
+            used = all_reduce_max(used, self.world_size, self.group, label="used").tolist()
+            skip = [s or not u for s, u in zip(skip, used)]
+        return {id(p) for p, s in zip(self.packed, skip) if s}
+
+    def check_model(self):
+        """The model's parameters as the engine packed them, or one line: replaced (a module
+        swapped for a fresh one would train a dead tensor, and a save would write its master
+        under the live name), added (never stepped, never saved), removed, or a frozen one made
+        trainable (no master, no state). A parameter frozen since is honoured: _skipped."""
+        now = [(n, id(p)) for n, p in self.model.named_parameters()]
+        what = surgery(self.built, now) if now != self.built else None
+        if what is None:
+            what = next((f"{self.names[id(p)]} was made trainable" for p in self.frozen_at_build
+                         if p.requires_grad), None)
+        if what is not None:
+            raise RuntimeError(f"{what} after the engine was built: the engine packs the "
+                               "model's trainable parameters once, when it is built. Change the "
+                               "model first, then build the engine (mid-run: checkpoint.save "
+                               "before the change, then the changed model, its engine and "
+                               "checkpoint.restore)")
+
+    def _optimizer_step(self, optimizer, args, kwargs):
+        """The torch optimizer's step pre-hook: only zero.step() steps it. Called by the loop
+        instead, it would step masters whose gradients are not prepared, and publish nothing."""
+        if not self.owed:
+            raise RuntimeError("zero.optimizer.step() outside zero.step(): call zero.step(), "
+                               "which prepares the master gradients, steps the optimizer and "
+                               "publishes the weights (a scheduler on zero.optimizer holds)")
+        self.owed = False
 
     def _carry(self):
         """Stage 1, a backward after a finished one, before one step: the owned slice holds the
@@ -370,6 +454,8 @@ class Guard:
         0-1), or p.grad carries it into this backward's reduction (stages 2-3)."""
         if not self.fresh:
             self._clear(p)
+        if p.grad is not None:  # the loop's gradient so far
+            self.touched.add(id(p))
         held, (b, offset) = self.held[id(p)], self.where[id(p)]
         if isinstance(held, HeldGrad):
             if b.flat_grad is not None and p.grad is not None:  # fp32 accumulation: in now
@@ -385,6 +471,7 @@ class Guard:
     def _clear(self, p):
         """Zero p's gradient so far as this rank holds it: its region of the bucket (stages
         0-1), its owned pieces of the reduced shard (stages 2-3) or of stage 1's carry."""
+        self.touched.discard(id(p))
         b, offset = self.where[id(p)]
         if b.flat_grad is not None:
             b.flat_grad[offset:offset + p.numel()].zero_()
@@ -433,6 +520,11 @@ class Guard3(Guard):
         if not isinstance(model, torch.nn.Module) or isinstance(model, Params):
             raise ValueError("ZeRO-3 gathers the weights in the model's forward hooks: pass the "
                              "model, not its parameters")
+        if type(model).__name__ == "OptimizedModule":  # torch.compile(model)
+            raise ValueError("ZeRO-3 gathers each block in the model's forward hooks, which a "
+                             "model compiled whole would trace: pass the model itself, and "
+                             "compile each block's forward instead (for block in model.blocks()"
+                             ": block.forward = torch.compile(block.forward))")
         if not callable(getattr(model, "blocks", None)):
             raise ValueError(f"ZeRO-3 gathers the model a block at a time: declare "
                              f"{type(model).__name__}.blocks(), its repeated layers in forward "

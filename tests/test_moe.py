@@ -7,10 +7,11 @@ import functools
 
 import pytest
 import torch
+import torch.nn as nn
 
 import checkpoint
 from conftest import make_zero, run_distributed
-from moe import TinyMoE, moe_batch
+from moe import Expert, MoEConfig, TinyMoE, moe_batch
 
 STEPS = 4
 # weight decay and momentum: an expert stepped with a zero gradient still moves
@@ -65,11 +66,68 @@ def balance_then_lm(model, e, loss, step, kept):
     e.step()
 
 
-# row -> None (equal to one process) or what its one line says, at every stage
+def expert_frozen_mid_run(model, e, loss, step, kept):
+    if step == 1:
+        model.layers[0].experts[1].requires_grad_(False)
+    summed(model, e, loss, step, kept)
+
+
+def expert_replaced_mid_run(model, e, loss, step, kept):
+    if step == 1:
+        torch.manual_seed(1)
+        model.layers[0].experts[0] = Expert(model.config)
+    summed(model, e, loss, step, kept)
+
+
+def parameter_added_mid_run(model, e, loss, step, kept):
+    if step == 1:
+        model.layers[1].gain = nn.Parameter(torch.ones(()))
+    summed(model, e, loss, step, kept)
+
+
+def router_unfrozen_mid_run(model, e, loss, step, kept):
+    if step == 1:
+        model.layers[0].router.requires_grad_(True)
+    summed(model, e, loss, step, kept)
+
+
+router_unfrozen_mid_run.before = lambda model: model.layers[0].router.requires_grad_(False)
+
+
+def added_then_saved(model, e, loss, step, kept):
+    summed(model, e, loss, step, kept)
+    if step == 1:
+        model.layers[1].gain = nn.Parameter(torch.ones(()))
+        checkpoint.save(kept["tmp"], step, e, model)
+
+
+def scheduled(model, e, loss, step, kept):
+    if step == 0:
+        kept["schedule"] = torch.optim.lr_scheduler.StepLR(e.optimizer, 1, gamma=0.5)
+    summed(model, e, loss, step, kept)
+    kept["schedule"].step()
+
+
+def optimizer_stepped_behind_the_engine(model, e, loss, step, kept):
+    model.zero_grad()
+    loss().backward()
+    e.finish_backward()
+    e.optimizer.step()
+
+
+# row -> None (equal to one process) or what its one line says, at every stage. row.before(model),
+# if there is one, runs before the engine is built
 ROWS = {
     summed: None,
     lm_then_balance: None,
     balance_then_lm: None,
+    expert_frozen_mid_run: None,
+    expert_replaced_mid_run: "layers.0.experts.0.up.weight was replaced after the engine",
+    parameter_added_mid_run: "layers.1.gain was added after the engine",
+    router_unfrozen_mid_run: "layers.0.router.weight was made trainable after the engine",
+    added_then_saved: "layers.1.gain was added after the engine",
+    scheduled: None,
+    optimizer_stepped_behind_the_engine: "outside zero.step()",
 }
 
 
@@ -88,6 +146,7 @@ def losses(model, step, ranks, world_size):
 def one_process(row, unused, world_size, tmp):
     torch.manual_seed(0)
     model = TinyMoE()
+    getattr(row, "before", lambda model: None)(model)
     e, kept = Plain(model, unused), {"tmp": tmp}
     for step in range(STEPS):
         row(model, e, losses(model, step, range(world_size), world_size), step, kept)
@@ -98,8 +157,9 @@ def run_row(row, unused, stage, rank, world_size, tmp):
     """('equal', max |dw| against one process), ('refused', the message) or ('error', ...)."""
     torch.manual_seed(0)
     model = TinyMoE()
+    getattr(row, "before", lambda model: None)(model)  # what the model is when the engine is built
     zero = make_zero(model, stage, optimizer=ADAMW, rank=rank, world_size=world_size,
-                     bucket_mb=2e-3)
+                     bucket_mb=2e-3, unused=unused)
     kept = {"tmp": f"{tmp}/{row.__name__}{stage}"}
     try:
         for step in range(STEPS):
@@ -121,7 +181,7 @@ def check_rows(rank, world_size, rows, tmp):
     wrong = []
     for row in rows:
         for stage in (0, 1, 2, 3):
-            for unused in ("zero",):
+            for unused in ("zero", "skip") if ROWS[row] is None else ("zero",):
                 what, value = run_row(row, unused, stage, rank, world_size, tmp)
                 if ROWS[row] is None:
                     right = what == "equal" and value <= 1e-6
@@ -135,3 +195,20 @@ def check_rows(rank, world_size, rows, tmp):
 @pytest.mark.slow
 def test_a_mixture_of_experts_loop_means_one_process_or_one_line_at_every_stage(tmp_path):
     run_distributed(check_rows, 2, list(ROWS), str(tmp_path))
+
+
+def test_what_the_engine_is_built_on_is_checked_in_one_line(tmp_path):
+    """A model compiled whole before ZeRO-3 is built (its hooks would be traced: torch's storage
+    error); unused= other than "zero" or "skip"; a checkpoint of another model restored in a
+    loop of one's own says what a loop can do, not train.py's flags alone."""
+    with pytest.raises(ValueError, match="compile each block's forward instead"):
+        make_zero(torch.compile(TinyMoE()), 3)
+    with pytest.raises(ValueError, match="unused='none'"):
+        make_zero(TinyMoE(), 0, unused="none")
+    from configurator import UserError
+    torch.manual_seed(0)
+    model = TinyMoE()
+    path = checkpoint.save(str(tmp_path), 1, make_zero(model, 0), model)
+    other = TinyMoE(MoEConfig(n_expert=4))
+    with pytest.raises(UserError, match="build the model it was saved from"):
+        checkpoint.restore(path, make_zero(other, 0), other)
