@@ -23,9 +23,7 @@ from dataclasses import asdict, fields, is_dataclass
 import torch
 import torch.nn.functional as F
 
-import model as model_py  # model.GPTConfig when called: a fork's edit of model.py is read
 from configurator import UserError
-from machinery.validate import check_model_args
 
 # train.py's model flags: a flag given whose field the model's config lacks changes nothing
 MODEL_FLAGS = ("block_size", "n_layer", "n_head", "n_embd", "dropout", "bias")
@@ -36,7 +34,8 @@ MODEL_FLAGS = ("block_size", "n_layer", "n_head", "n_embd", "dropout", "bias")
 
 def config_class(cls):
     """The dataclass cls is built from: its CONFIG, else model.py's GPTConfig."""
-    return getattr(cls, "CONFIG", None) or model_py.GPTConfig
+    import model  # when called: a fork's model.py may import this module at its own import
+    return getattr(cls, "CONFIG", None) or model.GPTConfig
 
 
 def config_of_flags(cls, flags, vocab_size):
@@ -100,6 +99,7 @@ def build(cls, args, shapes=None):
                          "that trained it")
     if "arch" not in {f.name for f in fields(config)}:  # model_args() added it: the ARCH
         args.pop("arch", None)
+    from machinery.validate import check_model_args  # it imports model.py: when called
     check_model_args(args, config)
     if shapes is not None and arch != "gpt2":  # (GPT-2's: validate.check_shapes_fit)
         check_holds(_make(cls, config, args, "meta"), shapes)

@@ -564,6 +564,23 @@ def test_a_fork_brought_in_as_the_docs_say_reaches_every_command(data_root, tmp_
             got[f"--lora {module}"], got
 
 
+def test_a_forks_model_py_may_import_machinery_declared(tmp_path):
+    """A forker's model.py that imports machinery.declared (its default generate, say) at its
+    own import, with memory.py imported first: was 'cannot import name ... from partially
+    initialized module machinery.declared' (declared imported model.py at its top)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "model.py")) as f:
+        source = f.read()
+    (tmp_path / "model.py").write_text(
+        source + "\nfrom machinery.declared import generate as default_generate  # noqa\n")
+    script = f"import sys; sys.path[:0] = [{str(tmp_path)!r}, {root!r}]; import memory, train"
+    r = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_linears_that_are_a_blocks_own_children_take_lora_quantization_and_fp8():
     """LINEARS paths without a dot ("up": the block's own child) are replaced by LoRA, the
     quantized base and FP8 alike (each split the path at its last dot: 'not enough values to
