@@ -450,13 +450,14 @@ class LogitsOnly(torch.nn.Module):
         return self.embed(idx)
 
 
-def test_what_a_fork_does_not_declare_is_one_line(data_root, tmp_path, monkeypatch):
+def test_what_a_fork_does_not_declare_is_one_line(data_root, tmp_path, monkeypatch, capsys):
     """A fork's gaps, each one line naming what to declare, before any step: a model flag its
     config lacks, --compile without head(), --chunked-loss without self.cross_entropy, no
-    self.config, no vocab_size; memory.py without the fork's formulas (and with GPT's formula
-    wrongly found for it: model.GPT bound to the fork's class when activations.py imported
-    it); sample.py's default generate on a forward that gives no (logits, loss). An optimizer
-    class is counted by memory.py, not a KeyError; a name it does not know is one line."""
+    self.config, no vocab_size; memory.py without the fork's formulas (its model state, the
+    activations one line; --advise refused) and with GPT's formula wrongly found for it
+    (model.GPT bound to the fork's class when activations.py imported it); sample.py's
+    default generate on a forward that gives no (logits, loss). An optimizer class is counted
+    by memory.py, not a KeyError; a name it does not know is one line."""
     import memory
     import model
     import train
@@ -477,8 +478,12 @@ def test_what_a_fork_does_not_declare_is_one_line(data_root, tmp_path, monkeypat
         assert not os.path.exists(tmp_path / str(i) / "metrics.jsonl")
     shape = ["--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--block-size", "16"]
     monkeypatch.setattr(model, "GPT", NoFormula)
-    with pytest.raises(UserError, match="NoFormula declares none; set NoFormula.SAVED"):
-        memory.main(shape)
+    memory.main(shape)  # the model state, and the activations unknown in one line
+    out = capsys.readouterr().out
+    assert "model state" in out and "Activations: unknown" in out
+    assert "NoFormula declares none; set NoFormula.SAVED" in out
+    with pytest.raises(UserError, match="--advise: .*NoFormula declares none"):
+        memory.main(shape + ["--advise"])
     monkeypatch.setitem(activations.SAVED, NoFormula, activations.gpt)
     with pytest.raises(UserError, match="formula for NoFormula failed .*declare NoFormula.SAVED"):
         memory.main(shape)

@@ -177,7 +177,20 @@ def run_row(row, unused, stage, rank, world_size, tmp):
     return "equal", max([(got[k] - want[k]).abs().max().item() for k in got or {}] or [0.0])
 
 
+def check_memory(rank, world_size):
+    """memory.py's model state for a model with no activation formula (tests/moe.py declares
+    none) = what the engine holds, at every stage: the activations alone are unknown."""
+    from machinery.footprint import estimate
+    for stage in (0, 1, 2, 3):
+        e = estimate(MoEConfig(), world_size, stage, "fp32", rank=rank, build=TinyMoE)
+        assert e["activations"]["missing"].startswith("memory.py counts activations")
+        torch.manual_seed(0)
+        zero = make_zero(TinyMoE(), stage, rank=rank, world_size=world_size)
+        assert e["state"]["total"] == zero.state_bytes()["total"], stage
+
+
 def check_rows(rank, world_size, rows, tmp):
+    check_memory(rank, world_size)
     wrong = []
     for row in rows:
         for stage in (0, 1, 2, 3):
@@ -194,6 +207,7 @@ def check_rows(rank, world_size, rows, tmp):
 
 @pytest.mark.slow
 def test_a_mixture_of_experts_loop_means_one_process_or_one_line_at_every_stage(tmp_path):
+    """The rows, and memory.py's model state for the MoE (check_memory)."""
     run_distributed(check_rows, 2, list(ROWS), str(tmp_path))
 
 
