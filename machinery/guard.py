@@ -15,6 +15,8 @@ Also here, checked before the engine is built: the model (ranks that built other
 persistent buffer the engine would shard, no trainable parameter), the optimizer (one that
 reads tensors whole, which zero.ZeRO would hand flat pieces), a list of parameters for a module.
 """
+import sys
+
 import torch
 from torch.utils._pytree import tree_leaves
 
@@ -150,6 +152,13 @@ def touched(what, how):
                         "zero.master_grads(), this rank's fp32 pieces")
 
 
+def compiled_whole():
+    raise RuntimeError("torch.compile(model) traces the engine's forward hooks (gathers, waits "
+                       "for new weights): compile each block's forward instead, before or after "
+                       "the engine (for block in model.blocks(): block.forward = "
+                       "torch.compile(block.forward))")
+
+
 def surgery(before, now):
     """The first change between two lists of (name, id) of a model's parameters, in words."""
     was, names = dict(before), dict(now)
@@ -262,6 +271,9 @@ class Guard:
     def _before_forward(self):
         """The model's forward pre-hook. A backward the loop did not finish ends where the next
         forward begins (ZeRO-3 frees what it gathered); the new weights are published."""
+        if self.stage and torch.compiler.is_compiling():  # torch.compile(model) traces this
+            # a function dynamo may not trace runs as it is, after a graph break: the line
+            sys.modules["torch._dynamo"].disable(compiled_whole)()  # loaded: it is tracing
         if self.phase == BACKWARD:
             self.finish_backward()
         if self.unpublished:

@@ -211,12 +211,18 @@ def test_a_mixture_of_experts_loop_means_one_process_or_one_line_at_every_stage(
     run_distributed(check_rows, 2, list(ROWS), str(tmp_path))
 
 
+@pytest.mark.compiles
 def test_what_the_engine_is_built_on_is_checked_in_one_line(tmp_path):
     """A model compiled whole before ZeRO-3 is built (its hooks would be traced: torch's storage
-    error); unused= other than "zero" or "skip"; a checkpoint of another model restored in a
-    loop of one's own says what a loop can do, not train.py's flags alone."""
+    error), or after a stage 1-3 engine is (a dynamo RecursionError); unused= other than "zero"
+    or "skip"; a checkpoint of another model restored in a loop of one's own says what a loop
+    can do, not train.py's flags alone."""
     with pytest.raises(ValueError, match="compile each block's forward instead"):
         make_zero(torch.compile(TinyMoE()), 3)
+    model = TinyMoE()
+    make_zero(model, 1)
+    with pytest.raises(RuntimeError, match="compile each block's forward instead"):
+        torch.compile(model)(*moe_batch(0))
     with pytest.raises(ValueError, match="unused='none'"):
         make_zero(TinyMoE(), 0, unused="none")
     from configurator import UserError
