@@ -176,6 +176,7 @@ def surgery(before, now):
 
 UNUSED = ("zero", "skip")  # a parameter no rank used this step: stepped with zeros (DDP), or not
 
+
 class Guard:
     """Put before an engine class (guarded() does): its entry points keep the phase."""
     STAGE3 = "machinery.engines.ZeRO3"  # what ZeRO(model, 3) is asked to build instead
