@@ -437,9 +437,10 @@ class Guard:
         if what is not None:
             raise RuntimeError(f"{what} after the engine was built: the engine packs the "
                                "model's trainable parameters once, when it is built. Change the "
-                               "model first, then build the engine (mid-run: checkpoint.save "
-                               "before the change, then the changed model, its engine and "
-                               "checkpoint.restore)")
+                               "model first, then build the engine (mid-run: take checkpoint."
+                               "state_dict(zero, model) before the change, load it into a new "
+                               "model, change that one and build its engine with broadcast_from"
+                               "=0: the optimizer state starts anew)")
 
     def _optimizer_step(self, optimizer, args, kwargs):
         """The torch optimizer's step pre-hook: only zero.step() steps it. Called by the loop
