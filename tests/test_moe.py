@@ -235,3 +235,42 @@ def test_what_the_engine_is_built_on_is_checked_in_one_line(tmp_path):
     other = TinyMoE(MoEConfig(n_expert=4))
     with pytest.raises(UserError, match="build the model it was saved from"):
         checkpoint.restore(path, make_zero(other, 0), other)
+
+
+def mid_run_change(model):
+    """The change: a fresh expert, and a gain that nothing reads."""
+    torch.manual_seed(1)
+    model.layers[0].experts[0] = Expert(model.config)
+    model.layers[1].gain = nn.Parameter(torch.ones(()))
+
+
+def check_mid_run_recipe(rank, world_size):
+    """The surgery line's recipe, mid-run: checkpoint.state_dict before the change, loaded into
+    a new model on rank 0, the change, a new engine with broadcast_from=0 (its optimizer state
+    new) = one process that builds a new torch optimizer there, at stages 0 and 3."""
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        model, plain = TinyMoE(), TinyMoE()
+        plain.load_state_dict(model.state_dict())
+        zero, e = make_zero(model, stage, optimizer=ADAMW, rank=rank, world_size=world_size), \
+            Plain(plain, "zero")
+        for step in range(4):
+            if step == 2:  # the change
+                full = checkpoint.state_dict(zero, model)  # rank 0's
+                model = TinyMoE()
+                if rank == 0:
+                    model.load_state_dict(full)
+                mid_run_change(model)
+                zero = make_zero(model, stage, optimizer=ADAMW, rank=rank,
+                                 world_size=world_size, broadcast_from=0)
+                mid_run_change(plain)
+                e = Plain(plain, "zero")
+            summed(model, zero, losses(model, step, [rank], world_size), step, {})
+            summed(plain, e, losses(plain, step, range(world_size), world_size), step, {})
+        got, want = checkpoint.state_dict(zero, model), plain.state_dict()
+        for k, v in (got or {}).items():
+            torch.testing.assert_close(v, want[k], rtol=0, atol=1e-6, msg=(stage, k))
+
+
+def test_the_mid_run_change_the_line_names_equals_one_process():
+    run_distributed(check_mid_run_recipe, 2)
