@@ -278,7 +278,7 @@ def optimizer_header(zero):
     counts = [step_count(zero.opt, s.master) for s in zero.segments]
     every = all_gather_object(max((c for c in counts if c is not None), default=None),
                               zero.world_size)
-    return {"optimizer": zero.optimizer, "state_keys": state_keys(zero),
+    return {"optimizer": zero.optimizer_name, "state_keys": state_keys(zero),
             "opt_step": max((c for c in every if c is not None), default=0)}
 
 

@@ -71,6 +71,8 @@ def advise(cfg, world_size, gpu_bytes, dtype="bf16", psi=None, shape_args=(), ba
               "(Ampere or newer; on older GPUs pass --dtype fp16: fp16 with the loss scaler)")
     lines = [f"mixed precision, always: {dtype} {scaler}"]
     one = est(world_size=1)
+    if one["activations"].get("missing"):  # no plan can be priced without them
+        raise UserError(f"--advise: {one['activations']['missing']}")
     lines.append(f"batch 1 on one GPU, no ZeRO: peak {one['peak'] / GB:.2f} GB of "
                  f"{(1 - HEADROOM) * gpu_bytes / GB:.1f} GB usable ({gpu_bytes / GB:.0f} GB less "
                  f"{HEADROOM:.0%}): " + ("fits" if fits(one, gpu_bytes) else "does not fit")

@@ -289,7 +289,7 @@ class ZeRO:
                  reduce_dtype=None, optimizer="adamw", decay=None, master_weights=None):
         assert stage in self.STAGES, f"{type(self).__name__} runs stages {self.STAGES}"
         self.stage, self.rank, self.world_size, self.group = stage, rank, world_size, group
-        self.optimizer = optimizer if isinstance(optimizer, str) else \
+        self.optimizer_name = optimizer if isinstance(optimizer, str) else \
             getattr(getattr(optimizer, "func", optimizer), "__name__", "custom")  # a partial's
         self.bucket_mb, self.traffic = bucket_mb, Traffic()
         # named_parameters() skips the tied weight's second name; frozen tensors stay out

@@ -12,7 +12,7 @@ LM head), and the life of a unit's weights in one training step is, as the code 
   (3) prefetch   ... and launch the next block's all-gather, to overlap this block's compute
                  (block 0's starts in the model's pre-forward, behind the embeddings)
   (4) free       right after the block's forward
-  (5) re-gather  for backward: when the gradient of the block's output arrives, the block's
+  (5) re-gather  for backward: when the gradients of the block's outputs arrive, the block's
                  backward is next: gather it again (and prefetch the block before it). The
                  last block's re-gather starts at the end of the forward, behind the loss head
   (6) reduce-scatter, free: once the unit's gradients are complete, reduce-scatter them, as
@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from collectives import all_gather_params
 from zero import Bucket, ZeRO, declared_blocks, frozen_tensors
@@ -64,6 +65,37 @@ class ShardedBucket(Bucket):
 
     def allocate(self):
         self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+
+
+class BeforeBackward(torch.autograd.Function):
+    """The identity on the tensors a block returns, as one autograd node: autograd runs it once
+    the gradients of all of them that this backward reaches are in, and before any node inside
+    the block, which only these tensors lead to. Its backward calls hook() first: (5)'s moment.
+    A hook on one output would not do: a loss over a block's router logits (a Mixture of
+    Experts' balance loss) sends theirs before the next block's backward is done."""
+
+    @staticmethod
+    def forward(ctx, hook, *tensors):
+        ctx.hook = hook
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hook()
+        return (None, *grads)
+
+
+def before_backward(out, hook):
+    """out (a tensor, or a tuple, list or dict of them) with hook() run just before its producer's
+    backward (BeforeBackward), if any of its tensors requires a gradient."""
+    leaves, spec = tree_flatten(out)
+    trained = [k for k, t in enumerate(leaves) if torch.is_tensor(t) and t.requires_grad]
+    if not trained or not torch.is_grad_enabled():
+        return out
+    passed = BeforeBackward.apply(hook, *[leaves[k] for k in trained])
+    for k, t in zip(trained, passed):
+        leaves[k] = t
+    return tree_unflatten(leaves, spec)
 
 
 @dataclass
@@ -185,15 +217,15 @@ class ZeRO3(ZeRO):
             self._gather(self.units[i + 1], wait=False)  # (3) prefetch
 
     def _post_forward(self, i, out):
+        """(4) free, and (5)'s hook on what the block returns: a tensor, or a tuple or dict of
+        them ((hidden, router_logits)). Returns the outputs the model then reads."""
         if self.in_backward:
-            return  # activation checkpointing's recompute: backward needs the weights next
+            return None  # activation checkpointing's recompute: backward needs the weights next
         self._free(self.units[i].buckets)  # (4) free
-        if torch.is_grad_enabled() and out.requires_grad:
-            # the gradient of the block's output arrives just before the block's backward runs
-            out.register_hook(lambda grad, i=i: self._pre_backward(i))
+        return before_backward(out, lambda i=i: self._pre_backward(i))
 
     def _pre_backward(self, i):
-        """(5) re-gather. The gradient of block i's output is complete, so block i+1's backward
+        """(5) re-gather. The gradients of block i's outputs are complete, so block i+1's backward
         is done: free all of it, including the frozen weights, which only feed input gradients
         and so may be read after the block's own weight gradients are out."""
         self.in_backward = True

@@ -74,13 +74,18 @@ def meta_init():
 
 
 def activation_bytes(cfg, batch, seq, dtype, grad_ckpt=False, lora_rank=0, lora_targets=(),
-                     device="cuda", build=None, fp8=False, chunked_loss=False):
+                     device="cuda", build=None, fp8=False, chunked_loss=False, unknown_ok=False):
     """Bytes autograd saves for backward in one micro-step of the model cfg describes (model.py's
     GPT, or build(cfg)'s), with LoRA if lora_rank: {"layer": the last block's terms, "outside":
     the rest, "per_layer": the last block's sum, "total"}. A shapes-only copy of the model is
     walked in forward order, each module priced by its entry in SAVED. grad_ckpt: a bool (True
-    = full), a name or an activation_dial.Policy (which blocks, what they keep)."""
+    = full), a name or an activation_dial.Policy (which blocks, what they keep). A model that
+    declares no formula is NoFormula; with unknown_ok, zeros and "missing", why (memory.py
+    counts the rest: footprint.estimate)."""
     model = shapes_model(cfg, build, lora_rank, lora_targets if lora_rank else (), fp8)
+    if unknown_ok and formula(type(model), SAVED) is None:
+        why = str(NoFormula.of(model))
+        return {"layer": {}, "outside": {}, "per_layer": 0, "total": 0, "missing": why}
     E = BYTES[dtype]
     flow = Flow(batch, seq, E, stat=4 if device == "cuda" else E, live=False)
     flow.chunked_loss = chunked_loss  # the loss head: model.py's plain one, or chunked
@@ -105,13 +110,22 @@ def formula(kind, table):
     return own if callable(own) else table.get(kind)
 
 
+class NoFormula(ValueError):
+    """The model declares no activation formula: memory.py gives the rest without them."""
+
+    @classmethod
+    def of(cls, model):
+        name = type(model).__name__
+        return cls(f"memory.py counts activations by formulas: {name} declares none; set "
+                   f"{name}.SAVED (docs/forking.md, \"memory.py for a fork\")")
+
+
 def root_formula(model):
     """The whole model's formula, (model, flow, grad_ckpt) -> (terms outside the blocks, one
-    dict per block): GPT's gpt(), or the class's own SAVED; else a ValueError, one line."""
-    rule, name = formula(type(model), SAVED), type(model).__name__
+    dict per block): GPT's gpt(), or the class's own SAVED; else NoFormula, one line."""
+    rule = formula(type(model), SAVED)
     if rule is None:
-        raise ValueError(f"memory.py counts activations by formulas: {name} declares none; "
-                         f"set {name}.SAVED (docs/forking.md, \"memory.py for a fork\")")
+        raise NoFormula.of(model)
     return rule
 
 

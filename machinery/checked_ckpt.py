@@ -282,7 +282,7 @@ def restore(path, zero, model, scaler=None, config=None, model_args=None, vocab_
     and config's LoRA flags. The scaler is restored only when the precision is the one saved
     (scaler None: not)."""
     shapes, error = checkpoint.stored_shapes(model), None
-    config = {"optimizer": zero.optimizer, **(config or {})}
+    config = {"optimizer": zero.optimizer_name, **(config or {})}
     model_args = checkpoint.model_args(model) if model_args is None else model_args
     try:
         reader = Reader(path)
@@ -292,7 +292,7 @@ def restore(path, zero, model, scaler=None, config=None, model_args=None, vocab_
             saved, mine = validate.keys_of(h, s.name), opt_state_keys(zero.opt, s.master)
             if tuple(mine) != saved:
                 raise UserError(f"{reader.path} holds optimizer state {list(saved)} of "
-                                f"{s.name}, this run's {zero.optimizer} keeps {mine}: the "
+                                f"{s.name}, this run's {zero.optimizer_name} keeps {mine}: the "
                                 "same --optimizer and torch are needed to resume")
         pieces = checkpoint.read_owned(reader, zero, shapes)
         rng = reader.rng(zero.rank, zero.device) if h["world_size"] == zero.world_size else None

@@ -22,10 +22,7 @@ from dataclasses import asdict, fields, is_dataclass
 
 import torch
 
-import model as model_py  # model.GPTConfig when called: a fork's edit of model.py is read
-from checkpoint import stored_shapes  # what files keep of a model
 from configurator import UserError
-from machinery.validate import check_model_args, declared_linears
 
 # train.py's model flags: a flag given whose field the model's config lacks changes nothing
 MODEL_FLAGS = ("block_size", "n_layer", "n_head", "n_embd", "dropout", "bias")
@@ -36,7 +33,8 @@ MODEL_FLAGS = ("block_size", "n_layer", "n_head", "n_embd", "dropout", "bias")
 
 def config_class(cls):
     """The dataclass cls is built from: its CONFIG, else model.py's GPTConfig."""
-    return getattr(cls, "CONFIG", None) or model_py.GPTConfig
+    import model  # when called: a fork's model.py may import this module at its own import
+    return getattr(cls, "CONFIG", None) or model.GPTConfig
 
 
 def config_of_flags(cls, flags, vocab_size):
@@ -90,6 +88,7 @@ def build(cls, args, shapes=None):
                          "that trained it")
     if "arch" not in {f.name for f in fields(config)}:  # model_args() added it: the ARCH
         args.pop("arch", None)
+    from machinery.validate import check_model_args  # it imports model.py: when called
     check_model_args(args, config)
     if shapes is not None and arch != "gpt2":  # (GPT-2's: validate.check_shapes_fit)
         check_holds(_make(cls, config, args, "meta"), shapes)
@@ -109,6 +108,7 @@ def check_holds(meta_model, shapes):
     model_args describe, built on the meta device (nothing allocated), must be one its tensors
     hold, each of its tensors there at its shape (a quantized one as its pieces, NAME.codes),
     before the real one is built. A header edited to 10^5 wide would allocate first."""
+    from checkpoint import stored_shapes  # it imports model.py: when called
     for name, shape in stored_shapes(meta_model).items():
         held = shapes.get(name)
         if held is None and any(k.startswith(f"{name}.") for k in shapes):
@@ -133,6 +133,7 @@ def check_model(model, flags):
         if needed and not hasattr(model, attr):
             raise UserError(f"{name} has no self.{attr}: {why} (docs/forking.md)")
     if flags.lora or flags.fp8:  # each path of its LINEARS, in every block
+        from machinery.validate import declared_linears  # it imports model.py: when called
         try:
             declared_linears(model)
         except ValueError as e:
@@ -147,6 +148,7 @@ def load_weights(model, weights):
     the tied one once. A ValueError names a tensor that does not fit."""
     if hasattr(model, "load_weights"):
         return model.load_weights(weights)
+    import model as model_py  # when called: a fork's model.py may import this module
     return model_py.load_weights(model, weights)
 
 
@@ -196,4 +198,5 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=
                         "(logits, loss): sample.py samples from the logits, or declare "
                         "generate() (docs/forking.md)")
     block = getattr(getattr(model, "config", None), "block_size", None)
+    import model as model_py  # when called: a fork's model.py may import this module
     return model_py.generate(model, idx, max_new_tokens, temperature, top_k, generator, block)

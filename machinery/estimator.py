@@ -284,13 +284,15 @@ def dataset_note(flags, vocab, cmd, params):
 def print_estimate(e, cfg, gpu, optimizer="adamw"):
     """estimate()'s answer per GPU, whether it fits, and the activations term by term."""
     st, act = e["state"], e["activations"]
+    missing = act.get("missing")  # a fork with no formula (activations.NoFormula)
     rows = [("weights", st["params"], "working weights (+ the frozen base)"),
             ("gradients", st["grads"], ""), ("fp32 master weights", st["master"], "16-bit only"),
             ("optimizer state", st["optimizer"], "fp32 (AdamW: exp_avg, exp_avg_sq)"
              if optimizer == "adamw" else f"fp32, {optimizer}'s"),
             ("model state", st["total"], "= ZeRO.state_bytes() at start-up"),
-            ("activations", act["total"], f"{getattr(cfg, 'n_layer', 'its')} layers x "
-             f"{fmt(act['per_layer'])} + the rest, below"),
+            ("activations", None if missing else act["total"], "no formula: below" if missing
+             else f"{getattr(cfg, 'n_layer', 'its')} layers x {fmt(act['per_layer'])} + the "
+             "rest, below"),
             ("ZeRO-3 gathered units", e["gathered"], "root + a block (+ the prefetched one)"
              " (+ ZeRO++'s second shards and codes)"),
             ("loss head, transient", e["head"], "the logits' gradient + fp32 work"),
@@ -304,10 +306,17 @@ def print_estimate(e, cfg, gpu, optimizer="adamw"):
     if e["fp8_state"]:  # --fp8
         rows[-1:-1] = [("FP8 amax histories", e["fp8_state"], "per linear, with cast counters"),
                        ("FP8 cast, transient", e["fp8_cast"], "the widest cast, in backward")]
-    table([[name, fmt(n), note] for name, n, note in rows], ["per GPU", "bytes", ""])
+    if missing:
+        rows[-1] = ("peak", e["peak"], "without the activations: a lower bound")
+    table([[name, "unknown" if n is None else fmt(n), note] for name, n, note in rows],
+          ["per GPU", "bytes", ""])
+    verdict = ("fits" if fits(e, gpu) else "does NOT fit: try --advise") if not missing else \
+        ("all but the activations fit" if fits(e, gpu) else "does NOT fit, without activations")
     print(f"GPU {fmt(gpu)}, {(1 - HEADROOM) * gpu / GB:.2f} GB usable ({HEADROOM:.0%} kept for the "
-          "CUDA context, fragmentation, transient buffers): "
-          + ("fits\n" if fits(e, gpu) else "does NOT fit: try --advise\n"))
+          f"CUDA context, fragmentation, transient buffers): {verdict}\n")
+    if missing:
+        print(f"Activations: unknown. {missing}; train.py measures them on its first step")
+        return
     print("Activations saved for backward, per layer and outside the blocks:")
     terms = {**act["layer"], **act["outside"]}
     table([[k, fmt(v)] for k, v in terms.items() if v], ["term", "bytes"])

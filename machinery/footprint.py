@@ -281,7 +281,7 @@ def estimate(cfg, world_size=1, stage=0, dtype="fp32", batch=1, seq=None, grad_c
         state = dict(state, master=0, optimizer=0)
         state["total"] = state["params"] + state["grads"]
     acts = activation_bytes(cfg, batch, seq, dtype, grad_ckpt, lora_rank, lora_targets, device,
-                            build, fp8, chunked_loss)
+                            build, fp8, chunked_loss, unknown_ok=True)
     # --fp8: per linear an amax history and cast counters (fp8.FP8Matmul's buffers), and in a
     # block's backward the largest cast's fp32 copy, FP8 result and transposed copy (6 bytes a
     # value of the widest input, b*s x 4h): an estimate, not a measurement

@@ -15,14 +15,16 @@ Also here, checked before the engine is built: the model (ranks that built other
 persistent buffer the engine would shard, no trainable parameter), the optimizer (one that
 reads tensors whole, which zero.ZeRO would hand flat pieces), a list of parameters for a module.
 """
+import sys
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_leaves
 
 import optim
-from collectives import all_gather_list, broadcast
+from collectives import all_gather_list, all_reduce_max, broadcast
 from zero import frozen_tensors
-from zero3 import ZeRO3
+from zero3 import ZeRO3, before_backward
 
 STEPPED = "stepped"    # no gradient since the last step() or zero_grad() (or the start)
 BACKWARD = "backward"  # a backward's gradients arrive and are reduced; not all landed yet
@@ -146,8 +148,30 @@ def touched(what, how):
                         "zero.master_grads(), this rank's fp32 pieces")
 
 
+def compiled_whole():
+    raise RuntimeError("torch.compile(model) traces the engine's forward hooks (gathers, waits "
+                       "for new weights): compile each block's forward instead, before or after "
+                       "the engine (for block in model.blocks(): block.forward = "
+                       "torch.compile(block.forward))")
+
+
+def surgery(before, now):
+    """The first change between two lists of (name, id) of a model's parameters, in words."""
+    was, names = dict(before), dict(now)
+    for name, i in now:
+        if name not in was:
+            return f"{name} was added"
+        if was[name] != i:
+            return f"{name} was replaced"
+    gone = [name for name, _ in before if name not in names]
+    return f"{gone[0]} was removed" if gone else "the parameters were reordered"
+
+
 # ----------------------------------------------------------------------------------------------
 # the layer
+
+UNUSED = ("zero", "skip")  # a parameter no rank used this step: stepped with zeros (DDP), or not
+
 
 class Guard:
     """Put before an engine class (guarded() does): its entry points keep the phase."""
@@ -155,7 +179,9 @@ class Guard:
     WHOLE = False  # the engine deals whole tensors to the ranks (beyond/muon.py's WholeZeRO)
 
     def __init__(self, model, stage, optimizer="adamw", broadcast_from=None,
-                 master_weights=None, **kwargs):
+                 master_weights=None, unused="zero", **kwargs):
+        if unused not in UNUSED:
+            raise ValueError(f"unused={unused!r}: one of {', '.join(map(repr, UNUSED))}")
         if stage not in self.STAGES:
             also = f": stage 3 shards the weights too, {self.STAGE3} (the same arguments)" \
                 if stage == 3 else ""
@@ -196,6 +222,21 @@ class Guard:
         for b in self.buckets:
             for p in b.params:
                 p.register_hook(lambda grad, p=p: self._grad_arriving(p))
+        # what the engine packed, held to the model at each step and each state_dict() (a save)
+        self.model, self.built = model, [(n, id(p)) for n, p in model.named_parameters()]
+        self.frozen_at_build = [p for p in model.parameters() if not p.requires_grad]
+        self.packed = [p for b in self.buckets for p in b.params]
+        model.register_state_dict_pre_hook(lambda m, prefix, keep_vars: self.check_model())
+        self.unused, self.touched = unused, set()  # ids of the parameters with a gradient
+        self.owed = False  # zero.step() is stepping the optimizer
+        self.opt.register_step_pre_hook(self._optimizer_step)
+
+    @property
+    def optimizer(self):
+        """The torch optimizer over this rank's fp32 master pieces, for what a torch user hands
+        it to (a scheduler: StepLR(zero.optimizer, ...)) and its param_groups. zero.step()
+        steps it; zero.optimizer_name is its name."""
+        return self.opt
 
     def check_optimizer(self, optimizer, stage):
         """zero.ZeRO hands the optimizer flat 1-D pieces of buckets, one group for all matrices:
@@ -227,6 +268,9 @@ class Guard:
     def _before_forward(self):
         """The model's forward pre-hook. A backward the loop did not finish ends where the next
         forward begins (ZeRO-3 frees what it gathered); the new weights are published."""
+        if self.stage and torch.compiler.is_compiling():  # torch.compile(model) traces this
+            # a function dynamo may not trace runs as it is, after a graph break: the line
+            sys.modules["torch._dynamo"].disable(compiled_whole)()  # loaded: it is tracing
         if self.phase == BACKWARD:
             self.finish_backward()
         if self.unpublished:
@@ -245,6 +289,7 @@ class Guard:
             self._take(p)
         elif isinstance(held, HeldGrad):
             p.grad = None  # the sum so far stays where the engine holds it; autograd adds anew
+        self.touched.add(id(p))
 
     def _grad_ready(self, p):
         held = self.held[id(p)]
@@ -320,7 +365,18 @@ class Guard:
         return super().master_grads()
 
     def step(self, lr=None, found_inf=None):
-        super().step(lr, found_inf)
+        self.check_model()
+        self.master_grads()  # the backward finished, the master gradients prepared
+        skipped = self._skipped()
+        for s in self.segments:
+            if id(s.param) in skipped:
+                s.master.grad = None  # torch's optimizers step no tensor without a gradient
+        self.owed = True
+        try:
+            super().step(lr, found_inf)
+        finally:  # unless the delayed update's thread steps it (beyond/offload_optimizer.py)
+            if getattr(self, "pending", None) is None:
+                self.owed = False
         self.unpublished = True  # publish() runs before the next forward, if nothing else did
         if self.publish_in_step:  # parameters, not a module: no forward will wait for them
             self.publish()
@@ -340,6 +396,7 @@ class Guard:
         if self.phase == BACKWARD:
             self.finish_backward()
         super().zero_grad()
+        self.touched.clear()
         for b in self.buckets:
             b.carry = None
             for p in b.params:  # no gradient held: None, as torch's zero_grad() leaves it
@@ -348,6 +405,47 @@ class Guard:
         self.phase = STEPPED
 
     # -- what the entry points do ------------------------------------------------------------
+
+    def _skipped(self):
+        """The ids of the parameters step() leaves alone, their weight and optimizer state as
+        they are: those frozen since the engine was built (requires_grad_(False): plain
+        PyTorch's gradient is then None), and with unused="skip" those no rank had a gradient
+        for since the last step (used on one rank, a parameter's reduced gradient is real).
+        Each rank's flags, one all-reduce MAX: every rank skips alike."""
+        skip = [not p.requires_grad for p in self.packed]
+        if self.unused == "skip":
+            used = torch.tensor([id(p) in self.touched for p in self.packed],
+                                dtype=torch.float32, device=self.device)
+            used = all_reduce_max(used, self.world_size, self.group, label="used").tolist()
+            skip = [s or not u for s, u in zip(skip, used)]
+        return {id(p) for p, s in zip(self.packed, skip) if s}
+
+    def check_model(self):
+        """The model's parameters as the engine packed them, or one line: replaced (a module
+        swapped for a fresh one would train a dead tensor, and a save would write its master
+        under the live name), added (never stepped, never saved), removed, or a frozen one made
+        trainable (no master, no state). A parameter frozen since is honoured: _skipped."""
+        now = [(n, id(p)) for n, p in self.model.named_parameters()]
+        what = surgery(self.built, now) if now != self.built else None
+        if what is None:
+            what = next((f"{self.names[id(p)]} was made trainable" for p in self.frozen_at_build
+                         if p.requires_grad), None)
+        if what is not None:
+            raise RuntimeError(f"{what} after the engine was built: the engine packs the "
+                               "model's trainable parameters once, when it is built. Change the "
+                               "model first, then build the engine (mid-run: take checkpoint."
+                               "state_dict(zero, model) before the change, load it into a new "
+                               "model, change that one and build its engine with broadcast_from"
+                               "=0: the optimizer state starts anew)")
+
+    def _optimizer_step(self, optimizer, args, kwargs):
+        """The torch optimizer's step pre-hook: only zero.step() steps it. Called by the loop
+        instead, it would step masters whose gradients are not prepared, and publish nothing."""
+        if not self.owed:
+            raise RuntimeError("zero.optimizer.step() outside zero.step(): call zero.step(), "
+                               "which prepares the master gradients, steps the optimizer and "
+                               "publishes the weights (a scheduler on zero.optimizer holds)")
+        self.owed = False
 
     def _carry(self):
         """Stage 1, a backward after a finished one, before one step: the owned slice holds the
@@ -366,6 +464,8 @@ class Guard:
         0-1), or p.grad carries it into this backward's reduction (stages 2-3)."""
         if not self.fresh:
             self._clear(p)
+        if p.grad is not None:  # the loop's gradient so far
+            self.touched.add(id(p))
         held, (b, offset) = self.held[id(p)], self.where[id(p)]
         if isinstance(held, HeldGrad):
             if b.flat_grad is not None and p.grad is not None:  # fp32 accumulation: in now
@@ -381,6 +481,7 @@ class Guard:
     def _clear(self, p):
         """Zero p's gradient so far as this rank holds it: its region of the bucket (stages
         0-1), its owned pieces of the reduced shard (stages 2-3) or of stage 1's carry."""
+        self.touched.discard(id(p))
         b, offset = self.where[id(p)]
         if b.flat_grad is not None:
             b.flat_grad[offset:offset + p.numel()].zero_()
@@ -429,18 +530,50 @@ class Guard3(Guard):
         if not isinstance(model, torch.nn.Module) or isinstance(model, Params):
             raise ValueError("ZeRO-3 gathers the weights in the model's forward hooks: pass the "
                              "model, not its parameters")
+        if type(model).__name__ == "OptimizedModule":  # torch.compile(model)
+            raise ValueError("ZeRO-3 gathers each block in the model's forward hooks, which a "
+                             "model compiled whole would trace: pass the model itself, and "
+                             "compile each block's forward instead (for block in model.blocks()"
+                             ": block.forward = torch.compile(block.forward))")
         if not callable(getattr(model, "blocks", None)):
             raise ValueError(f"ZeRO-3 gathers the model a block at a time: declare "
                              f"{type(model).__name__}.blocks(), its repeated layers in forward "
                              "order (see model.py's GPT), or use stage 0-2")
         super().__init__(model, stage, **kwargs)
+        self.began = set()  # the units whose backward began in this backward
+        # the root's backward begins where the gradients of what the model returns arrive
+        model.register_forward_hook(
+            lambda m, args, out: before_backward(out, lambda: self._pre_unit_backward(None)))
+
+    def _pre_backward(self, i):
+        self._pre_unit_backward(i)
+        super()._pre_backward(i)
+
+    def _pre_unit_backward(self, i):
+        """Unit i's backward begins (None: the root's), its weights about to be read. Twice in
+        one backward cannot be: this is a second backward through a graph the last one went
+        through (loss.backward(retain_graph=True) and another loss, or two forwards and then a
+        backward each). The last is finished here, its reductions landed and its units freed,
+        and this one gathers again each unit it reaches: the gradients add up, as on one
+        process, for one more gather of those units."""
+        if i in self.began:
+            self.finish_backward()
+        self.began.add(i)
+        if i is None:
+            self._gather(self.root)  # the root: kept from the forward, unless that finish freed it
+
+    def finish_backward(self):
+        super().finish_backward()
+        self.began.clear()
 
     def _begin_backward(self):
-        """Two forwards, then a backward for each: the first backward's end frees the gathered
-        weights (the root's too) that the second needs. One line."""
+        """A second backward that reached the weights without passing through what the model or
+        a block returns (a tensor kept aside on a module) finds them freed. One line."""
         if self.phase == BACKWARD:
-            raise RuntimeError("ZeRO-3 runs one backward per forward: loss.backward() before "
-                               "the next forward (or sum the losses and call backward once)")
+            raise RuntimeError("a second backward reached the weights by a tensor that the model "
+                               "and its blocks do not return: ZeRO-3 gathers a unit again where "
+                               "the gradients of its outputs arrive. Return it from forward(), "
+                               "or sum the losses and call backward once")
         super()._begin_backward()
 
     def _to_step(self):

@@ -205,8 +205,8 @@ def at_padded_size(zero, P, own_padding):
     elements (every buffer padded to N slices), less the optimizer state of its own padding.
     For an elementwise optimizer (optim.STATE_BYTES), the gradients in the working dtype, no
     frozen base (LoRA's is outside the paper's count): the measurement, to the byte."""
-    k = optim.STATE_BYTES[zero.optimizer]
-    paper = zero_formula(P, zero.stage, zero.world_size, zero.dtype, zero.optimizer)
+    k = optim.STATE_BYTES[zero.optimizer_name.lower()]
+    paper = zero_formula(P, zero.stage, zero.world_size, zero.dtype, zero.optimizer_name)
     return {"params": int(paper["params"]), "grads": int(paper["grads"]),
             "optimizer_side": int(paper["optimizer_side"]) - k * own_padding,
             "total": int(paper["total"]) - k * own_padding}
@@ -365,9 +365,9 @@ def report(m, tc, model_cfg, gpu_bytes, why):
     from machinery.estimator import HEADROOM, fmt
     z, N = m.zero, m.world_size
     est, gpu = estimates(tc, model_cfg, N, m.rank)
-    paper = zero_formula(z.psi, z.stage, N, z.dtype, z.optimizer)
+    paper = zero_formula(z.psi, z.stage, N, z.dtype, z.optimizer_name)
     # the paper's optimizer side is the fp32 master and the optimizer's state (optim.py's K)
-    state = optim.STATE_BYTES.get(z.optimizer, 0) * z.psi / (N if z.stage >= 1 else 1)
+    state = optim.STATE_BYTES.get(z.optimizer_name.lower(), 0) * z.psi / (N if z.stage >= 1 else 1)
     paper.update(optimizer=state, master=paper["optimizer_side"] - state)
     part = lambda name, key: (name, m.state[key], est and est["state"][key], paper[key])
     rows = [part("weights", "params"), part("gradients", "grads"), part("fp32 master", "master"),
@@ -434,7 +434,7 @@ def padding_lines(zero):
     line = (f"  padding: {P - zero.psi:,} elements ({(P - zero.psi) / zero.psi:.2%} of Ψ) in "
             f"the flat buffers" + (f" (the most: {most.label}, {worst:.1%})" if worst >= 0.01
                                    else "") + f", {own:,} in this rank's slices")
-    exact = elementwise(zero.optimizer) and not zero.frozen_numel and \
+    exact = elementwise(zero.optimizer_name) and not zero.frozen_numel and \
         zero.grad_dtype == zero.dtype and not hasattr(zero, "host_bytes")
     if exact:
         apart = zero.state_bytes()["total"] - at_padded_size(zero, P, own)["total"]

@@ -37,12 +37,12 @@ def model_state_report(zero, world_size):
     per_rank = [held] * world_size
     if world_size > 1:
         dist.all_gather_object(per_rank, held)
-    paper = zero_formula(zero.psi, zero.stage, world_size, zero.dtype, zero.optimizer)
+    paper = zero_formula(zero.psi, zero.stage, world_size, zero.dtype, zero.optimizer_name)
     master = "fp32 master + " if zero.dtype != torch.float32 else ""
     pairs = [("weights", held["params"], paper["params"], ""),
              ("gradients", held["grads"], paper["grads"], ""),
              ("optimizer side", held["master"] + held["optimizer"], paper["optimizer_side"],
-              f"{master}{zero.optimizer} state"),
+              f"{master}{zero.optimizer_name} state"),
              ("total", held["total"], paper["total"], "")]
     mib = lambda n: f"{n / 2**20:>6.2f} MiB  "
     lines = [f"model state per rank, ZeRO-{zero.stage} on {world_size} rank(s), Ψ = "
@@ -51,10 +51,10 @@ def model_state_report(zero, world_size):
     host = zero.host_bytes() if hasattr(zero, "host_bytes") else None
     if host:  # --offload-optimizer: the master and the optimizer state are on the host
         lines.append(f"  {'host (offload)':16}{mib(host['total'])}"
-                     f"master, {zero.optimizer} state, grad, staging")
+                     f"master, {zero.optimizer_name} state, grad, staging")
     row = {"event": "model_state", "psi": zero.psi, "stage": zero.stage,
            "world_size": world_size, "per_rank": per_rank, "formula": paper,
-           "optimizer": zero.optimizer, "host": host}
+           "optimizer": zero.optimizer_name, "host": host}
     return "\n".join(lines), row
 
 

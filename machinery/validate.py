@@ -362,8 +362,9 @@ def check_compatible(header, model_args, vocab_meta, path, config=None, shapes=N
     if model_args:  # a field this model's config lacks (model_args {}: the tensors alone)
         diff += [f"{k} {theirs[k]} vs none" for k in theirs if k not in model_args]
     if diff:
-        raise ValueError(f"{path} is for another model ({', '.join(diff)} here): "
-                         f"use the same model flags or another --out-dir")
+        raise ValueError(f"{path} is for another model ({', '.join(diff)} here): build the "
+                         "model it was saved from (train.py: the same model flags), or start "
+                         "afresh elsewhere (train.py: another --out-dir)")
     old_vocab, new_vocab = vocab_id(header.get("meta")), vocab_id(vocab_meta)
     if vocab_meta is not None and old_vocab != new_vocab:
         raise ValueError(f"{path} was trained on another vocabulary ({old_vocab}, the data is "
@@ -372,10 +373,11 @@ def check_compatible(header, model_args, vocab_meta, path, config=None, shapes=N
     # the optimizer as named to this run: --optimizer adamw, or torch.optim.AdamW's "AdamW"
     mine = (config or {}).get("optimizer")
     if mine is not None and str(header.get("optimizer")).lower() != str(mine).lower():
-        raise ValueError(f"{path} was trained with --optimizer {header.get('optimizer')}, this run "
-                         f"has --optimizer {config.get('optimizer')}: its state would not carry "
-                         f"over; pass --optimizer {header.get('optimizer')} to resume it, or use "
-                         "another --out-dir")
+        trained = header.get("optimizer")
+        raise ValueError(f"{path} was trained with optimizer {trained}, this run's is "
+                         f"{config.get('optimizer')}: its state would not carry over; build the "
+                         f"engine with {trained} (train.py: --optimizer {trained}) to resume it, "
+                         "or start afresh elsewhere (train.py: another --out-dir)")
     for key, flag in SETTINGS.items() if config is not None else ():
         mine, old = config.get(key), saved.get(key)
         if key == "lora_targets" and config.get("lora") and saved.get("lora"):

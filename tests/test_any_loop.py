@@ -216,7 +216,7 @@ def test_optimizers_by_name_class_and_function_and_the_skip():
         if engine:
             zero = WholeZeRO(model, 0, optimizer=torch.optim.Adafactor, weight_decay=0.0,
                              lr=1e-2)
-            assert zero.opt.param_groups[0]["lr"] == 1e-2 and zero.optimizer == "Adafactor"
+            assert zero.opt.param_groups[0]["lr"] == 1e-2 and zero.optimizer_name == "Adafactor"
         else:
             opt = torch.optim.Adafactor(model.parameters(), lr=1e-2, weight_decay=0.0)
         for step in range(STEPS):
@@ -303,8 +303,9 @@ def test_an_optimizer_that_reads_whole_tensors_is_refused_by_zero_in_one_line():
             with pytest.raises(ValueError, match="steps each tensor whole, and zero.ZeRO steps "
                                "flat pieces of buckets: use machinery.engines.WholeZeRO"):
                 ZeRO(Toy(), stage, optimizer=optimizer)
-    assert ZeRO(Toy(), 1, optimizer=OPTIMIZERS["sgd"]).optimizer == "SGD"  # a partial's class
-    assert ZeRO(Toy(), 1, optimizer=lambda g: torch.optim.SGD(g, lr=0.1)).optimizer == "<lambda>"
+    assert ZeRO(Toy(), 1, optimizer=OPTIMIZERS["sgd"]).optimizer_name == "SGD"  # a partial's class
+    by_function = ZeRO(Toy(), 1, optimizer=lambda g: torch.optim.SGD(g, lr=0.1))
+    assert by_function.optimizer_name == "<lambda>"
     model = ToyBlocks()
     whole = WholeZeRO(model, 1, optimizer=lambda g: torch.optim.Adafactor(g, lr=1e-2))
     assert whole.dealt == {id(p) for p in model.parameters()} and not whole.matrices

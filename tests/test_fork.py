@@ -453,13 +453,14 @@ class LogitsOnly(torch.nn.Module):
         return self.embed(idx)
 
 
-def test_what_a_fork_does_not_declare_is_one_line(data_root, tmp_path, monkeypatch):
+def test_what_a_fork_does_not_declare_is_one_line(data_root, tmp_path, monkeypatch, capsys):
     """A fork's gaps, each one line naming what to declare, before any step: a model flag its
     config lacks, --compile without head(), --chunked-loss without self.cross_entropy, no
-    self.config, no vocab_size; memory.py without the fork's formulas (and with GPT's formula
-    wrongly found for it: model.GPT bound to the fork's class when activations.py imported
-    it); sample.py's default generate on a forward that gives no (logits, loss). An optimizer
-    class is counted by memory.py, not a KeyError; a name it does not know is one line."""
+    self.config, no vocab_size; memory.py without the fork's formulas (its model state, the
+    activations one line; --advise refused) and with GPT's formula wrongly found for it
+    (model.GPT bound to the fork's class when activations.py imported it); sample.py's
+    default generate on a forward that gives no (logits, loss). An optimizer class is counted
+    by memory.py, not a KeyError; a name it does not know is one line."""
     import memory
     import model
     import train
@@ -480,8 +481,12 @@ def test_what_a_fork_does_not_declare_is_one_line(data_root, tmp_path, monkeypat
         assert not os.path.exists(tmp_path / str(i) / "metrics.jsonl")
     shape = ["--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--block-size", "16"]
     monkeypatch.setattr(model, "GPT", NoFormula)
-    with pytest.raises(UserError, match="NoFormula declares none; set NoFormula.SAVED"):
-        memory.main(shape)
+    memory.main(shape)  # the model state, and the activations unknown in one line
+    out = capsys.readouterr().out
+    assert "model state" in out and "Activations: unknown" in out
+    assert "NoFormula declares none; set NoFormula.SAVED" in out
+    with pytest.raises(UserError, match="--advise: .*NoFormula declares none"):
+        memory.main(shape + ["--advise"])
     monkeypatch.setitem(activations.SAVED, NoFormula, activations.gpt)
     with pytest.raises(UserError, match="formula for NoFormula failed .*declare NoFormula.SAVED"):
         memory.main(shape)
@@ -565,6 +570,23 @@ def test_a_fork_brought_in_as_the_docs_say_reaches_every_command(data_root, tmp_
         assert "--n-embd: MLPConfig has no field n_embd" in got[f"--n-embd {module}"], got
         assert "unknown LoRA target(s) ['q', 'v']: use 'all' or a comma list of up, down" in \
             got[f"--lora {module}"], got
+
+
+def test_a_forks_model_py_may_import_machinery_declared(tmp_path):
+    """A forker's model.py that imports machinery.declared (its default generate, say) at its
+    own import, with memory.py imported first: was 'cannot import name ... from partially
+    initialized module machinery.declared' (declared imported model.py at its top)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "model.py")) as f:
+        source = f.read()
+    (tmp_path / "model.py").write_text(
+        source + "\nfrom machinery.declared import generate as default_generate  # noqa\n")
+    script = f"import sys; sys.path[:0] = [{str(tmp_path)!r}, {root!r}]; import memory, train"
+    r = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_linears_that_are_a_blocks_own_children_take_lora_quantization_and_fp8():

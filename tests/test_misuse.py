@@ -315,13 +315,10 @@ def run_row(row, optimizer, stage, rank, world_size):
     return "equal", max([(a - b).abs().max().item() for a, b in zip(got or [], want)] or [0.0])
 
 
-# where a stage differs from ROWS: ZeRO-3 frees the gathered weights at the end of each
-# backward, so two forwards cannot both run theirs; at stage 1 p.grad is the bucket's view,
-# partly reduced (this rank's slice) and partly not, so it has no one value to change or keep;
-# at stages 2-3 p.grad is a HeldGrad
-OTHERWISE = {two_losses_then_two_backwards: {3: "one backward per forward"},
-             backward_twice_retaining_the_graph: {3: "one backward per forward"},
-             grad_set_between_micro_steps: {1: "out.weight.grad was"},
+# where a stage differs from ROWS: at stage 1 p.grad is the bucket's view, partly reduced
+# (this rank's slice) and partly not, so it has no one value to change or keep; at stages 2-3
+# p.grad is a HeldGrad
+OTHERWISE = {grad_set_between_micro_steps: {1: "out.weight.grad was"},
              grad_scaled_between_micro_steps: {1: "out.weight.grad was",
                                                2: "out.weight.grad was",
                                                3: "out.weight.grad was"}}
