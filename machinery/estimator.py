@@ -236,7 +236,8 @@ def model_from_flags(a, tc, psi):
     if lost:  # would change nothing; the command would carry it to train.py, which refuses it
         raise UserError(f"--{lost[0].replace('_', '-')}: {type(cfg).__name__} has no field "
                         f"{lost[0]}, so the flag would change nothing; drop it")
-    check_countable(tc, cfg, a.world_size, psi, a.advise)
+    if not (a.measure and not a.advise):  # measured, a model needs no formula
+        check_countable(tc, cfg, a.world_size, psi, a.advise)
     preset = a.config and not psi
     flags = [f"--config {a.config}"] if preset else []
     for k, v in {**shape, "block_size": block}.items():

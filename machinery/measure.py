@@ -371,12 +371,12 @@ def report(m, tc, model_cfg, gpu_bytes, why):
     paper.update(optimizer=state, master=paper["optimizer_side"] - state)
     part = lambda name, key: (name, m.state[key], est and est["state"][key], paper[key])
     rows = [part("weights", "params"), part("gradients", "grads"), part("fp32 master", "master"),
-            part(f"{z.optimizer} state", "optimizer"), part("model state", "total")]
+            part(f"{z.optimizer_name} state", "optimizer"), part("model state", "total")]
     if m.host:  # --offload-optimizer: the master and the optimizer state on the host
         rows.append(("host (offload)", m.host["total"], est and est["host"]["total"], None))
     rows.append(("step's peak", m.peak, est and est["peak"], None))
     cell = lambda n: "-" if n is None else fmt(n)
-    lines = [f"rank {m.rank} of {N:,} ({why}): ZeRO-{z.stage}, {tc.dtype}, {z.optimizer}, "
+    lines = [f"rank {m.rank} of {N:,} ({why}): ZeRO-{z.stage}, {tc.dtype}, {z.optimizer_name}, "
              f"Ψ = {z.psi:,} trainable, {m.grad_accum} micro-step(s) of {tc.batch_size} x "
              f"{tc.block_size} tokens; measured in {m.seconds:.1f} s on fake tensors",
              f"  {'per rank':16}{'measured':>11}{'memory.py':>11}{'ZeRO paper':>11}"]

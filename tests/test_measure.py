@@ -211,3 +211,38 @@ def test_bad_input_is_one_line_before_any_work(argv, line):
     with pytest.raises(UserError, match=re.escape(line)):
         main(argv + ["--measure"])
     assert not dist.is_initialized()
+
+
+FORK_WITHOUT_FORMULA = """
+import sys
+from tests import tinyfork
+for kind in (tinyfork.TinyFork, tinyfork.Attention, tinyfork.MLP):
+    del kind.SAVED  # a fork that declares no activation formula
+import model
+model.GPT = tinyfork.TinyFork  # as docs/forking.md brings a fork in: before memory.py's imports
+import runpy
+sys.argv = ["memory.py", "--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--block-size",
+            "16", "--vocab", "40", "--world-size", "4", "--zero", "2"] + sys.argv[1:]
+runpy.run_path("memory.py", run_name="__main__")  # the command, its errors one line
+"""
+
+
+def test_a_fork_without_an_activation_formula_is_measured(tmp_path):
+    """memory.py counts activations by formulas, and a fork with none (an MoE's routed experts
+    have no closed form) is one line there; --measure needs none: the step's own saved tensors
+    and transients, measured (#50)."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    script = tmp_path / "fork.py"
+    script.write_text(FORK_WITHOUT_FORMULA)
+    run = lambda *argv: subprocess.run([sys.executable, str(script), *argv], cwd=ROOT,
+                                       capture_output=True, text=True, timeout=300,
+                                       env={**__import__("os").environ, "PYTHONPATH": ROOT})
+    out = run("--measure")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r"the peak \(MemTracker\): the model state and [\d.]+ [KM]B of activations",
+                     out.stdout), out.stdout
+    assert re.search(r"adamw state +[\d.]+ [KM]B +- +[\d.]+ [KM]B", out.stdout), out.stdout
+    refused = run()
+    assert refused.returncode == 2 and "declare TinyFork.SAVED" in refused.stderr, refused.stderr
