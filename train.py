@@ -25,9 +25,9 @@ import time
 from dataclasses import asdict
 
 import torch
+import torch.distributed as dist
 
 import checkpoint
-import collectives
 import optim
 from configurator import SCHEDULE, UserError, TrainConfig, grad_accum_for, parse_args
 from data.loader import Batches, changed_data, data_identity, estimate_loss, load_data
@@ -59,10 +59,11 @@ def init_distributed(cfg):
         torch.cuda.set_device(device)
         set_tf32()  # fp32 matmuls on tensor cores (16-bit runs: the fp32 ones left)
         prefer_cudnn_attention(cfg.cudnn_attention, device)  # SDPA's kernel order
-    if "RANK" in os.environ:  # every collective may wait --collective-timeout, then names itself
-        dump = os.path.abspath(os.path.join(cfg.out_dir, "nccl_trace_rank_"))  # NCCL: its dumps
-        collectives.init_process_group("nccl" if use_cuda else "gloo", cfg.collective_timeout,
-                                       device if use_cuda else None, dump)
+    if "RANK" in os.environ:
+        backend = "nccl" if use_cuda else "gloo"
+        # every collective may wait --collective-timeout, then names the hang (docs/debugging.md)
+        lifecycle.hangs.install(cfg.collective_timeout, backend, cfg.out_dir)
+        dist.init_process_group(backend, device_id=device if use_cuda else None)
     return rank, world_size, device
 
 
@@ -369,7 +370,7 @@ def main(argv=None):
     report.start(cfg, model, zero, metrics, print0)  # model state measured vs the paper's
     if cfg.nan_at >= 0:  # the lesson in skipped steps: one rank's loss goes NaN
         lifecycle.inject_nan(model, cfg.nan_at, rank, world_size, grad_accum, start_it)
-    lifecycle.watch(model, cfg, rank, world_size, grad_accum, start_it)  # the step; --hang-at
+    lifecycle.hangs.watch(model, cfg, rank, world_size, grad_accum, start_it)  # step; --hang-at
     stop = lifecycle.stop_on_signals()  # SIGTERM / Ctrl-C: finish the step, save, exit
     log = report.StepLog(cfg, model, zero, scaler, metrics, print0, grad_accum, start_it)
     batches = Batches(train, cfg, rank, world_size, grad_accum, device, start_it)

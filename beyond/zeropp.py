@@ -39,7 +39,7 @@ checkpoints see only the primary shards, so runs resume across ZeRO-3 and ZeRO++
 import torch
 import torch.distributed as dist
 
-from collectives import Traffic, all_gather_params, all_to_all, new_group
+from collectives import Traffic, all_gather_params, all_to_all
 from configurator import ZEROPP_PARTS as PARTS, parse_zeropp
 from quant import absmax_quantize
 from zero import MAX_IN_FLIGHT
@@ -52,8 +52,8 @@ QGZ_BLOCK = 64  # gradients: int4 needs smaller blocks; a scale per 64 codes, 0.
 # ----------------------------------------------------------------------------------------------
 # Node groups (ZeRO++'s hierarchy). Ranks r = node * k + local, k ranks per node.
 # Every rank must call dist.new_group for every subgroup, in the same order, even for the
-# groups it is not in: so all of them are made at once, once per process (collectives.new_group:
-# with the run's --collective-timeout, like every group of a run).
+# groups it is not in: so all of them are made at once, once per process (each waits the run's
+# --collective-timeout from its first collective on: machinery/hangs.py).
 
 _node_groups = {}  # (the default group, world size, k) -> (this rank's node group, cross group)
 
@@ -67,10 +67,10 @@ def node_groups(world_size, node_size, rank):
         mine = [None, None]
         if 1 < k < world_size:
             for m in range(nodes):
-                g = new_group(list(range(m * k, (m + 1) * k)))
+                g = dist.new_group(list(range(m * k, (m + 1) * k)))
                 mine[0] = g if rank // k == m else mine[0]
             for j in range(k):
-                g = new_group(list(range(j, world_size, k)))
+                g = dist.new_group(list(range(j, world_size, k)))
                 mine[1] = g if rank % k == j else mine[1]
         _node_groups[key] = tuple(mine)
     return _node_groups[key]

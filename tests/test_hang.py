@@ -1,4 +1,4 @@
-"""A hang names itself: one rank stops issuing collectives (--hang-at, lifecycle.watch), and
+"""A hang names itself: one rank stops issuing collectives (--hang-at, hangs.watch), and
 every other rank leaves within the timeout with one line naming the collective (its op and
 bucket or block), the step and micro-step, and the rank that never arrived. On 2 and 4 gloo
 ranks at every stage (the engine driven directly), and once end to end under torchrun, whose
@@ -22,12 +22,12 @@ import torch.multiprocessing as mp
 import collectives
 from conftest import ROOT, free_port, make_zero, run_train, zero_step
 from data.loader import get_batch
-from machinery import lifecycle
+from machinery import hangs
 from precision import GradScaler
 from test_train import TINY
 from test_zero import B, CLIP, DATA, LR, SEED, T, make_model
 
-TIMEOUT = 2.0  # seconds a collective waits here; lifecycle.grace(TIMEOUT) = 1 s to hear the others
+TIMEOUT = 2.0  # seconds a collective waits here; hangs.grace(TIMEOUT) = 1 s to hear the others
 HANG_AT = 1  # the step the last rank stops at (step 0 runs whole: every collective once)
 # its own timeout, or (a rare race) a peer's, which closed the connection first
 TIMED_OUT = rf"(timed out after {TIMEOUT:g} s|failed \([^)]*\))"
@@ -38,12 +38,12 @@ class Stuck(Exception):
 
 
 def _until_named(world_size, seconds):
-    """lifecycle.hang for these tests: the stuck rank waits until the others have named it
-    (lifecycle.exchange's read count), not the full sleep the real one takes."""
+    """hangs.hang for these tests: the stuck rank waits until the others have named it
+    (hangs.exchange's read count), not the full sleep the real one takes."""
     def hang(step, rank, timeout):
         store, deadline = dist.distributed_c10d._get_default_store(), time.monotonic() + seconds
         try:
-            while store.add(lifecycle.KEY + "read", 0) < world_size - 1 and \
+            while store.add(hangs.KEY + "read", 0) < world_size - 1 and \
                     time.monotonic() < deadline:
                 time.sleep(0.05)
         except RuntimeError:  # rank 0, the store's host, has read and left
@@ -58,7 +58,7 @@ def _hang_once(rank, world_size, stage):
     model = make_model()
     zero = make_zero(model, stage, lr=LR, bucket_mb=0.002, rank=rank, world_size=world_size)
     cfg = SimpleNamespace(hang_at=HANG_AT, collective_timeout=TIMEOUT, max_iters=HANG_AT + 1)
-    lifecycle.watch(model, cfg, rank, world_size, grad_accum=1, start_it=0)
+    hangs.watch(model, cfg, rank, world_size, grad_accum=1, start_it=0)
     scaler = GradScaler(init_scale=1.0, dynamic=False)
     try:
         for step in range(HANG_AT + 1):
@@ -68,8 +68,8 @@ def _hang_once(rank, world_size, stage):
     except Stuck:
         assert rank == world_size - 1
         return None
-    except collectives.CollectiveTimeout as e:
-        return lifecycle.name_hang(e)
+    except hangs.CollectiveTimeout as e:
+        return hangs.name_hang(e)
     raise AssertionError(f"rank {rank} ran step {HANG_AT} through: nobody hung")
 
 
@@ -79,12 +79,12 @@ def _every_stage(rank, world_size, ports, out):
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     mp_patch = pytest.MonkeyPatch()
-    mp_patch.setattr(lifecycle, "hang", _until_named(world_size, 3 * TIMEOUT))
+    mp_patch.setattr(hangs, "hang", _until_named(world_size, 3 * TIMEOUT))
     lines = {}
     for stage, port in zip(range(4), ports):
         os.environ["MASTER_PORT"] = str(port)
-        collectives.position.seq = 0
-        collectives.init_process_group("gloo", TIMEOUT)
+        hangs.install(TIMEOUT)
+        dist.init_process_group("gloo")
         t0 = time.monotonic()
         lines[stage] = (_hang_once(rank, world_size, stage), time.monotonic() - t0)
         dist.destroy_process_group()
@@ -174,13 +174,13 @@ def _slow_first_step(rank, world_size, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    collectives.position.seq = 0
-    collectives.init_process_group("gloo", TIMEOUT)
+    hangs.install(TIMEOUT)
+    dist.init_process_group("gloo")
     model = make_model()
     zero = make_zero(model, 2, lr=LR, bucket_mb=0.002, rank=rank, world_size=world_size)
-    lifecycle.watch(model, SimpleNamespace(hang_at=-1, collective_timeout=TIMEOUT, max_iters=3),
+    hangs.watch(model, SimpleNamespace(hang_at=-1, collective_timeout=TIMEOUT, max_iters=3),
                     rank, world_size, grad_accum=1, start_it=0)
-    late = lambda m, args: time.sleep(1.5 * TIMEOUT) if collectives.position.step in (0, 2) \
+    late = lambda m, args: time.sleep(1.5 * TIMEOUT) if hangs.position.step in (0, 2) \
         and rank == world_size - 1 else None
     model.register_forward_pre_hook(late)  # after watch's: the step is set
     scaler, result = GradScaler(init_scale=1.0, dynamic=False), None
@@ -189,8 +189,8 @@ def _slow_first_step(rank, world_size, port, out):
             x, y = get_batch(DATA, SEED, step, 0, rank, world_size, B, T, 1)
             zero.backward(model(x, y)[1])
             zero_step(zero, scaler, LR, CLIP)
-    except collectives.CollectiveTimeout as e:
-        result = (e.where["step"], e.timed_out, collectives.timeout_s)
+    except hangs.CollectiveTimeout as e:
+        result = (e.where["step"], e.timed_out, hangs.timeout_s)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     os._exit(0)
@@ -200,7 +200,7 @@ def _slow_first_step(rank, world_size, port, out):
 def test_the_first_step_may_be_slow_then_the_timeout_holds(tmp_path):
     """--collective-timeout holds from the run's second step on: the first (inductor's compile
     takes minutes, and not the same minutes on every rank) waits the start-up allowance
-    (collectives.START_S). Before, a rank late in step 0 by 1.5 timeouts stopped a healthy
+    (hangs.START_S). Before, a rank late in step 0 by 1.5 timeouts stopped a healthy
     run there; late in step 2 it is still named within the timeout."""
     spawn_bounded(_slow_first_step, 2, (free_port(), str(tmp_path)), seconds=120)
     step, timed_out, limit = json.load(open(tmp_path / "rank0.json"))
@@ -215,12 +215,12 @@ def test_hang_at_is_refused_where_nothing_would_hang():
     for hang_at, world_size, start_it in ((3, 1, 0), (0, 2, 0), (4, 2, 4), (2, 2, 4), (10, 2, 0)):
         cfg = SimpleNamespace(hang_at=hang_at, collective_timeout=TIMEOUT, max_iters=10)
         with pytest.raises(UserError, match=f"--hang-at {hang_at}"):
-            lifecycle.watch(torch.nn.Linear(1, 1), cfg, 0, world_size, 1, start_it)
+            hangs.watch(torch.nn.Linear(1, 1), cfg, 0, world_size, 1, start_it)
     for flag in ("--hang-at", "--nan-at"):
         with pytest.raises(UserError, match=f"{flag} must be a step, or -1 for none"):
             parse_args([flag, "-2"])
     cfg = SimpleNamespace(hang_at=5, collective_timeout=TIMEOUT, max_iters=10)
-    lifecycle.watch(torch.nn.Linear(1, 1), cfg, 0, 2, 1, 4)  # the first step after a resume's
+    hangs.watch(torch.nn.Linear(1, 1), cfg, 0, 2, 1, 4)  # the first step after a resume's
 
 
 def test_a_rank_in_another_collective_is_named_with_where_it_waits():
@@ -229,31 +229,31 @@ def test_a_rank_in_another_collective_is_named_with_where_it_waits():
     directly is placed after the last of ours."""
     here = dict(op="reduce_scatter", label="bucket 2", step=7, micro=1, seq=40)
     there = dict(op="all_reduce", label="norm", step=7, micro=1, seq=41)
-    assert lifecycle.ranks_text([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
-    assert collectives.describe(there) == "all_reduce of norm at step 7, micro-step 1 " \
+    assert hangs.ranks_text([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
+    assert hangs.describe(there) == "all_reduce of norm at step 7, micro-step 1 " \
                                           "(collective #41)"
-    assert collectives.describe(dict(there, step=-1)) == "all_reduce of norm before training " \
+    assert hangs.describe(dict(there, step=-1)) == "all_reduce of norm before training " \
                                                          "(collective #41)"
-    error = collectives.CollectiveTimeout(here, RuntimeError("[x.cc:1] Connection closed by peer"))
+    error = hangs.CollectiveTimeout(here, RuntimeError("[x.cc:1] Connection closed by peer"))
     assert str(error) == ("reduce_scatter of bucket 2 at step 7, micro-step 1 (collective #40) "
                           "failed (Connection closed by peer)")
-    reset = collectives.CollectiveTimeout(here, RuntimeError(  # a killed peer, gloo's words
+    reset = hangs.CollectiveTimeout(here, RuntimeError(  # a killed peer, gloo's words
         "[../gloo/transport/tcp/pair.cc:553] Read error [127.0.0.1]:41861: Connection reset by "
         "peer. This is typically caused by a crash of the peer"))
     assert str(reset).endswith("failed (Read error [127.0.0.1]:41861: Connection reset by peer)")
     heard = {0: here, 1: here, 3: there}
     mp_patch = pytest.MonkeyPatch()
     for key, value in dict(step=3, micro=-1, seq=12).items():  # an evaluation at step 3
-        mp_patch.setattr(collectives.position, key, value)
-    direct = collectives.CollectiveTimeout(None, RuntimeError("Timed out waiting 2000ms"))
+        mp_patch.setattr(hangs.position, key, value)
+    direct = hangs.CollectiveTimeout(None, RuntimeError("Timed out waiting 2000ms"))
     assert str(direct) == ("a torch.distributed collective at step 3 (collective #12) failed "
                            "(Timed out waiting 2000ms)")  # no timeout known: the backend's words
-    mp_patch.setattr(lifecycle, "exchange", lambda mine, rank, world_size, seconds: heard)
+    mp_patch.setattr(hangs, "exchange", lambda mine, rank, world_size, seconds: heard)
     mp_patch.setattr(dist, "get_rank", lambda: 0)
     mp_patch.setattr(dist, "get_world_size", lambda: 5)
-    mp_patch.setattr(collectives, "timeout_s", None)
+    mp_patch.setattr(hangs, "timeout_s", None)
     try:
-        line = lifecycle.name_hang(error)
+        line = hangs.name_hang(error)
     finally:
         mp_patch.undo()
     assert line == ("rank 0: reduce_scatter of bucket 2 at step 7, micro-step 1 (collective #40) "
@@ -263,26 +263,25 @@ def test_a_rank_in_another_collective_is_named_with_where_it_waits():
                     "waited)")
 
 
-def test_the_timeout_reaches_the_group_and_nccl_gets_its_flight_recorder(monkeypatch):
-    """collectives.init_process_group: the group's timeout (at least the start-up allowance),
-    and on NCCL the Flight Recorder's settings under both names, a user's own (under either
-    name) left alone; gloo gets none."""
-    made = []
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: made.append(kw))
-    monkeypatch.setattr(collectives, "timeout_s", None)
-    names = [n for row in collectives.FLIGHT_RECORDER for n in row[:2]]
+def test_install_takes_the_launch_point_and_nccl_gets_its_flight_recorder(monkeypatch):
+    """hangs.install: collectives.launch is its own from then on, and on NCCL the Flight
+    Recorder's settings are set under both names, a user's own (under either name) left
+    alone; gloo gets none."""
+    monkeypatch.setattr(collectives, "launch", collectives.launch)  # undone after the test
+    for name in ("timeout_s", "_steady"):
+        monkeypatch.setattr(hangs, name, getattr(hangs, name))
+    names = [n for row in hangs.FLIGHT_RECORDER for n in row[:2]]
     env = {k: v for k, v in os.environ.items() if k not in names}
     monkeypatch.setattr(os, "environ", dict(env))
-    collectives.init_process_group("gloo", 7.5)  # the first step waits the allowance
-    start = timedelta(seconds=collectives.START_S)
-    assert made[-1]["timeout"] == start and collectives.timeout_s == collectives.START_S
+    hangs.install(7.5, "gloo")  # the first step waits the allowance
+    assert collectives.launch is hangs.launch and hangs.timeout_s == hangs.START_S
     assert not set(names) & set(os.environ)
     monkeypatch.setattr(os, "environ", dict(env, TORCH_FR_BUFFER_SIZE="50"))  # the user's
-    collectives.init_process_group("nccl", 7200, device="cuda:0", dump_prefix="/r/nccl_trace_")
-    assert made[-1] == dict(timeout=timedelta(seconds=7200), device_id="cuda:0")
+    hangs.install(7200, "nccl", out_dir="/r")
+    assert hangs.timeout_s == 7200
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/r/nccl_trace_"
-    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == "/r/nccl_trace_"
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/r/nccl_trace_rank_"
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == "/r/nccl_trace_rank_"
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "50" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in \
         os.environ
 
@@ -317,31 +316,43 @@ def test_train_py_under_torchrun_exits_naming_the_hang_and_its_checkpoint_resume
     assert max(r["iter"] for r in rows if "loss" in r) == 7
 
 
-def test_zeropp_node_groups_get_the_runs_timeout(monkeypatch):
-    """ZeRO++'s node and cross-node groups wait --collective-timeout like the rest, and
-    warmed_up() tightens the ones this rank is in. dist.new_group without a timeout gave them
-    torch's default (30 min on gloo, 10 on NCCL): a hang in an hpZ gather outwaited the flag."""
+def test_every_group_waits_the_runs_timeout(monkeypatch):
+    """Whoever made a group (dist.init_process_group, collectives.gather_group, ZeRO++'s node
+    and cross-node groups): its first collective gives it the start-up allowance, its first
+    after warmed_up() --collective-timeout. dist.new_group without a timeout gave ZeRO++'s
+    groups torch's default (30 min on gloo, 10 on NCCL): a hang in an hpZ gather outwaited
+    the flag."""
     from beyond import zeropp
-    made, tightened = [], []
-    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append((ranks, kw)) or
-                        tuple(ranks))
+    made, given = [], []
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append(ranks) or tuple(ranks))
     monkeypatch.setattr(dist, "get_rank", lambda: 1)
     monkeypatch.setattr(dist.distributed_c10d, "_set_pg_timeout",
-                        lambda timeout, group: tightened.append((group, timeout)), raising=False)
-    monkeypatch.setattr(dist, "set_timeout", lambda timeout, group: tightened.append(
+                        lambda timeout, group: given.append((group, timeout)), raising=False)
+    monkeypatch.setattr(dist, "set_timeout", lambda timeout, group: given.append(
         (group, timeout)), raising=False)
-    monkeypatch.setattr(collectives, "barrier", lambda world_size, label=None: None)
+    done = lambda *args, **kwargs: SimpleNamespace(wait=lambda: True)  # a collective, landed
+    for name in ("all_reduce", "all_to_all_single", "barrier"):
+        monkeypatch.setattr(dist, name, done)
     monkeypatch.setattr(zeropp, "_node_groups", {})
-    monkeypatch.setattr(collectives, "_groups", [])
-    monkeypatch.setattr(collectives, "_steady", 7.0)
-    monkeypatch.setattr(collectives, "timeout_s", collectives.START_S)
+    monkeypatch.setattr(collectives, "launch", collectives.launch)  # undone after the test
+    for name in ("timeout_s", "_steady"):
+        monkeypatch.setattr(hangs, name, getattr(hangs, name))
+    hangs.install(7.0)
     mine = zeropp.node_groups(4, 2, rank=1)
     assert mine == ((0, 1), (1, 3))
-    assert [r for r, _ in made] == [[0, 1], [2, 3], [0, 2], [1, 3]]
-    assert all(kw["timeout"] == timedelta(seconds=collectives.START_S) for _, kw in made), made
-    collectives.warmed_up(4)
-    assert tightened == [(None, timedelta(seconds=7)), ((0, 1), timedelta(seconds=7)),
-                         ((1, 3), timedelta(seconds=7))]
+    assert made == [[0, 1], [2, 3], [0, 2], [1, 3]]
+    x, traffic, start = torch.zeros(4), SimpleNamespace(count=lambda *a: None), hangs.START_S
+    steps = []
+    for _ in range(2):  # the first step, then the next after warmed_up()
+        collectives.all_reduce_sum(x, 4, label="norm")
+        for group in mine:
+            zeropp.all_to_all(x.clone(), x, traffic, 2, group)
+        steps.append(list(given))
+        given.clear()
+        hangs.warmed_up(4)
+    seconds = lambda s: [(None, timedelta(seconds=s)), ((0, 1), timedelta(seconds=s)),
+                         ((1, 3), timedelta(seconds=s))]
+    assert steps == [seconds(start), seconds(7)], steps
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
@@ -358,7 +369,7 @@ def _raw_collectives(main, argv):
     def recording(name, f):
         def call(*args, **kwargs):
             caller = inspect.stack()[1]
-            if collectives.position.step >= 0 and not caller.filename.endswith("collectives.py"):
+            if hangs.position.step >= 0 and not caller.filename.endswith("collectives.py"):
                 raw.append(f"{os.path.relpath(caller.filename, ROOT)}:{caller.lineno} {name}")
             return f(*args, **kwargs)
         return call

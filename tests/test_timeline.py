@@ -1,4 +1,4 @@
-"""The lecture's order, read from the collective log (collectives.Recorder) on gloo: ZeRO-2's
+"""The lecture's order, read from the collective log (hangs.Recorder) on gloo: ZeRO-2's
 reduce-scatters launched during backward, at most two in flight; ZeRO-3's next block gathered
 while this one runs, and its weights freed after; stage 1's new weights waited for bucket by
 bucket in the next forward. gloo checks the order, not the speed: it runs a reduce-scatter as
@@ -9,11 +9,10 @@ import json
 import pytest
 import torch
 
-import collectives
 import zero as zero_module
 from conftest import make_zero, run_distributed, run_train
 from data.loader import get_batch
-from machinery import timeline
+from machinery import hangs, timeline
 from precision import GradScaler
 from test_train import TINY, run
 from test_zero import B, DATA, LR, SEED, T, make_model
@@ -23,7 +22,8 @@ from train import update
 def traced_step(rank, world_size, stage, **kw):
     """One traced micro-step; the recorder's events, with a mark at the end of each block's
     forward (after the engine's own hook) and of each block's backward."""
-    rec = collectives.recorder = collectives.Recorder()
+    hangs.install()  # its launch logs each collective while a recorder is set
+    rec = hangs.recorder = hangs.Recorder()
     model = make_model()
     zero = make_zero(model, stage, lr=LR, bucket_mb=0.002, rank=rank, world_size=world_size, **kw)
     freed = []
@@ -35,7 +35,7 @@ def traced_step(rank, world_size, stage, **kw):
         block.register_full_backward_hook(lambda m, gi, go, i=i: rec.mark("backward_end", block=i))
     x, y = get_batch(DATA, SEED, 0, 0, rank, world_size, B, T, 1)
     zero.backward(model(x, y)[1])
-    collectives.recorder = None
+    hangs.recorder = None
     return rec.events, freed, zero
 
 
@@ -95,7 +95,8 @@ def _stage1_publish(rank, world_size, serialized):
     if serialized:
         publish = zero_module.ZeRO.publish
         mp.setattr(zero_module.ZeRO, "publish", lambda self, wait=True: publish(self, True))
-    rec = collectives.recorder = collectives.Recorder()
+    hangs.install()
+    rec = hangs.recorder = hangs.Recorder()
     model = make_model()
     zero = make_zero(model, 1, lr=LR, bucket_mb=0.002, rank=rank, world_size=world_size)
     blocks = list(model.transformer.h)
@@ -107,7 +108,7 @@ def _stage1_publish(rank, world_size, serialized):
         if step == 0:
             zero.backward(loss)
             update(zero, GradScaler(init_scale=1.0, dynamic=False), LR, 1.0)
-    collectives.recorder = None
+    hangs.recorder = None
     mp.undo()
     block_of = {id(p): i for i, blk in enumerate(blocks) for p in blk.parameters()}
     first = {f"{b.label} (publish)": min(block_of.get(id(p), -1) for p in b.params)
@@ -159,7 +160,7 @@ def test_train_trace_writes_the_log_the_profile_and_the_overlap(data_root, tmp_p
         mine = timeline.per_step(log)[r["iter"]]
         assert abs(r["exposed_comm_ms"] - 1e3 * mine["exposed_s"]) < 1e-6
         assert 0 <= r["overlap"] <= 1
-    assert collectives.recorder is None
+    assert hangs.recorder is None
 
 
 class _Noted:
@@ -179,7 +180,7 @@ class _Noted:
 def _profiler_stops_with_nothing_in_flight(main, argv):
     """main(argv) with each traced collective's work noted, and torch.profiler's stop refused
     while one of them was never waited for."""
-    noted, launched = [], collectives.Recorder.launched
+    noted, launched = [], hangs.Recorder.launched
 
     def noting(self, handle, tensor):
         handle.work = _Noted(handle.work)
@@ -191,7 +192,7 @@ def _profiler_stops_with_nothing_in_flight(main, argv):
         return profile_exit(self, *exc)
 
     profile_exit = torch.profiler.profile.__exit__
-    collectives.Recorder.launched = noting
+    hangs.Recorder.launched = noting
     torch.profiler.profile.__exit__ = stop
     main(argv)
 
