@@ -5,11 +5,7 @@ that launches a collective.
 Traffic is counted in elements, as the ZeRO paper counts it (Rajbhandari et al. 2019, Sec. 7),
 and in bytes, which follow the dtype on the wire (--reduce-dtype for gradients). An all-reduce
 of n elements moves 2n (a reduce-scatter half and an all-gather half), a reduce-scatter or an
-all-gather of an n-element buffer moves n, an all-to-all its n-element input. On one rank
-there is nothing to move: local copies.
-
-Bytes are split by link: a collective on a group whose ranks all sit in one node (node_size
-consecutive ranks) counts as intra-node, any other as inter-node. node_size 0: one node.
+all-gather of an n-element buffer moves n. On one rank there is nothing to move: local copies.
 
 Every traffic collective here is launched asynchronously and returns its handle (None on one rank).
 Two rules come with a handle: wait() before reading the output, and know that the backend keeps
@@ -19,7 +15,7 @@ and waits late holds all of their buffers at once (zero.py bounds that: MAX_IN_F
 Each goes through launch (the end of this file), and only there: the one point a layer from
 outside replaces (machinery/hangs.py's: bounded waits, a hang that names itself, --trace's log).
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -34,40 +30,16 @@ class Traffic:
     all_reduce: int = 0
     reduce_scatter: int = 0
     all_gather: int = 0
-    all_to_all: int = 0  # ZeRO++'s quantized gradients (zeropp.py)
     bytes: int = 0
-    bytes_intra: int = 0  # of `bytes`, on groups inside one node
-    bytes_inter: int = 0  # ... and on groups that span nodes
-    node_size: int = 0  # ranks per node (0: every rank in one node)
-    by: dict = field(default_factory=dict)  # "all_gather/inter" -> bytes, and so on
-    # copies between the device and the host (beyond/offload_optimizer.py): no collective,
-    # not in `bytes`, but the same step's cost, counted beside it
-    d2h: int = 0  # bytes device -> host: the gradient slice
-    h2d: int = 0  # bytes host -> device: the updated 16-bit weight slice
 
     @property
     def elements(self):
-        return self.all_reduce + self.reduce_scatter + self.all_gather + self.all_to_all
+        return self.all_reduce + self.reduce_scatter + self.all_gather
 
     def count(self, kind, elements, nbytes, group=None):
-        """Add one collective: `kind` is the field its elements go to."""
+        """Add one collective on `group`: `kind` is the field its elements go to."""
         setattr(self, kind, getattr(self, kind) + elements)
         self.bytes += nbytes
-        intra = self.node_size == 0 or len({r // self.node_size for r in _ranks(group)}) == 1
-        link = "intra" if intra else "inter"
-        setattr(self, "bytes_" + link, getattr(self, "bytes_" + link) + nbytes)
-        key = f"{kind}/{link}"
-        self.by[key] = self.by.get(key, 0) + nbytes
-
-
-_group_ranks = {}  # group -> its global ranks, asked once
-
-
-def _ranks(group):
-    group = dist.group.WORLD if group is None else group  # a re-init: a new default group
-    if group not in _group_ranks:
-        _group_ranks[group] = dist.get_process_group_ranks(group)
-    return _group_ranks[group]
 
 
 def all_reduce_grads(flat, traffic, world_size, group=None, label=None):
@@ -96,17 +68,6 @@ def all_gather_params(flat, shard, traffic, world_size, group=None, label=None):
         return None
     traffic.count("all_gather", flat.numel(), flat.numel() * flat.element_size(), group)
     return launch("all_gather", label, flat, _all_gather, flat, shard, group=group)
-
-
-def all_to_all(out, inp, traffic, group_size, group=None, label=None):
-    """Chunk i of inp (inp.numel() / group_size elements) goes to the group's i-th rank, which
-    puts it at chunk [this rank] of its out. gloo runs it on CPU tensors of any dtype (int8
-    and uint8 codes included, checked on torch 2.13)."""
-    if group_size == 1:
-        out.copy_(inp)
-        return None
-    traffic.count("all_to_all", inp.numel(), inp.numel() * inp.element_size(), group)
-    return launch("all_to_all", label, inp, dist.all_to_all_single, out, inp, group=group)
 
 
 # Control traffic: a few bytes (norms, flags, layouts), not counted as model traffic, and

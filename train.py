@@ -295,7 +295,9 @@ def make_engine(cfg, model, dtype, rank, world_size, grad_accum, source=None):
                       master_weights=source, **extra)
     except ValueError as e:
         raise UserError(str(e))
-    zero.traffic.node_size = node_size  # bytes by link (collectives.Traffic)
+    if cfg.zero == 3:  # bytes by link, beside ZeRO++'s theory (report.py)
+        from beyond.zeropp import LinkTraffic
+        zero.traffic = LinkTraffic(node_size=node_size)
     return zero
 
 
