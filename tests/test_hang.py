@@ -223,6 +223,16 @@ def test_hang_at_is_refused_where_nothing_would_hang():
     hangs.watch(torch.nn.Linear(1, 1), cfg, 0, 2, 1, 4)  # the first step after a resume's
 
 
+def test_a_collective_timeout_no_step_can_meet_is_refused():
+    """--collective-timeout 1e-9 (or 0.001) was accepted, and the run died after its first step
+    on every rank, blaming 'a slow link, a backend fault'. A floor of 1 s: one line."""
+    from configurator import UserError, parse_args
+    for seconds in ("1e-9", "0.001", "0.5", "0", "-3", "nan", "inf"):
+        with pytest.raises(UserError, match=r"--collective-timeout \S+: must be 1 to 1048576 s"):
+            parse_args(["--collective-timeout", seconds])
+    assert parse_args(["--collective-timeout", "1"]).collective_timeout == 1
+
+
 def test_a_rank_in_another_collective_is_named_with_where_it_waits():
     """The report's logic on its own: the ranks that answered with another seq wait elsewhere,
     those that did not answer are in no collective; a collective called on torch.distributed
