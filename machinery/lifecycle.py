@@ -25,7 +25,7 @@ import collectives
 from configurator import UserError
 # hangs: train.py's too, through this module (install, watch): every collective bounded in
 # time, a hang named, --hang-at
-from machinery import hangs, rundir, validate
+from machinery import hangs, rundir, timeline, validate
 # train.py's, through this module: the run's metrics.jsonl and its folder's lock
 from machinery.rundir import Metrics, releasing_locks
 
@@ -88,10 +88,15 @@ def inject_nan(model, step, rank, world_size, grad_accum, start_it):
 
 def start(cfg, model_class, rank, world_size, device, print0):
     """Before any work: what the flags ask of the model class and the optimizer, the memory the
-    run needs, then out_dir's lock and history (one run a folder): a UserError, one line,
-    the same on every rank."""
+    run needs and --trace's folder, then out_dir's lock and history (one run a folder): a
+    UserError, one line, the same on every rank."""
     validate.check_run(cfg, model_class)
-    rundir.claim(cfg, rank, world_size, print0, lambda: check_memory(cfg, device))
+
+    def checks():  # on rank 0, its line for every rank
+        check_memory(cfg, device)
+        if cfg.trace:
+            timeline.check_target(cfg.trace, world_size)
+    rundir.claim(cfg, rank, world_size, print0, checks)
 
 
 def finish(model, zero, world_size):

@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from configurator import UserError
 from machinery import hangs
 
 
@@ -47,6 +48,26 @@ def per_step(events):
     for s in out.values():
         s["overlap"] = 1 - s["exposed_s"] / s["comm_s"] if s["comm_s"] > 0 else 0.0
     return out
+
+
+def check_target(folder, world_size):
+    """--trace FOLDER, before any work: a folder (made now) whose files of each rank are regular
+    files or not there yet (a FIFO blocks the write, a folder fails it at the window's end). A
+    UserError, one line; before, a file there was a FileExistsError on every rank."""
+    if os.path.lexists(folder) and not os.path.isdir(folder):
+        raise UserError(f"--trace {folder} is not a folder (the trace writes a file per rank "
+                        "into it): give another path")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:  # a parent that is a file, no permission, a read-only disk
+        raise UserError(f"--trace {folder}: cannot make this folder ({e.strerror or e}): give "
+                        "a path you can write")
+    for r in range(world_size):
+        for name in (f"trace_rank{r}.json", f"collectives_rank{r}.jsonl", f"memory_rank{r}.pickle"):
+            path = os.path.join(folder, name)
+            if os.path.lexists(path) and not os.path.isfile(path):
+                raise UserError(f"--trace: {path} is not a regular file: move it away, or give "
+                                "another folder")
 
 
 WARMUP = 2  # steps before the window: the first pays allocations, compile, the fork's costs

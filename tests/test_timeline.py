@@ -5,6 +5,8 @@ bucket in the next forward. gloo checks the order, not the speed: it runs a redu
 an all-reduce. Each test runs once on the engine and once on a deliberately serialized one,
 and asserts that the serialized one breaks the order."""
 import json
+import os
+import re
 
 import pytest
 import torch
@@ -207,3 +209,42 @@ def test_the_profiler_stops_with_no_collective_in_flight(data_root, tmp_path):
                    "--trace", str(tmp_path / "trace"), "--trace-steps", "1",
                    "--out-dir", str(tmp_path)]
     run_train(args, 2, wrap=_profiler_stops_with_nothing_in_flight)
+
+
+def _refused(main, argv):
+    """main(argv) in a forked rank; the line it was refused with, to OUT/refused{rank}."""
+    from configurator import UserError
+    try:
+        main(argv)
+        line = None
+    except UserError as e:
+        line = str(e)
+    out = argv[argv.index("--out-dir") + 1]
+    with open(os.path.join(out, f"refused{os.environ['RANK']}"), "w") as f:
+        json.dump(line, f)
+
+
+def test_a_trace_target_that_cannot_be_a_folder_of_files_is_one_line(data_root, tmp_path):
+    """--trace at a file, at a FIFO, under a file (a folder that cannot be made), or into a
+    folder where a rank's file is a folder: one line before any work, on every rank. Before,
+    the first three were a FileExistsError (NotADirectoryError) traceback on every rank once
+    the model was built; in the last, rank 1's trace was never written, and nothing said so."""
+    from configurator import UserError
+    from train import main
+    args = TINY + ["--data-root", data_root, "--dataset", "tiny", "--max-iters", "4",
+                   "--eval-interval", "100", "--trace-steps", "1"]
+    (tmp_path / "file").write_text("")
+    os.mkfifo(tmp_path / "fifo")
+    for target, line in ((tmp_path / "file", "is not a folder"),
+                         (tmp_path / "fifo", "is not a folder"),
+                         (tmp_path / "file" / "trace", "cannot make this folder")):
+        with pytest.raises(UserError, match=re.escape(f"--trace {target}") + f":? {line}"):
+            main(args + ["--trace", str(target), "--out-dir", str(tmp_path / f"out-{target.name}")])
+    trace = tmp_path / "trace"
+    (trace / "trace_rank1.json").mkdir(parents=True)  # rank 1's, checked by rank 0 for all
+    out = tmp_path / "run"
+    out.mkdir()
+    run_train(args + ["--trace", str(trace), "--out-dir", str(out)], 2, wrap=_refused)
+    want = f"--trace: {trace / 'trace_rank1.json'} is not a regular file: move it away, or " \
+           "give another folder"
+    assert [json.load(open(out / f"refused{r}")) for r in (0, 1)] == [want] * 2
