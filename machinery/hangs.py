@@ -17,6 +17,7 @@ launch over collectives.launch, the one point every collective of the lesson pas
 """
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -85,12 +86,18 @@ def warmed_up(world_size):
 
 
 def _bound(group):
-    """The run's wait for `group`, given before a collective runs on it."""
-    if timeout_s is not None and _bounded.get(group) != timeout_s:
+    """The run's wait for `group`, given before a collective runs on it. At the run's first
+    collective this rank also tells the store where its process lives (name_hang's _ended)."""
+    if _bounded.get(group, -1) == timeout_s:
+        return
+    if group is None and None not in _bounded:
+        dist.distributed_c10d._get_default_store().set(
+            f"{KEY}pid/{dist.get_rank()}", f"{socket.gethostname()} {os.getpid()}")
+    if timeout_s is not None:
         # torch 2.3-2.13's private name; later torch makes it public as set_timeout
         set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
         set_timeout(timedelta(seconds=timeout_s), group)
-        _bounded[group] = timeout_s
+    _bounded[group] = timeout_s
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,18 +279,22 @@ def grace(timeout, timed_out=True):
 
 
 def name_hang(error):
-    """The one line of a rank whose collective lost a peer (a CollectiveTimeout):
-    where it waited, why, and which ranks never arrived, heard through c10d's store."""
+    """The one line of a rank whose collective lost a peer (a CollectiveTimeout): where it
+    waited, why, and which ranks never arrived or are gone, heard through c10d's store."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mine = error.where
-    heard = exchange(mine, rank, world_size, grace(timeout_s, error.timed_out))
-    absent = [r for r in range(world_size) if r not in heard]
+    heard, gone = exchange(mine, rank, world_size, grace(timeout_s, error.timed_out))
+    silent = [r for r in range(world_size) if r not in heard and r not in gone]
     elsewhere = {}  # where -> the ranks waiting there
     for r, w in heard.items():
         if w["seq"] != mine["seq"]:
             elsewhere.setdefault(describe(w), []).append(r)
-    missing = [f"{ranks_text(absent)} never arrived (in no collective: busy, stuck or gone)"
-               ] if absent else []
+    missing = [f"{ranks_text(gone)} {'is' if len(gone) == 1 else 'are'} gone (its process "
+               "ended: killed, crashed or left)"] if gone else []
+    if silent:  # with a rank gone, a survivor still waits until the ranks beside it leave
+        missing += [f"{ranks_text(silent)} did not answer (alive: still waiting, or leaving)"
+                    if gone else
+                    f"{ranks_text(silent)} never arrived (in no collective: busy, stuck or gone)"]
     missing += [f"{ranks_text(rs)} never arrived (waiting in {w})" for w, rs in elsewhere.items()]
     if not missing:
         missing = ["every rank arrived, yet it did not finish (a slow link, a backend fault)"]
@@ -293,26 +304,68 @@ def name_hang(error):
 
 
 def exchange(mine, rank, world_size, seconds):
-    """{rank: where it waits} of the ranks that answer within `seconds`, this one's included.
-    The store may live in rank 0's process (a group made from MASTER_ADDR without torchrun's
-    agent): rank 0 leaves after the others have read."""
-    heard = {rank: mine}
+    """({rank: where it waits} of the ranks that answer within `seconds`, this one's included;
+    the ranks that did not answer because their process ended). The store may live in rank 0's
+    process (a group made from MASTER_ADDR without torchrun's agent): rank 0 leaves after the
+    others it heard have read (a survivor whose wait fails only once rank 0 has left finds the
+    store gone: torchrun's agent keeps it)."""
+    heard, gone = {rank: mine}, set()
     try:
         store = dist.distributed_c10d._get_default_store()
-        store.set(f"{KEY}{rank}", json.dumps(mine))
+        here = _here(store, world_size)
+        gone = {r for r, pid in here.items() if not _alive(pid)}
+        store.set(f"{KEY}{rank}", json.dumps(dict(mine, gone=sorted(gone))))
         deadline = time.monotonic() + seconds
-        while len(heard) < world_size and time.monotonic() < deadline:
+        while not _listen(store, heard, gone, here, world_size) and time.monotonic() < deadline:
             time.sleep(0.05)
-            for r in range(world_size):
-                if r not in heard and store.check([f"{KEY}{r}"]):
-                    heard[r] = json.loads(store.get(f"{KEY}{r}"))
         read = store.add(KEY + "read", 1)
         while rank == 0 and read < len(heard) and time.monotonic() < deadline + seconds:
             time.sleep(0.05)
+            _listen(store, heard, gone, here, world_size)
             read = store.add(KEY + "read", 0)
     except RuntimeError:  # the store is gone (its host left first): what was heard so far
         pass
-    return heard
+    return heard, gone - heard.keys()
+
+
+def _listen(store, heard, gone, here, world_size):
+    """The reports published so far into heard (with the ranks their writers found gone), the
+    ranks of this host whose process ended since into gone; whether every rank is accounted for."""
+    for r in range(world_size):
+        if r not in heard and store.check([f"{KEY}{r}"]):
+            heard[r] = json.loads(store.get(f"{KEY}{r}"))
+            gone.update(heard[r].get("gone", ()))
+    gone.update(r for r, pid in here.items() if r not in heard and not _alive(pid))
+    return len(heard.keys() | gone) == world_size
+
+
+def _here(store, world_size):
+    """{rank: pid} of the ranks on this host (each told the store where it lives at the run's
+    first collective): a killed rank answers no roll call, and neither, for a while, does a
+    survivor still waiting behind it; its process tells them apart. Another host's ranks: the
+    survivors there tell."""
+    host, out = socket.gethostname(), {}
+    for r in range(world_size):
+        if store.check([f"{KEY}pid/{r}"]):
+            where, pid = store.get(f"{KEY}pid/{r}").decode().split()
+            if where == host:
+                out[r] = int(pid)
+    return out
+
+
+def _alive(pid):
+    """Whether process pid runs (a zombie, ended and not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # Linux: the state after the command's name
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def ranks_text(ranks):

@@ -167,6 +167,62 @@ def check_every_stage(world_size, tmp_path):
             assert seconds < 4 * TIMEOUT + 5, (stage, seconds)  # bounded, not hours
 
 
+def _one_rank_killed(rank, world_size, port, out):
+    """Steps 0-1 of ZeRO-2; rank 1 is SIGKILLed in step 1's backward. The others' lines. The
+    store lives outside the ranks, as torchrun's agent keeps it."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
+    torch.set_num_threads(1)
+    hangs.install(30.0)  # a lost peer, not a timeout: the survivors fail at once, or in a cascade
+    dist.init_process_group("gloo")
+    model = make_model()
+    zero = make_zero(model, 2, lr=LR, bucket_mb=0.002, rank=rank, world_size=world_size)
+    if rank == 1:
+        model.register_full_backward_hook(lambda m, gi, go: os.kill(os.getpid(), signal.SIGKILL)
+                                          if hangs.position.step == 1 else None)
+    hangs.watch(model, SimpleNamespace(hang_at=-1, collective_timeout=30.0, max_iters=2), rank,
+                world_size, grad_accum=1, start_it=0)
+    line, scaler = None, GradScaler(init_scale=1.0, dynamic=False)
+    try:
+        for step in range(2):
+            x, y = get_batch(DATA, SEED, step, 0, rank, world_size, B, T, 1)
+            zero.backward(model(x, y)[1])
+            zero_step(zero, scaler, LR, CLIP)
+    except hangs.CollectiveTimeout as e:
+        line = hangs.name_hang(e)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(line, f)
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_gone_and_no_survivor_is_called_absent(tmp_path):
+    """4 ranks, rank 1 SIGKILLed mid-step: gloo fails the collective on each survivor at a
+    different moment (rank 1's neighbours at once, a rank behind them only once they leave),
+    so a roll call alone heard too few: rank 0 said 'ranks 1, 3 never arrived', rank 3 'ranks
+    0-2'. A rank whose process ended is named gone; a survivor that did not answer (still
+    waiting, or leaving) is not called absent."""
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    context = mp.start_processes(_one_rank_killed, args=(4, port, str(tmp_path)),
+                                 nprocs=4, join=False, start_method="forkserver")
+    deadline = time.monotonic() + 90
+    for p in context.processes:  # not context.join: it stops the others when rank 1 dies
+        p.join(max(0.1, deadline - time.monotonic()))
+    alive = [p.pid for p in context.processes if p.is_alive()]
+    for p in context.processes:
+        p.kill()
+    del agent
+    assert not alive, "still running after 90 s: a hang"
+    for rank in (0, 2, 3):
+        line = json.load(open(tmp_path / f"rank{rank}.json"))
+        assert re.fullmatch(rf"rank {rank}: reduce_scatter of bucket \d+ at step 1, micro-step 0 "
+                            r"\(collective #\d+\) failed \(.*\): rank 1 is gone \(its process "
+                            r"ended: killed, crashed or left\).*", line), line
+        assert "never arrived" not in line and "gone" not in line.split("rank 1 is gone")[1], line
+
+
 def _slow_first_step(rank, world_size, port, out):
     """Steps 0-2 of ZeRO-2 with the last rank 1.5 timeouts late in step 0 (a compile, the first
     NCCL connections, an allocator warming up) and again in step 2: its peers wait the first
@@ -258,7 +314,7 @@ def test_a_rank_in_another_collective_is_named_with_where_it_waits():
     direct = hangs.CollectiveTimeout(None, RuntimeError("Timed out waiting 2000ms"))
     assert str(direct) == ("a torch.distributed collective at step 3 (collective #12) failed "
                            "(Timed out waiting 2000ms)")  # no timeout known: the backend's words
-    mp_patch.setattr(hangs, "exchange", lambda mine, rank, world_size, seconds: heard)
+    mp_patch.setattr(hangs, "exchange", lambda mine, rank, world_size, seconds: (heard, set()))
     mp_patch.setattr(dist, "get_rank", lambda: 0)
     mp_patch.setattr(dist, "get_world_size", lambda: 5)
     mp_patch.setattr(hangs, "timeout_s", None)
@@ -344,6 +400,8 @@ def test_every_group_waits_the_runs_timeout(monkeypatch):
     for name in ("all_reduce", "all_to_all_single", "barrier"):
         monkeypatch.setattr(dist, name, done)
     monkeypatch.setattr(zeropp, "_node_groups", {})
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store",
+                        lambda: SimpleNamespace(set=lambda key, value: None))
     monkeypatch.setattr(collectives, "launch", collectives.launch)  # undone after the test
     for name in ("timeout_s", "_steady"):
         monkeypatch.setattr(hangs, name, getattr(hangs, name))
