@@ -14,10 +14,14 @@ launch over collectives.launch, the one point every collective of the lesson pas
   4. watch: the training loop's step and micro-step for that line; --hang-at, the lesson
   5. the collective log of --trace (Recorder; machinery/timeline.py writes and reads it)
   6. on NCCL, the Flight Recorder's settings: its watchdog, not a wait of ours, times out there
+  7. a clean exit for a script that never destroys its process group (leave_at_exit)
 """
+import atexit
+import gc
 import json
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -73,6 +77,7 @@ def install(seconds=None, backend="gloo", out_dir="."):
     _bounded.clear()
     position.step, position.micro, position.seq = -1, -1, 0
     collectives.launch = launch
+    leave_at_exit()
 
 
 def warmed_up(world_size):
@@ -98,6 +103,32 @@ def _bound(group):
         set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
         set_timeout(timedelta(seconds=timeout_s), group)
     _bounded[group] = timeout_s
+
+
+# ----------------------------------------------------------------------------------------------
+# A clean exit. A script that ends without dist.destroy_process_group() leaves its process group
+# to the interpreter's exit, which tears it down in no order with the engine's garbage (a model
+# and its engine's hooks are a reference cycle, with buffers that collectives wrote) and while
+# gloo's worker threads may still release a collective's tensors: now and then a rank that has
+# finished aborts ("terminate called without an active exception") and torchrun reports the job
+# failed. train.py leaves as lifecycle.finish does; a loop of one's own gets the same at exit.
+
+def leave_at_exit():
+    """At a clean exit (no uncaught exception), while the interpreter is whole: the garbage
+    freed, the ranks together (a barrier), the process group destroyed. Asked twice, once."""
+    atexit.unregister(_leave)
+    atexit.register(_leave)
+
+
+def _leave():
+    if not dist.is_initialized() or hasattr(sys, "last_value"):  # gone, or a rank that failed:
+        return  # a barrier would wait for peers that may never come
+    gc.collect()
+    try:
+        dist.barrier()
+    except RuntimeError:  # a peer already gone: nothing to leave together with
+        pass
+    dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -423,6 +423,24 @@ def test_every_group_waits_the_runs_timeout(monkeypatch):
     assert steps == [seconds(start), seconds(7)], steps
 
 
+def test_a_clean_exit_destroys_the_process_group_and_a_failed_one_leaves_it(tmp_path):
+    """hangs.leave_at_exit (install registers it): at a clean interpreter exit the process
+    group is destroyed while the interpreter is whole (a loop of one's own that never destroys
+    it could abort at exit: docs/forking.md); after an uncaught exception it is left alone (a
+    barrier would wait for peers that may never come)."""
+    code = ("import atexit, sys, torch.distributed as dist\n"
+            "atexit.register(lambda: print('initialized at exit:', dist.is_initialized()))\n"
+            "from machinery import hangs\n"
+            "hangs.install()\n"  # before the group, as train.py calls it
+            f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', "
+            "rank=0, world_size=1)\n"
+            "if sys.argv[1] == 'fail':\n    raise SystemError('a rank that failed')\n")
+    for how, destroyed in (("clean", True), ("fail", False)):
+        r = subprocess.run([sys.executable, "-c", code, how], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        assert f"initialized at exit: {not destroyed}" in r.stdout, (how, r.stdout, r.stderr)
+
+
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
                "reduce_scatter_tensor", "all_to_all_single", "broadcast", "broadcast_object_list",
                "barrier", "reduce_scatter_single", "all_gather_single")
