@@ -382,6 +382,44 @@ def test_train_py_under_torchrun_exits_naming_the_hang_and_its_checkpoint_resume
     assert max(r["iter"] for r in rows if "loss" in r) == 7
 
 
+def _named(main, argv):
+    """main(argv) in a forked rank of train.py; its one line (name_hang's, or the hung rank's
+    own) to OUT/line{rank}, then out at once (gloo's broken pairs behind)."""
+    from configurator import UserError
+    try:
+        main(argv)
+        line = None
+    except hangs.CollectiveTimeout as e:
+        line = hangs.name_hang(e)
+    except UserError as e:
+        line = str(e)
+    out = argv[argv.index("--out-dir") + 1]
+    with open(os.path.join(out, f"line{os.environ['RANK']}"), "w") as f:
+        json.dump(line, f)
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_a_hang_at_a_resumed_runs_second_step_is_named(data_root, tmp_path):
+    """4 ranks at ZeRO-3 resumed from step 2, the last rank stopped at step 3, the resume's
+    second step (its first waits the start-up allowance): every other rank names it within
+    the timeout, the stopped rank says so."""
+    from conftest import _train_rank
+    args = TINY + ["--data-root", data_root, "--dataset", "tiny", "--zero", "3",
+                   "--eval-interval", "100", "--out-dir", str(tmp_path)]
+    run_train(args + ["--max-iters", "2"], 4)
+    argv = args + ["--max-iters", "5", "--resume", "--hang-at", "3", "--collective-timeout",
+                   str(TIMEOUT)]
+    spawn_bounded(_train_rank, 4, (free_port(), argv, _named), seconds=120)
+    for rank in range(3):
+        line = json.load(open(tmp_path / f"line{rank}"))
+        assert re.fullmatch(
+            rf"rank {rank}: all_gather of root at step 3, micro-step 0 \(collective #\d+\) "
+            rf"{TIMED_OUT}: rank 3 never arrived \(in no collective: busy, stuck or gone\) "
+            rf"\(ranks 0-2 waited, --collective-timeout {TIMEOUT:g}\)", line), line
+    assert json.load(open(tmp_path / "line3")).startswith("--hang-at 3: rank 3 issued no")
+
+
 def test_every_group_waits_the_runs_timeout(monkeypatch):
     """Whoever made a group (dist.init_process_group, collectives.gather_group, ZeRO++'s node
     and cross-node groups): its first collective gives it the start-up allowance, its first
