@@ -92,8 +92,8 @@ def warmed_up(world_size):
 
 def _bound(group):
     """The run's wait for `group`, given before a collective runs on it. At the run's first
-    collective this rank also tells the store where its process lives (name_hang's _ended)."""
-    if _bounded.get(group, -1) == timeout_s:
+    collective this rank also tells the store where its process lives (name_hang's _here)."""
+    if _bounded.get(group, "not yet") == timeout_s:
         return
     if group is None and None not in _bounded:
         dist.distributed_c10d._get_default_store().set(
@@ -115,20 +115,17 @@ def _bound(group):
 
 def leave_at_exit():
     """At a clean exit (no uncaught exception), while the interpreter is whole: the garbage
-    freed, the ranks together (a barrier), the process group destroyed. Asked twice, once."""
+    freed, then the process group destroyed (it lands what is still in flight first). No
+    barrier: a rank that leaves early must not wait in a collective its peers never join.
+    Asked twice, once."""
     atexit.unregister(_leave)
     atexit.register(_leave)
 
 
 def _leave():
-    if not dist.is_initialized() or hasattr(sys, "last_value"):  # gone, or a rank that failed:
-        return  # a barrier would wait for peers that may never come
-    gc.collect()
-    try:
-        dist.barrier()
-    except RuntimeError:  # a peer already gone: nothing to leave together with
-        pass
-    dist.destroy_process_group()
+    if dist.is_initialized() and not hasattr(sys, "last_value"):  # a failed rank: as it is
+        gc.collect()
+        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------
