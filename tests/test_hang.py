@@ -52,6 +52,15 @@ def _until_named(world_size, seconds):
     return hang
 
 
+def _steps(model, zero, rank, world_size, steps):
+    """Steps 0 .. steps-1 of the engine on the test data, as train.py's loop takes them."""
+    scaler = GradScaler(init_scale=1.0, dynamic=False)
+    for step in range(steps):
+        x, y = get_batch(DATA, SEED, step, 0, rank, world_size, B, T, 1)
+        zero.backward(model(x, y)[1])
+        zero_step(zero, scaler, LR, CLIP)
+
+
 def _hang_once(rank, world_size, stage):
     """Steps 0 and 1 of ZeRO `stage` with --hang-at 1: this rank's one line, or None on the
     rank that hung."""
@@ -59,12 +68,8 @@ def _hang_once(rank, world_size, stage):
     zero = make_zero(model, stage, lr=LR, bucket_mb=0.002, rank=rank, world_size=world_size)
     cfg = SimpleNamespace(hang_at=HANG_AT, collective_timeout=TIMEOUT, max_iters=HANG_AT + 1)
     hangs.watch(model, cfg, rank, world_size, grad_accum=1, start_it=0)
-    scaler = GradScaler(init_scale=1.0, dynamic=False)
     try:
-        for step in range(HANG_AT + 1):
-            x, y = get_batch(DATA, SEED, step, 0, rank, world_size, B, T, 1)
-            zero.backward(model(x, y)[1])
-            zero_step(zero, scaler, LR, CLIP)
+        _steps(model, zero, rank, world_size, HANG_AT + 1)
     except Stuck:
         assert rank == world_size - 1
         return None
@@ -183,12 +188,9 @@ def _one_rank_killed(rank, world_size, port, out):
                                           if hangs.position.step == 1 else None)
     hangs.watch(model, SimpleNamespace(hang_at=-1, collective_timeout=30.0, max_iters=2), rank,
                 world_size, grad_accum=1, start_it=0)
-    line, scaler = None, GradScaler(init_scale=1.0, dynamic=False)
+    line = None
     try:
-        for step in range(2):
-            x, y = get_batch(DATA, SEED, step, 0, rank, world_size, B, T, 1)
-            zero.backward(model(x, y)[1])
-            zero_step(zero, scaler, LR, CLIP)
+        _steps(model, zero, rank, world_size, 2)
     except hangs.CollectiveTimeout as e:
         line = hangs.name_hang(e)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -235,16 +237,13 @@ def _slow_first_step(rank, world_size, port, out):
     model = make_model()
     zero = make_zero(model, 2, lr=LR, bucket_mb=0.002, rank=rank, world_size=world_size)
     hangs.watch(model, SimpleNamespace(hang_at=-1, collective_timeout=TIMEOUT, max_iters=3),
-                    rank, world_size, grad_accum=1, start_it=0)
+                rank, world_size, grad_accum=1, start_it=0)
     late = lambda m, args: time.sleep(1.5 * TIMEOUT) if hangs.position.step in (0, 2) \
         and rank == world_size - 1 else None
     model.register_forward_pre_hook(late)  # after watch's: the step is set
-    scaler, result = GradScaler(init_scale=1.0, dynamic=False), None
+    result = None
     try:
-        for step in range(3):
-            x, y = get_batch(DATA, SEED, step, 0, rank, world_size, B, T, 1)
-            zero.backward(model(x, y)[1])
-            zero_step(zero, scaler, LR, CLIP)
+        _steps(model, zero, rank, world_size, 3)
     except hangs.CollectiveTimeout as e:
         result = (e.where["step"], e.timed_out, hangs.timeout_s)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
