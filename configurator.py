@@ -44,6 +44,7 @@ def opt(default, help, choices=None, check=None, **argparse_extra):
 # clipping silently off.
 RANGES = {"> 0": (lambda v: 0 < v < math.inf, "must be a positive number"),
           "(0, 2**20]": (lambda v: 0 < v <= 2**20, "must be in (0, 1048576]"),
+          "[1, 2**20] s": (lambda v: 1 <= v <= 2**20, "must be 1 to 1048576 s: a step must fit"),
           "fp32 normal": (lambda v: 2.0**-126 <= v <= 2.0**127, "must be in [2**-126, 2**127]"),
           ">= 0": (lambda v: 0 <= v < math.inf, "must be a number >= 0"),
           "[0, 1)": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
@@ -191,7 +192,7 @@ class TrainConfig:
                                            "an evaluation or a save must fit in it. The first "
                                            "step (a compile, rank 0 preparing --input) waits "
                                            "at least 30 min (docs/debugging.md)",
-                                    check="(0, 2**20]")
+                                    check="[1, 2**20] s")
     hang_at: int = opt(-1, "a lesson in hangs: the last rank stops issuing collectives at "
                            "this step (after the run's first); the others name it after "
                            "--collective-timeout", check="int >= -1")

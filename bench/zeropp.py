@@ -127,7 +127,7 @@ def tables(found, seeds, args):
     theory = ", ".join(f"{k[0]} {k[1]} {v / psi:.2f}Ψ" for k, v in
                        expected_bytes(psi, RANKS, NODE, ("qwz", "hpz", "qgz")).items())
     numbers = (f"Ψ = {psi:,} (the CPU demo model), {args.dtype}, 4 ranks as 2 nodes x 2, one "
-               f"micro-step a step; bytes of one step of one rank, as collectives.Traffic counts "
+               f"micro-step a step; bytes of one step of one rank, as zeropp.LinkTraffic counts "
                f"them. Expected for all three with int4 (zeropp.expected_bytes: the paper's "
                f"volumes, counted as we count): {theory}.\n\n"
                f"**Estimate, not a measurement**: the measured bytes per parameter scaled to "

@@ -45,6 +45,7 @@ arithmetic changes (each gradient is taken at weights one update old).
 import os
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -61,6 +62,14 @@ CPU_ADAM_PER_CORE = 1.2e9  # elements per second a core
 PCIE_BYTES_PER_S = 25e9
 
 
+@dataclass
+class HostCopies:
+    """Bytes this rank copied between the device and the host since the counter was made: no
+    collective (not in collectives.Traffic), but the same step's cost, counted beside it."""
+    d2h: int = 0  # device -> host: the gradient slice
+    h2d: int = 0  # host -> device: the updated 16-bit weight slice
+
+
 class OffloadOptimizer:
     """A mixin for the engine: the master slice and the optimizer in host memory. Put before
     the engine class (OffloadZeRO, OffloadZeRO3 below). overlap: copy each bucket's gradient
@@ -72,6 +81,7 @@ class OffloadOptimizer:
                              "1, 2 or 3 (at stage 0 every rank owns everything)")
         self.overlap, self.accumulating = overlap, False
         self.pin = next(model.parameters()).device.type == "cuda"  # pinned: DMA, async copies
+        self.host_copies = HostCopies()
         super().__init__(model, stage, **kwargs)
         # the host buffers, allocated once (pinning is slow): the fp32 gradient slice, and a
         # 16-bit staging slice that carries the gradient down and the new weights up
@@ -117,7 +127,7 @@ class OffloadOptimizer:
         staging slice, fp32 straight into the fp32 gradient)."""
         src = self.buckets[i].owned_grad()
         dst = self.host_grad[i] if src.dtype == torch.float32 else self.host_low[i]
-        self.traffic.d2h += src.numel() * src.element_size()
+        self.host_copies.d2h += src.numel() * src.element_size()
         if self.stream is None:  # one device: a plain copy
             dst.copy_(src)
             self.down[i] = None
@@ -187,7 +197,7 @@ class OffloadOptimizer:
         src = self._staged(i)
         into = torch.empty(src.numel(), dtype=self.dtype, device=self.device) \
             if into is None else into
-        self.traffic.h2d += src.numel() * src.element_size()
+        self.host_copies.h2d += src.numel() * src.element_size()
         if self.stream is None:
             return into.copy_(src)
         compute = torch.cuda.current_stream(self.device)

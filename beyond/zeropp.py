@@ -36,10 +36,13 @@ and is gathered as it is; qwZ quantizes only buckets of parameters of the workin
 The second shard lives from a unit's forward to the end of backward (or the next publish):
 checkpoints see only the primary shards, so runs resume across ZeRO-3 and ZeRO++ alike.
 """
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 
-from collectives import Traffic, all_gather_params, all_to_all, new_group
+import collectives
+from collectives import Traffic, all_gather_params
 from configurator import ZEROPP_PARTS as PARTS, parse_zeropp
 from quant import absmax_quantize
 from zero import MAX_IN_FLIGHT
@@ -50,10 +53,59 @@ QGZ_BLOCK = 64  # gradients: int4 needs smaller blocks; a scale per 64 codes, 0.
 
 
 # ----------------------------------------------------------------------------------------------
+# Bytes by link. A collective on a group whose ranks all sit in one node (node_size consecutive
+# ranks) counts as intra-node, any other as inter-node; node_size 0: one node. ZeROpp counts its
+# traffic so, and train.py a plain ZeRO-3 run's (metrics.jsonl: comm_bytes_intra, _inter, comm_by).
+
+@dataclass
+class LinkTraffic(Traffic):
+    """collectives.Traffic, its bytes split by link, and qgZ's all-to-alls beside the rest."""
+    all_to_all: int = 0
+    bytes_intra: int = 0  # of `bytes`, on groups inside one node
+    bytes_inter: int = 0  # ... and on groups that span nodes
+    node_size: int = 0  # ranks per node (0: every rank in one node)
+    by: dict = field(default_factory=dict)  # "all_gather/inter" -> bytes, and so on
+
+    @property
+    def elements(self):
+        return super().elements + self.all_to_all
+
+    def count(self, kind, elements, nbytes, group=None):
+        super().count(kind, elements, nbytes, group)
+        intra = self.node_size == 0 or len({r // self.node_size for r in _ranks(group)}) == 1
+        link = "intra" if intra else "inter"
+        setattr(self, "bytes_" + link, getattr(self, "bytes_" + link) + nbytes)
+        key = f"{kind}/{link}"
+        self.by[key] = self.by.get(key, 0) + nbytes
+
+
+_group_ranks = {}  # group -> its global ranks, asked once
+
+
+def _ranks(group):
+    group = dist.group.WORLD if group is None else group  # a re-init: a new default group
+    if group not in _group_ranks:
+        _group_ranks[group] = dist.get_process_group_ranks(group)
+    return _group_ranks[group]
+
+
+def all_to_all(out, inp, traffic, group_size, group=None, label=None):
+    """Chunk i of inp (inp.numel() / group_size elements) goes to the group's i-th rank, which
+    puts it at chunk [this rank] of its out; an all-to-all moves its n-element input. gloo runs
+    it on CPU tensors of any dtype (int8 and uint8 codes included, checked on torch 2.13)."""
+    if group_size == 1:
+        out.copy_(inp)
+        return None
+    traffic.count("all_to_all", inp.numel(), inp.numel() * inp.element_size(), group)
+    return collectives.launch("all_to_all", label, inp, dist.all_to_all_single, out, inp,
+                              group=group)
+
+
+# ----------------------------------------------------------------------------------------------
 # Node groups (ZeRO++'s hierarchy). Ranks r = node * k + local, k ranks per node.
 # Every rank must call dist.new_group for every subgroup, in the same order, even for the
-# groups it is not in: so all of them are made at once, once per process (collectives.new_group:
-# with the run's --collective-timeout, like every group of a run).
+# groups it is not in: so all of them are made at once, once per process (each waits the run's
+# --collective-timeout from its first collective on: machinery/hangs.py).
 
 _node_groups = {}  # (the default group, world size, k) -> (this rank's node group, cross group)
 
@@ -67,10 +119,10 @@ def node_groups(world_size, node_size, rank):
         mine = [None, None]
         if 1 < k < world_size:
             for m in range(nodes):
-                g = new_group(list(range(m * k, (m + 1) * k)))
+                g = dist.new_group(list(range(m * k, (m + 1) * k)))
                 mine[0] = g if rank // k == m else mine[0]
             for j in range(k):
-                g = new_group(list(range(j, world_size, k)))
+                g = dist.new_group(list(range(j, world_size, k)))
                 mine[1] = g if rank % k == j else mine[1]
         _node_groups[key] = tuple(mine)
     return _node_groups[key]
@@ -183,7 +235,7 @@ class ZeROpp(ZeRO3):
         # made once per process, by every rank in the same order (node_groups)
         self.node_group, self.cross_group = node_groups(N, k, rank) if N > 1 else (None, None)
         super().__init__(model, stage, **kwargs)
-        self.traffic = Traffic(node_size=k)
+        self.traffic = LinkTraffic(node_size=k)
         for b in self._every_bucket():
             b.secondary = None  # hpZ's node-local shard, while one exists
 
@@ -289,7 +341,7 @@ class ZeROpp(ZeRO3):
 
 def expected_bytes(psi, world_size, node_size, parts=(), qgz_bits=4, dtype_bytes=2,
                    reduce_bytes=None):
-    """The paper's volumes per rank per micro-step, in bytes, by link, counted as collectives.py
+    """The paper's volumes per rank per micro-step, in bytes, by link, counted as LinkTraffic
     counts them (a gather: its output; a reduction or an all-to-all: its input), for Ψ = psi
     trainable parameters of dtype_bytes each (the root's skipped re-gather left out):
     {(collective, link): bytes}, link 'intra' or 'inter'."""

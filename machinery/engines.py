@@ -74,6 +74,8 @@ def make_engine(cfg, model, dtype, rank, world_size, grad_accum, source=None):
         world_size=world_size, reduce_dtype=DTYPES.get(cfg.reduce_dtype),
         fp32_grad_accum=cfg.fp32_grad_accum and grad_accum > 1 and dtype != torch.float32,
         optimizer=cfg.optimizer, master_weights=source, **extra)
-    engine.traffic.node_size = node_size  # bytes by link (collectives.Traffic)
+    if cfg.zero == 3:  # bytes by link, beside ZeRO++'s theory (report.py)
+        from beyond.zeropp import LinkTraffic
+        engine.traffic = LinkTraffic(node_size=node_size)
     return engine
 

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_leaves
 
 import optim
 from collectives import all_gather_list, all_reduce_max, broadcast
+from machinery import hangs
 from zero import frozen_tensors
 from zero3 import ZeRO3, before_backward
 
@@ -180,6 +181,8 @@ class Guard:
 
     def __init__(self, model, stage, optimizer="adamw", broadcast_from=None,
                  master_weights=None, unused="zero", **kwargs):
+        if not hangs.installed():  # a loop of one's own: its hangs named, a clean exit
+            hangs.install()
         if unused not in UNUSED:
             raise ValueError(f"unused={unused!r}: one of {', '.join(map(repr, UNUSED))}")
         if stage not in self.STAGES:

@@ -5,8 +5,8 @@ Guards how a run starts and ends: signals, agreed stops, one-line errors, a clea
   - a run whose every step overflows stops, with the reason, before it saves NaN weights
   - --nan-at makes one rank's loss NaN at one step: the lesson in skipped steps
   - a collective that times out (--collective-timeout) is one line on each rank that waited in
-    it, naming the collective, the step and the ranks that never arrived (exit 3); --hang-at
-    makes one rank stop at one step: the lesson in hangs
+    it, naming the collective, the step and the ranks that never arrived (exit 3;
+    machinery/hangs.py)
   - an error a user can fix is one line on stderr (exit 2), printed by one rank for all,
     agreed on by every rank where only some can see it (a node without the data)
   - a run that cannot fit in the memory it has is refused before any work (check_memory), and
@@ -14,18 +14,18 @@ Guards how a run starts and ends: signals, agreed stops, one-line errors, a clea
   - the process group is torn down together, after every rank has written its last byte
 """
 import gc
-import json
 import os
 import signal
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 import collectives
 from configurator import UserError
-from machinery import rundir, validate
+# hangs: train.py's too, through this module (install, watch): every collective bounded in
+# time, a hang named, --hang-at
+from machinery import hangs, rundir, timeline, validate
 # train.py's, through this module: the run's metrics.jsonl and its folder's lock
 from machinery.rundir import Metrics, releasing_locks
 
@@ -86,123 +86,17 @@ def inject_nan(model, step, rank, world_size, grad_accum, start_it):
     model.register_forward_hook(hook)
 
 
-def watch(model, cfg, rank, world_size, grad_accum, start_it):
-    """Where the run is, for a collective that times out to name (collectives.position): the
-    step and micro-step of each training forward, counted from start_it; an evaluation's
-    forward is at the coming step, in no micro-step. A pre-hook on the model, ahead of the
-    engine's own (ZeRO-3's first gather is then in this step). The first forward after the
-    run's first step tightens every collective's wait to --collective-timeout (the first step
-    compiles and warms up under collectives.START_S). --hang-at STEP: the last rank stops
-    issuing collectives at that step's first forward (hang below)."""
-    if cfg.hang_at >= 0 and world_size == 1:
-        raise UserError(f"--hang-at {cfg.hang_at} stops one rank while the others wait: run "
-                        "2 or more ranks (torchrun --nproc_per_node=2)")
-    if cfg.hang_at >= 0 and not start_it < cfg.hang_at < cfg.max_iters:
-        raise UserError(f"--hang-at {cfg.hang_at}: give a step after this run's first "
-                        f"({start_it}: it compiles and warms up under a longer timeout) and "
-                        f"before --max-iters {cfg.max_iters}")
-    forwards, where = [start_it * grad_accum], collectives.position
-
-    def hook(module, args):
-        if not (module.training and torch.is_grad_enabled()):
-            where.step, where.micro = forwards[0] // grad_accum, -1  # evaluation
-        else:
-            where.step, where.micro = divmod(forwards[0], grad_accum)
-            forwards[0] += 1
-        if where.step > start_it:
-            collectives.warmed_up(world_size)
-        if where.step == cfg.hang_at and where.micro == 0 and rank == world_size - 1:
-            hang(cfg.hang_at, rank, cfg.collective_timeout)
-
-    model.register_forward_pre_hook(hook, prepend=True)
-
-
-def hang(step, rank, timeout):
-    """--hang-at: this rank issues no collective for longer than the others wait and report
-    (a rank stuck in a data loader, a deadlock, a branch of its own); then it leaves too."""
-    seconds = timeout + 2 * grace(timeout) + 1
-    time.sleep(seconds)
-    raise UserError(f"--hang-at {step}: rank {rank} issued no collective for {seconds:g} s at "
-                    f"step {step} (an injected fault); the other ranks named it", rank_local=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# who never arrived (collectives.py tells the protocol)
-
-KEY = "nanozero/hang/"  # + rank: where that rank waits; + "read": how many read the others
-
-
-def grace(timeout, timed_out=True):
-    """How long a rank whose collective failed listens for the others' reports: the ranks
-    waiting with it fail within the spread of their arrivals (or at once, when a peer's timeout
-    closes the connections). A quarter of the timeout, 1 to 30 s; 1 s when this rank's own wait
-    did not time out but lost its peer (a rank that crashed or was killed closes every
-    connection, and torchrun stops the rest within seconds: a survivor must not linger)."""
-    return min(30.0 if timed_out else 1.0, max(1.0, (timeout or 1800) / 4))
-
-
-def name_hang(error):
-    """The one line of a rank whose collective lost a peer (a collectives.CollectiveTimeout):
-    where it waited, why, and which ranks never arrived, heard through c10d's store."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    mine = error.where
-    heard = exchange(mine, rank, world_size, grace(collectives.timeout_s, error.timed_out))
-    absent = [r for r in range(world_size) if r not in heard]
-    elsewhere = {}  # where -> the ranks waiting there
-    for r, w in heard.items():
-        if w["seq"] != mine["seq"]:
-            elsewhere.setdefault(collectives.describe(w), []).append(r)
-    missing = [f"{ranks_text(absent)} never arrived (in no collective: busy, stuck or gone)"
-               ] if absent else []
-    missing += [f"{ranks_text(rs)} never arrived (waiting in {w})" for w, rs in elsewhere.items()]
-    if not missing:
-        missing = ["every rank arrived, yet it did not finish (a slow link, a backend fault)"]
-    here = ranks_text([r for r, w in heard.items() if w["seq"] == mine["seq"]])
-    limit = f", --collective-timeout {collectives.timeout_s:g}" if collectives.timeout_s else ""
-    return f"rank {rank}: {error}: {'; '.join(missing)} ({here} waited{limit})"
-
-
-def exchange(mine, rank, world_size, seconds):
-    """{rank: where it waits} of the ranks that answer within `seconds`, this one's included.
-    The store may live in rank 0's process (a group made from MASTER_ADDR without torchrun's
-    agent): rank 0 leaves after the others have read."""
-    heard = {rank: mine}
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"{KEY}{rank}", json.dumps(mine))
-        deadline = time.monotonic() + seconds
-        while len(heard) < world_size and time.monotonic() < deadline:
-            time.sleep(0.05)
-            for r in range(world_size):
-                if r not in heard and store.check([f"{KEY}{r}"]):
-                    heard[r] = json.loads(store.get(f"{KEY}{r}"))
-        read = store.add(KEY + "read", 1)
-        while rank == 0 and read < len(heard) and time.monotonic() < deadline + seconds:
-            time.sleep(0.05)
-            read = store.add(KEY + "read", 0)
-    except RuntimeError:  # the store is gone (its host left first): what was heard so far
-        pass
-    return heard
-
-
-def ranks_text(ranks):
-    """[0, 1, 2, 5] -> 'ranks 0-2, 5'; [3] -> 'rank 3'."""
-    runs = []
-    for r in sorted(ranks):
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
-    return ("rank " if len(ranks) == 1 else "ranks ") + text
-
-
 def start(cfg, model_class, rank, world_size, device, print0):
     """Before any work: what the flags ask of the model class and the optimizer, the memory the
-    run needs, then out_dir's lock and history (one run a folder): a UserError, one line,
-    the same on every rank."""
+    run needs and --trace's folder, then out_dir's lock and history (one run a folder): a
+    UserError, one line, the same on every rank."""
     validate.check_run(cfg, model_class)
-    rundir.claim(cfg, rank, world_size, print0, lambda: check_memory(cfg, device))
+
+    def checks():  # on rank 0, its line for every rank
+        check_memory(cfg, device)
+        if cfg.trace:
+            timeline.check_target(cfg.trace, world_size)
+    rundir.claim(cfg, rank, world_size, print0, checks)
 
 
 def finish(model, zero, world_size):
@@ -296,11 +190,10 @@ def run_main(main, name, errors):
             print(f"{name}: error: {e}", file=sys.stderr)
         sys.exit(2)
     except RuntimeError as e:
-        if dist.is_initialized() and (isinstance(e, collectives.CollectiveTimeout)
-                                      or collectives.lost(e)):
-            if not isinstance(e, collectives.CollectiveTimeout):  # torch.distributed's own
-                e = collectives.CollectiveTimeout(None, e)
-            print(f"{name}: error: {name_hang(e)}", file=sys.stderr, flush=True)
+        if dist.is_initialized() and (isinstance(e, hangs.CollectiveTimeout) or hangs.lost(e)):
+            if not isinstance(e, hangs.CollectiveTimeout):  # torch.distributed's own
+                e = hangs.CollectiveTimeout(None, e)
+            print(f"{name}: error: {hangs.name_hang(e)}", file=sys.stderr, flush=True)
             sys.exit(3)  # a hang, named by every rank that waited
         line = out_of_memory(e)
         if line is None:

@@ -56,7 +56,8 @@ class Measured:
     state: dict  # ZeRO.state_bytes() after the step
     host: dict  # host_bytes() under --offload-optimizer, else None
     peak: int  # MemTracker: the most bytes held at once during the step (model state too)
-    traffic: Traffic  # the step's collectives
+    traffic: Traffic  # the step's collectives, by collective and link (zeropp.LinkTraffic)
+    copies: object  # --offload-optimizer's host copies (offload_optimizer.HostCopies), or None
     grad_accum: int
     seconds: float  # to build and step on fake tensors
 
@@ -72,9 +73,11 @@ def fake_world(rank, world_size):
     if dist.is_initialized():
         raise RuntimeError("memory.py --measure makes its own process group: call it outside "
                            "a distributed run")
+    from machinery import hangs
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield
+        with hangs.off():  # nothing waits in a fake collective: no timeouts to name
+            yield
     finally:
         dist.destroy_process_group()
 
@@ -140,7 +143,7 @@ def measure_rank(tc, vocab_size, world_size, rank):
             x = torch.randint(0, vocab_size, (tc.batch_size, tc.block_size))
             return x, x
 
-        zero.traffic = Traffic(node_size=zero.traffic.node_size)  # the step's alone
+        count_afresh(zero, tc.node_size or world_size)  # the step's alone
         with tracker:
             train.train_step(model, zero, scaler, tc, next_batch, grad_accum,
                              tc.learning_rate)
@@ -148,7 +151,18 @@ def measure_rank(tc, vocab_size, world_size, rank):
         state = zero.state_bytes()
         host = zero.host_bytes() if hasattr(zero, "host_bytes") else None
     return Measured(rank, world_size, zero, state, host, snapshot.get("Total", 0),
-                    zero.traffic, grad_accum, time.perf_counter() - t0)
+                    zero.traffic, getattr(zero, "host_copies", None), grad_accum,
+                    time.perf_counter() - t0)
+
+
+def count_afresh(zero, node_size):
+    """The engine's counters from zero, its collectives counted by collective and link at every
+    stage (ZeRO++'s counter, zeropp.LinkTraffic; train.py's stages 0-2 count the paper's
+    volumes only) and its host copies."""
+    from beyond.zeropp import LinkTraffic
+    zero.traffic = LinkTraffic(node_size=getattr(zero.traffic, "node_size", 0) or node_size)
+    if hasattr(zero, "host_copies"):
+        zero.host_copies = type(zero.host_copies)()
 
 
 def step_tracker():
@@ -418,7 +432,8 @@ def traffic_lines(m, tc):
                      f"{fmt(theory['intra'])} | {fmt(theory['inter'])}")
     if hasattr(z, "pcie_formula"):
         pcie = z.pcie_formula()
-        lines.append(f"  PCIe (offload): {fmt(t.d2h)} down, {fmt(t.h2d)} up; theory "
+        c = m.copies
+        lines.append(f"  PCIe (offload): {fmt(c.d2h)} down, {fmt(c.h2d)} up; theory "
                      f"{fmt(pcie['d2h'])} | {fmt(pcie['h2d'])}")
     return lines
 

@@ -145,8 +145,12 @@ class StepLog:
         self.t += seconds
 
     def new_step(self):
-        """Count only this step's collectives."""
-        self.zero.traffic = type(self.zero.traffic)(node_size=self.zero.traffic.node_size)
+        """Count only this step's collectives (ZeRO++'s counter by link keeps its node size)
+        and host copies (--offload-optimizer's)."""
+        t = self.zero.traffic
+        self.zero.traffic = type(t)(node_size=t.node_size) if hasattr(t, "node_size") else type(t)()
+        if hasattr(self.zero, "host_copies"):
+            self.zero.host_copies = type(self.zero.host_copies)()
 
     def log(self, it, lr, loss_sum, found_inf, grad_norm, zero_frac):
         """Read the step's numbers off the device (the loop's only .item() calls)."""
@@ -188,14 +192,17 @@ class StepLog:
         formula = traffic_formula(zero.psi, cfg.zero, zero.world_size, self.grad_accum,
                                   zero.frozen_numel)
         pcie = zero.pcie_formula() if hasattr(zero, "pcie_formula") else {"d2h": 0, "h2d": 0}
-        return {"d2h_bytes": t.d2h, "h2d_bytes": t.h2d,  # --offload-optimizer's copies
+        copies = getattr(zero, "host_copies", None)  # --offload-optimizer's (offload_optimizer.py)
+        return {"d2h_bytes": copies.d2h if copies else 0, "h2d_bytes": copies.h2d if copies else 0,
                 "d2h_theory": pcie["d2h"], "h2d_theory": pcie["h2d"],
                 "comm_elements": t.elements, "comm_bytes": t.bytes,
                 "comm_theory_elements": formula,
-                "comm_bytes_intra": t.bytes_intra, "comm_bytes_inter": t.bytes_inter,
+                # by link at stage 3 (zeropp.LinkTraffic), else None
+                "comm_bytes_intra": getattr(t, "bytes_intra", None),
+                "comm_bytes_inter": getattr(t, "bytes_inter", None),
                 "comm_theory_bytes_intra": theory["intra"],
                 "comm_theory_bytes_inter": theory["inter"],
-                "comm_by": t.by}  # bytes by collective and link
+                "comm_by": getattr(t, "by", None)}  # bytes by collective and link
 
     def _print(self, it, row, dt, tps, first):
         cfg, say = self.cfg, self.print0
@@ -238,7 +245,7 @@ def communicators(cfg, world_size, zero):
     from configurator import parse_zeropp
     from machinery.footprint import nccl_communicators
     return nccl_communicators(world_size, cfg.zero, parse_zeropp(cfg.zeropp),
-                              zero.traffic.node_size, zero.device.type)
+                              getattr(zero.traffic, "node_size", 0), zero.device.type)
 
 
 def memory_line(peak, reserved, used, total, n_comms):

@@ -21,7 +21,7 @@ import torch
 
 import checkpoint
 from configurator import SCHEDULE, TrainConfig, UserError
-from machinery import checked_ckpt, lifecycle, quirks, report
+from machinery import checked_ckpt, hangs, lifecycle, quirks, report
 from machinery.rundir import releasing_locks  # noqa: F401 (train.py's, through this module)
 
 
@@ -65,7 +65,10 @@ class Run:
         self.cfg, self.GPT = fit_schedule(cfg), model_class  # model.GPT, a fork's model.py's
         validate.check_run(cfg, model_class)  # what the flags ask of the model and optimizer
         check_device(cfg)
-        flight_recorder(cfg)  # before the process group is made
+        # every collective may wait --collective-timeout, then names the hang (docs/debugging.md);
+        # before the process group is made: NCCL reads its Flight Recorder's settings then
+        cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        hangs.install(cfg.collective_timeout, "nccl" if cuda else "gloo", cfg.out_dir)
         self.print0, self.stopped, self.it = print, False, None
         self.model = self.zero = self.scaler = None
 
@@ -79,8 +82,6 @@ class Run:
         cfg, GPT = self.cfg, self.GPT
         self.rank, self.world_size, self.device = rank, world_size, device
         self.print0 = print if rank == 0 else (lambda *a, **k: None)
-        if world_size > 1:  # every collective may wait --collective-timeout, then names itself
-            time_collectives(cfg.collective_timeout)
         lifecycle.start(cfg, GPT, rank, world_size, device, self.print0)
         quirks.apply(cfg, device)  # what a torch version or a GPU needs
         if cfg.fp8:  # where FP8 matmuls run (on a CPU: emulated), or one line
@@ -177,7 +178,7 @@ class Run:
         if cfg.nan_at >= 0:  # the lesson in skipped steps: one rank's loss goes NaN
             lifecycle.inject_nan(model, cfg.nan_at, self.rank, self.world_size, grad_accum,
                                  start_it)
-        lifecycle.watch(model, cfg, self.rank, self.world_size, grad_accum, start_it)
+        hangs.watch(model, cfg, self.rank, self.world_size, grad_accum, start_it)  # --hang-at
         self.signal = lifecycle.stop_on_signals()  # SIGTERM / Ctrl-C: finish, save, exit
         self.log = report.StepLog(cfg, model, zero, scaler, self.metrics, print0, grad_accum,
                                   start_it)
@@ -306,22 +307,3 @@ def check_device(cfg):
                         f"{torch.cuda.device_count()} GPU(s) are visible: one process per GPU, "
                         "or --device cpu", rank_local=True)
 
-
-def flight_recorder(cfg):
-    """NCCL's Flight Recorder, on before the process group is made (collectives.py)."""
-    import collectives
-    dump = os.path.abspath(os.path.join(cfg.out_dir, "nccl_trace_rank_"))  # its dumps
-    for old, new, value in collectives.FLIGHT_RECORDER:
-        if old not in os.environ and new not in os.environ:
-            os.environ[old] = os.environ[new] = value or dump
-
-
-def time_collectives(seconds):
-    """Every collective of the default group (and of groups made later) waits at most
-    max(seconds, START_S) until the first step is behind, then `seconds` (collectives.py)."""
-    from datetime import timedelta
-    import collectives
-    import torch.distributed as dist
-    collectives.timeout_s, collectives._steady = max(seconds, collectives.START_S), seconds
-    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
-    set_timeout(timedelta(seconds=collectives.timeout_s), None)

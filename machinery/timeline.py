@@ -1,4 +1,4 @@
-"""The collective log of a traced run (collectives.Recorder's events) written as JSON lines,
+"""The collective log of a traced run (hangs.Recorder's events) written as JSON lines,
 and read back into per-step numbers: exposed communication -- the host time spent inside a
 collective's wait(), compute that had nothing left to do -- and the overlap fraction, the share
 of each collective's launched-to-landed time that compute hid.
@@ -11,7 +11,8 @@ import os
 
 import torch
 
-import collectives
+from configurator import UserError
+from machinery import hangs
 
 
 def write(events, path, rank):
@@ -49,12 +50,32 @@ def per_step(events):
     return out
 
 
+def check_target(folder, world_size):
+    """--trace FOLDER, before any work: a folder (made now) whose files of each rank are regular
+    files or not there yet (a FIFO blocks the write, a folder fails it at the window's end). A
+    UserError, one line; before, a file there was a FileExistsError on every rank."""
+    if os.path.lexists(folder) and not os.path.isdir(folder):
+        raise UserError(f"--trace {folder} is not a folder (the trace writes a file per rank "
+                        "into it): give another path")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:  # a parent that is a file, no permission, a read-only disk
+        raise UserError(f"--trace {folder}: cannot make this folder ({e.strerror or e}): give "
+                        "a path you can write")
+    for r in range(world_size):
+        for name in (f"trace_rank{r}.json", f"collectives_rank{r}.jsonl", f"memory_rank{r}.pickle"):
+            path = os.path.join(folder, name)
+            if os.path.lexists(path) and not os.path.isfile(path):
+                raise UserError(f"--trace: {path} is not a regular file: move it away, or give "
+                                "another folder")
+
+
 WARMUP = 2  # steps before the window: the first pays allocations, compile, the fork's costs
 
 
 class Tracer:
     """train.py --trace DIR: steps start+2 .. start+2+n-1 recorded. Outside the window it
-    does nothing; inside, every collective goes to collectives.recorder beside marks of each
+    does nothing; inside, every collective goes to hangs.recorder beside marks of each
     block's forward end and backward begin, torch.profiler runs, and on CUDA the allocator
     records its history. Each traced step prints and logs its
     exposed communication and overlap; the window's end writes, per rank, trace_rank{r}.json
@@ -74,19 +95,19 @@ class Tracer:
             return
         if it == self.first:
             self._start()
-        # the step, before its first forward sets it (lifecycle.watch: the micro-steps too);
+        # the step, before its first forward sets it (hangs.watch: the micro-steps too);
         # the step's own collectives logged, not the logging's and saving's after it
-        collectives.position.step, collectives.position.micro = it, -1
-        collectives.recorder = self.rec
+        hangs.position.step, hangs.position.micro = it, -1
+        hangs.recorder = self.rec
         self.rec.mark("step_begin")
 
     def end(self, it):
-        if self.rec is None or it != collectives.position.step:
+        if self.rec is None or it != hangs.position.step:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels in its own span (a traced step syncs)
         self.rec.mark("step_end")
-        collectives.recorder = None  # a launched collective's wait is still noted (its Handle)
+        hangs.recorder = None  # a launched collective's wait is still noted (its Handle)
         events = [e for e in self.rec.events if e["step"] == it]
         s = per_step(events).get(it, dict(exposed_s=0.0, comm_s=0.0, overlap=0.0))
         step_s = events[-1]["t"] - events[0]["t"]
@@ -100,7 +121,7 @@ class Tracer:
             self._stop()
 
     def _start(self):
-        self.rec = collectives.Recorder()
+        self.rec = hangs.Recorder()
         blocks = getattr(self.model, "blocks", None)  # the model declares them (model.py)
         for i, block in enumerate(blocks() if callable(blocks) else []):
             self.hooks.append(block.register_forward_hook(
@@ -115,7 +136,7 @@ class Tracer:
     def _forward_end(self, i, out):
         """Compute beside the collectives: block i's forward ends (a recompute's too, under
         --grad-ckpt), and, when the gradient of its output arrives, its backward begins."""
-        rec = collectives.recorder
+        rec = hangs.recorder
         if rec is None:
             return  # an evaluation between traced steps
         rec.mark("forward_end", block=i)
@@ -123,7 +144,7 @@ class Tracer:
             out.register_hook(lambda grad: rec.mark("backward_begin", block=i))
 
     def _stop(self):
-        self.rec.land()  # nothing of the window still in flight (collectives.Recorder.land)
+        self.rec.land()  # nothing of the window still in flight (hangs.Recorder.land)
         self.prof.__exit__(None, None, None)
         self.prof.export_chrome_trace(os.path.join(self.dir, f"trace_rank{self.rank}.json"))
         if self.device.type == "cuda":

@@ -281,7 +281,7 @@ def test_offload_optimizer_on_cuda(stage, dtype):
             assert all(t.device.type == "cpu" for s in zero.opt.state.values()
                        for t in s.values())
             assert zero.state_bytes()["master"] == zero.state_bytes()["optimizer"] == 0
-            assert zero.traffic.d2h > 0 and zero.traffic.h2d > 0
+            assert zero.host_copies.d2h > 0 and zero.host_copies.h2d > 0
             # an inf in the host slice: found on the host, flagged on the device, skipped
             zero.backward(scaler.scale(model(x[:, :-1], x[:, 1:])[1]))
             before = [m.clone() for m in zero.master]

@@ -1,4 +1,4 @@
-"""A hang names itself: one rank stops issuing collectives (--hang-at, lifecycle.watch), and
+"""A hang names itself: one rank stops issuing collectives (--hang-at, hangs.watch), and
 every other rank leaves within the timeout with one line naming the collective (its op and
 bucket or block), the step and micro-step, and the rank that never arrived. On 2 and 4 gloo
 ranks at every stage (the engine driven directly), and once end to end under torchrun, whose
@@ -22,12 +22,12 @@ import torch.multiprocessing as mp
 import collectives
 from conftest import ROOT, free_port, make_zero, run_train, zero_step
 from data.loader import get_batch
-from machinery import lifecycle
+from machinery import hangs
 from precision import GradScaler
 from test_train import TINY
 from test_zero import B, CLIP, DATA, LR, SEED, T, make_model
 
-TIMEOUT = 2.0  # seconds a collective waits here; lifecycle.grace(TIMEOUT) = 1 s to hear the others
+TIMEOUT = 2.0  # seconds a collective waits here; hangs.grace(TIMEOUT) = 1 s to hear the others
 HANG_AT = 1  # the step the last rank stops at (step 0 runs whole: every collective once)
 # its own timeout, or (a rare race) a peer's, which closed the connection first
 TIMED_OUT = rf"(timed out after {TIMEOUT:g} s|failed \([^)]*\))"
@@ -38,12 +38,12 @@ class Stuck(Exception):
 
 
 def _until_named(world_size, seconds):
-    """lifecycle.hang for these tests: the stuck rank waits until the others have named it
-    (lifecycle.exchange's read count), not the full sleep the real one takes."""
+    """hangs.hang for these tests: the stuck rank waits until the others have named it
+    (hangs.exchange's read count), not the full sleep the real one takes."""
     def hang(step, rank, timeout):
         store, deadline = dist.distributed_c10d._get_default_store(), time.monotonic() + seconds
         try:
-            while store.add(lifecycle.KEY + "read", 0) < world_size - 1 and \
+            while store.add(hangs.KEY + "read", 0) < world_size - 1 and \
                     time.monotonic() < deadline:
                 time.sleep(0.05)
         except RuntimeError:  # rank 0, the store's host, has read and left
@@ -52,24 +52,29 @@ def _until_named(world_size, seconds):
     return hang
 
 
+def _steps(model, zero, rank, world_size, steps):
+    """Steps 0 .. steps-1 of the engine on the test data, as train.py's loop takes them."""
+    scaler = GradScaler(init_scale=1.0, dynamic=False)
+    for step in range(steps):
+        x, y = get_batch(DATA, SEED, step, 0, rank, world_size, B, T, 1)
+        zero.backward(model(x, y)[1])
+        zero_step(zero, scaler, LR, CLIP)
+
+
 def _hang_once(rank, world_size, stage):
     """Steps 0 and 1 of ZeRO `stage` with --hang-at 1: this rank's one line, or None on the
     rank that hung."""
     model = make_model()
     zero = make_zero(model, stage, lr=LR, bucket_mb=0.002, rank=rank, world_size=world_size)
     cfg = SimpleNamespace(hang_at=HANG_AT, collective_timeout=TIMEOUT, max_iters=HANG_AT + 1)
-    lifecycle.watch(model, cfg, rank, world_size, grad_accum=1, start_it=0)
-    scaler = GradScaler(init_scale=1.0, dynamic=False)
+    hangs.watch(model, cfg, rank, world_size, grad_accum=1, start_it=0)
     try:
-        for step in range(HANG_AT + 1):
-            x, y = get_batch(DATA, SEED, step, 0, rank, world_size, B, T, 1)
-            zero.backward(model(x, y)[1])
-            zero_step(zero, scaler, LR, CLIP)
+        _steps(model, zero, rank, world_size, HANG_AT + 1)
     except Stuck:
         assert rank == world_size - 1
         return None
-    except collectives.CollectiveTimeout as e:
-        return lifecycle.name_hang(e)
+    except hangs.CollectiveTimeout as e:
+        return hangs.name_hang(e)
     raise AssertionError(f"rank {rank} ran step {HANG_AT} through: nobody hung")
 
 
@@ -79,12 +84,12 @@ def _every_stage(rank, world_size, ports, out):
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     mp_patch = pytest.MonkeyPatch()
-    mp_patch.setattr(lifecycle, "hang", _until_named(world_size, 3 * TIMEOUT))
+    mp_patch.setattr(hangs, "hang", _until_named(world_size, 3 * TIMEOUT))
     lines = {}
     for stage, port in zip(range(4), ports):
         os.environ["MASTER_PORT"] = str(port)
-        collectives.position.seq = 0
-        collectives.init_process_group("gloo", TIMEOUT)
+        hangs.install(TIMEOUT)
+        dist.init_process_group("gloo")
         t0 = time.monotonic()
         lines[stage] = (_hang_once(rank, world_size, stage), time.monotonic() - t0)
         dist.destroy_process_group()
@@ -167,6 +172,59 @@ def check_every_stage(world_size, tmp_path):
             assert seconds < 4 * TIMEOUT + 5, (stage, seconds)  # bounded, not hours
 
 
+def _one_rank_killed(rank, world_size, port, out):
+    """Steps 0-1 of ZeRO-2; rank 1 is SIGKILLed in step 1's backward. The others' lines. The
+    store lives outside the ranks, as torchrun's agent keeps it."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
+    torch.set_num_threads(1)
+    hangs.install(30.0)  # a lost peer, not a timeout: the survivors fail at once, or in a cascade
+    dist.init_process_group("gloo")
+    model = make_model()
+    zero = make_zero(model, 2, lr=LR, bucket_mb=0.002, rank=rank, world_size=world_size)
+    if rank == 1:
+        model.register_full_backward_hook(lambda m, gi, go: os.kill(os.getpid(), signal.SIGKILL)
+                                          if hangs.position.step == 1 else None)
+    hangs.watch(model, SimpleNamespace(hang_at=-1, collective_timeout=30.0, max_iters=2), rank,
+                world_size, grad_accum=1, start_it=0)
+    line = None
+    try:
+        _steps(model, zero, rank, world_size, 2)
+    except hangs.CollectiveTimeout as e:
+        line = hangs.name_hang(e)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(line, f)
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_gone_and_no_survivor_is_called_absent(tmp_path):
+    """4 ranks, rank 1 SIGKILLed mid-step: gloo fails the collective on each survivor at a
+    different moment (rank 1's neighbours at once, a rank behind them only once they leave),
+    so a roll call alone heard too few: rank 0 said 'ranks 1, 3 never arrived', rank 3 'ranks
+    0-2'. A rank whose process ended is named gone; a survivor that did not answer (still
+    waiting, or leaving) is not called absent."""
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    context = mp.start_processes(_one_rank_killed, args=(4, port, str(tmp_path)),
+                                 nprocs=4, join=False, start_method="forkserver")
+    deadline = time.monotonic() + 90
+    for p in context.processes:  # not context.join: it stops the others when rank 1 dies
+        p.join(max(0.1, deadline - time.monotonic()))
+    alive = [p.pid for p in context.processes if p.is_alive()]
+    for p in context.processes:
+        p.kill()
+    del agent
+    assert not alive, "still running after 90 s: a hang"
+    for rank in (0, 2, 3):
+        line = json.load(open(tmp_path / f"rank{rank}.json"))
+        assert re.fullmatch(rf"rank {rank}: reduce_scatter of bucket \d+ at step 1, micro-step 0 "
+                            r"\(collective #\d+\) failed \(.*\): rank 1 is gone \(its process "
+                            r"ended: killed, crashed or left\).*", line), line
+        assert "never arrived" not in line and "gone" not in line.split("rank 1 is gone")[1], line
+
+
 def _slow_first_step(rank, world_size, port, out):
     """Steps 0-2 of ZeRO-2 with the last rank 1.5 timeouts late in step 0 (a compile, the first
     NCCL connections, an allocator warming up) and again in step 2: its peers wait the first
@@ -174,23 +232,20 @@ def _slow_first_step(rank, world_size, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    collectives.position.seq = 0
-    collectives.init_process_group("gloo", TIMEOUT)
+    hangs.install(TIMEOUT)
+    dist.init_process_group("gloo")
     model = make_model()
     zero = make_zero(model, 2, lr=LR, bucket_mb=0.002, rank=rank, world_size=world_size)
-    lifecycle.watch(model, SimpleNamespace(hang_at=-1, collective_timeout=TIMEOUT, max_iters=3),
-                    rank, world_size, grad_accum=1, start_it=0)
-    late = lambda m, args: time.sleep(1.5 * TIMEOUT) if collectives.position.step in (0, 2) \
+    hangs.watch(model, SimpleNamespace(hang_at=-1, collective_timeout=TIMEOUT, max_iters=3),
+                rank, world_size, grad_accum=1, start_it=0)
+    late = lambda m, args: time.sleep(1.5 * TIMEOUT) if hangs.position.step in (0, 2) \
         and rank == world_size - 1 else None
     model.register_forward_pre_hook(late)  # after watch's: the step is set
-    scaler, result = GradScaler(init_scale=1.0, dynamic=False), None
+    result = None
     try:
-        for step in range(3):
-            x, y = get_batch(DATA, SEED, step, 0, rank, world_size, B, T, 1)
-            zero.backward(model(x, y)[1])
-            zero_step(zero, scaler, LR, CLIP)
-    except collectives.CollectiveTimeout as e:
-        result = (e.where["step"], e.timed_out, collectives.timeout_s)
+        _steps(model, zero, rank, world_size, 3)
+    except hangs.CollectiveTimeout as e:
+        result = (e.where["step"], e.timed_out, hangs.timeout_s)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     os._exit(0)
@@ -200,7 +255,7 @@ def _slow_first_step(rank, world_size, port, out):
 def test_the_first_step_may_be_slow_then_the_timeout_holds(tmp_path):
     """--collective-timeout holds from the run's second step on: the first (inductor's compile
     takes minutes, and not the same minutes on every rank) waits the start-up allowance
-    (collectives.START_S). Before, a rank late in step 0 by 1.5 timeouts stopped a healthy
+    (hangs.START_S). Before, a rank late in step 0 by 1.5 timeouts stopped a healthy
     run there; late in step 2 it is still named within the timeout."""
     spawn_bounded(_slow_first_step, 2, (free_port(), str(tmp_path)), seconds=120)
     step, timed_out, limit = json.load(open(tmp_path / "rank0.json"))
@@ -215,12 +270,22 @@ def test_hang_at_is_refused_where_nothing_would_hang():
     for hang_at, world_size, start_it in ((3, 1, 0), (0, 2, 0), (4, 2, 4), (2, 2, 4), (10, 2, 0)):
         cfg = SimpleNamespace(hang_at=hang_at, collective_timeout=TIMEOUT, max_iters=10)
         with pytest.raises(UserError, match=f"--hang-at {hang_at}"):
-            lifecycle.watch(torch.nn.Linear(1, 1), cfg, 0, world_size, 1, start_it)
+            hangs.watch(torch.nn.Linear(1, 1), cfg, 0, world_size, 1, start_it)
     for flag in ("--hang-at", "--nan-at"):
         with pytest.raises(UserError, match=f"{flag} must be a step, or -1 for none"):
             parse_args([flag, "-2"])
     cfg = SimpleNamespace(hang_at=5, collective_timeout=TIMEOUT, max_iters=10)
-    lifecycle.watch(torch.nn.Linear(1, 1), cfg, 0, 2, 1, 4)  # the first step after a resume's
+    hangs.watch(torch.nn.Linear(1, 1), cfg, 0, 2, 1, 4)  # the first step after a resume's
+
+
+def test_a_collective_timeout_no_step_can_meet_is_refused():
+    """--collective-timeout 1e-9 (or 0.001) was accepted, and the run died after its first step
+    on every rank, blaming 'a slow link, a backend fault'. A floor of 1 s: one line."""
+    from configurator import UserError, parse_args
+    for seconds in ("1e-9", "0.001", "0.5", "0", "-3", "nan", "inf"):
+        with pytest.raises(UserError, match=r"--collective-timeout \S+: must be 1 to 1048576 s"):
+            parse_args(["--collective-timeout", seconds])
+    assert parse_args(["--collective-timeout", "1"]).collective_timeout == 1
 
 
 def test_a_rank_in_another_collective_is_named_with_where_it_waits():
@@ -229,31 +294,31 @@ def test_a_rank_in_another_collective_is_named_with_where_it_waits():
     directly is placed after the last of ours."""
     here = dict(op="reduce_scatter", label="bucket 2", step=7, micro=1, seq=40)
     there = dict(op="all_reduce", label="norm", step=7, micro=1, seq=41)
-    assert lifecycle.ranks_text([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
-    assert collectives.describe(there) == "all_reduce of norm at step 7, micro-step 1 " \
+    assert hangs.ranks_text([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
+    assert hangs.describe(there) == "all_reduce of norm at step 7, micro-step 1 " \
                                           "(collective #41)"
-    assert collectives.describe(dict(there, step=-1)) == "all_reduce of norm before training " \
+    assert hangs.describe(dict(there, step=-1)) == "all_reduce of norm before training " \
                                                          "(collective #41)"
-    error = collectives.CollectiveTimeout(here, RuntimeError("[x.cc:1] Connection closed by peer"))
+    error = hangs.CollectiveTimeout(here, RuntimeError("[x.cc:1] Connection closed by peer"))
     assert str(error) == ("reduce_scatter of bucket 2 at step 7, micro-step 1 (collective #40) "
                           "failed (Connection closed by peer)")
-    reset = collectives.CollectiveTimeout(here, RuntimeError(  # a killed peer, gloo's words
+    reset = hangs.CollectiveTimeout(here, RuntimeError(  # a killed peer, gloo's words
         "[../gloo/transport/tcp/pair.cc:553] Read error [127.0.0.1]:41861: Connection reset by "
         "peer. This is typically caused by a crash of the peer"))
     assert str(reset).endswith("failed (Read error [127.0.0.1]:41861: Connection reset by peer)")
     heard = {0: here, 1: here, 3: there}
     mp_patch = pytest.MonkeyPatch()
     for key, value in dict(step=3, micro=-1, seq=12).items():  # an evaluation at step 3
-        mp_patch.setattr(collectives.position, key, value)
-    direct = collectives.CollectiveTimeout(None, RuntimeError("Timed out waiting 2000ms"))
+        mp_patch.setattr(hangs.position, key, value)
+    mp_patch.setattr(hangs, "timeout_s", None)  # an earlier run in this process may have set one
+    direct = hangs.CollectiveTimeout(None, RuntimeError("Timed out waiting 2000ms"))
     assert str(direct) == ("a torch.distributed collective at step 3 (collective #12) failed "
                            "(Timed out waiting 2000ms)")  # no timeout known: the backend's words
-    mp_patch.setattr(lifecycle, "exchange", lambda mine, rank, world_size, seconds: heard)
+    mp_patch.setattr(hangs, "exchange", lambda mine, rank, world_size, seconds: (heard, set()))
     mp_patch.setattr(dist, "get_rank", lambda: 0)
     mp_patch.setattr(dist, "get_world_size", lambda: 5)
-    mp_patch.setattr(collectives, "timeout_s", None)
     try:
-        line = lifecycle.name_hang(error)
+        line = hangs.name_hang(error)
     finally:
         mp_patch.undo()
     assert line == ("rank 0: reduce_scatter of bucket 2 at step 7, micro-step 1 (collective #40) "
@@ -263,26 +328,25 @@ def test_a_rank_in_another_collective_is_named_with_where_it_waits():
                     "waited)")
 
 
-def test_the_timeout_reaches_the_group_and_nccl_gets_its_flight_recorder(monkeypatch):
-    """collectives.init_process_group: the group's timeout (at least the start-up allowance),
-    and on NCCL the Flight Recorder's settings under both names, a user's own (under either
-    name) left alone; gloo gets none."""
-    made = []
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: made.append(kw))
-    monkeypatch.setattr(collectives, "timeout_s", None)
-    names = [n for row in collectives.FLIGHT_RECORDER for n in row[:2]]
+def test_install_takes_the_launch_point_and_nccl_gets_its_flight_recorder(monkeypatch):
+    """hangs.install: collectives.launch is its own from then on, and on NCCL the Flight
+    Recorder's settings are set under both names, a user's own (under either name) left
+    alone; gloo gets none."""
+    monkeypatch.setattr(collectives, "launch", collectives.launch)  # undone after the test
+    for name in ("timeout_s", "_steady"):
+        monkeypatch.setattr(hangs, name, getattr(hangs, name))
+    names = [n for row in hangs.FLIGHT_RECORDER for n in row[:2]]
     env = {k: v for k, v in os.environ.items() if k not in names}
     monkeypatch.setattr(os, "environ", dict(env))
-    collectives.init_process_group("gloo", 7.5)  # the first step waits the allowance
-    start = timedelta(seconds=collectives.START_S)
-    assert made[-1]["timeout"] == start and collectives.timeout_s == collectives.START_S
+    hangs.install(7.5, "gloo")  # the first step waits the allowance
+    assert collectives.launch is hangs.launch and hangs.timeout_s == hangs.START_S
     assert not set(names) & set(os.environ)
     monkeypatch.setattr(os, "environ", dict(env, TORCH_FR_BUFFER_SIZE="50"))  # the user's
-    collectives.init_process_group("nccl", 7200, device="cuda:0", dump_prefix="/r/nccl_trace_")
-    assert made[-1] == dict(timeout=timedelta(seconds=7200), device_id="cuda:0")
+    hangs.install(7200, "nccl", out_dir="/r")
+    assert hangs.timeout_s == 7200
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/r/nccl_trace_"
-    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == "/r/nccl_trace_"
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/r/nccl_trace_rank_"
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == "/r/nccl_trace_rank_"
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "50" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in \
         os.environ
 
@@ -317,31 +381,101 @@ def test_train_py_under_torchrun_exits_naming_the_hang_and_its_checkpoint_resume
     assert max(r["iter"] for r in rows if "loss" in r) == 7
 
 
-def test_zeropp_node_groups_get_the_runs_timeout(monkeypatch):
-    """ZeRO++'s node and cross-node groups wait --collective-timeout like the rest, and
-    warmed_up() tightens the ones this rank is in. dist.new_group without a timeout gave them
-    torch's default (30 min on gloo, 10 on NCCL): a hang in an hpZ gather outwaited the flag."""
+def _named(main, argv):
+    """main(argv) in a forked rank of train.py; its one line (name_hang's, or the hung rank's
+    own) to OUT/line{rank}, then out at once (gloo's broken pairs behind)."""
+    from configurator import UserError
+    try:
+        main(argv)
+        line = None
+    except hangs.CollectiveTimeout as e:
+        line = hangs.name_hang(e)
+    except UserError as e:
+        line = str(e)
+    out = argv[argv.index("--out-dir") + 1]
+    with open(os.path.join(out, f"line{os.environ['RANK']}"), "w") as f:
+        json.dump(line, f)
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_a_hang_at_a_resumed_runs_second_step_is_named(data_root, tmp_path):
+    """4 ranks at ZeRO-3 resumed from step 2, the last rank stopped at step 3, the resume's
+    second step (its first waits the start-up allowance): every other rank names it within
+    the timeout, the stopped rank says so."""
+    from conftest import _train_rank
+    args = TINY + ["--data-root", data_root, "--dataset", "tiny", "--zero", "3",
+                   "--eval-interval", "100", "--out-dir", str(tmp_path)]
+    run_train(args + ["--max-iters", "2"], 4)
+    argv = args + ["--max-iters", "5", "--resume", "--hang-at", "3", "--collective-timeout",
+                   str(TIMEOUT)]
+    spawn_bounded(_train_rank, 4, (free_port(), argv, _named), seconds=120)
+    for rank in range(3):
+        line = json.load(open(tmp_path / f"line{rank}"))
+        assert re.fullmatch(
+            rf"rank {rank}: all_gather of root at step 3, micro-step 0 \(collective #\d+\) "
+            rf"{TIMED_OUT}: rank 3 never arrived \(in no collective: busy, stuck or gone\) "
+            rf"\(ranks 0-2 waited, --collective-timeout {TIMEOUT:g}\)", line), line
+    assert json.load(open(tmp_path / "line3")).startswith("--hang-at 3: rank 3 issued no")
+
+
+def test_every_group_waits_the_runs_timeout(monkeypatch):
+    """Whoever made a group (dist.init_process_group, collectives.gather_group, ZeRO++'s node
+    and cross-node groups): its first collective gives it the start-up allowance, its first
+    after warmed_up() --collective-timeout. dist.new_group without a timeout gave ZeRO++'s
+    groups torch's default (30 min on gloo, 10 on NCCL): a hang in an hpZ gather outwaited
+    the flag."""
     from beyond import zeropp
-    made, tightened = [], []
-    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append((ranks, kw)) or
-                        tuple(ranks))
+    made, given = [], []
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append(ranks) or tuple(ranks))
     monkeypatch.setattr(dist, "get_rank", lambda: 1)
     monkeypatch.setattr(dist.distributed_c10d, "_set_pg_timeout",
-                        lambda timeout, group: tightened.append((group, timeout)), raising=False)
-    monkeypatch.setattr(dist, "set_timeout", lambda timeout, group: tightened.append(
+                        lambda timeout, group: given.append((group, timeout)), raising=False)
+    monkeypatch.setattr(dist, "set_timeout", lambda timeout, group: given.append(
         (group, timeout)), raising=False)
-    monkeypatch.setattr(collectives, "barrier", lambda world_size, label=None: None)
+    done = lambda *args, **kwargs: SimpleNamespace(wait=lambda: True)  # a collective, landed
+    for name in ("all_reduce", "all_to_all_single", "barrier"):
+        monkeypatch.setattr(dist, name, done)
     monkeypatch.setattr(zeropp, "_node_groups", {})
-    monkeypatch.setattr(collectives, "_groups", [])
-    monkeypatch.setattr(collectives, "_steady", 7.0)
-    monkeypatch.setattr(collectives, "timeout_s", collectives.START_S)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store",
+                        lambda: SimpleNamespace(set=lambda key, value: None))
+    monkeypatch.setattr(collectives, "launch", collectives.launch)  # undone after the test
+    for name in ("timeout_s", "_steady"):
+        monkeypatch.setattr(hangs, name, getattr(hangs, name))
+    hangs.install(7.0)
     mine = zeropp.node_groups(4, 2, rank=1)
     assert mine == ((0, 1), (1, 3))
-    assert [r for r, _ in made] == [[0, 1], [2, 3], [0, 2], [1, 3]]
-    assert all(kw["timeout"] == timedelta(seconds=collectives.START_S) for _, kw in made), made
-    collectives.warmed_up(4)
-    assert tightened == [(None, timedelta(seconds=7)), ((0, 1), timedelta(seconds=7)),
-                         ((1, 3), timedelta(seconds=7))]
+    assert made == [[0, 1], [2, 3], [0, 2], [1, 3]]
+    x, traffic, start = torch.zeros(4), SimpleNamespace(count=lambda *a: None), hangs.START_S
+    steps = []
+    for _ in range(2):  # the first step, then the next after warmed_up()
+        collectives.all_reduce_sum(x, 4, label="norm")
+        for group in mine:
+            zeropp.all_to_all(x.clone(), x, traffic, 2, group)
+        steps.append(list(given))
+        given.clear()
+        hangs.warmed_up(4)
+    seconds = lambda s: [(None, timedelta(seconds=s)), ((0, 1), timedelta(seconds=s)),
+                         ((1, 3), timedelta(seconds=s))]
+    assert steps == [seconds(start), seconds(7)], steps
+
+
+def test_a_clean_exit_destroys_the_process_group_and_a_failed_one_leaves_it(tmp_path):
+    """hangs.leave_at_exit (install registers it): at a clean interpreter exit the process
+    group is destroyed while the interpreter is whole (a loop of one's own that never destroys
+    it could abort at exit: docs/forking.md); after an uncaught exception it is left alone (a
+    barrier would wait for peers that may never come)."""
+    code = ("import atexit, sys, torch.distributed as dist\n"
+            "atexit.register(lambda: print('initialized at exit:', dist.is_initialized()))\n"
+            "from machinery import hangs\n"
+            "hangs.install()\n"  # before the group, as train.py calls it
+            f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', "
+            "rank=0, world_size=1)\n"
+            "if sys.argv[1] == 'fail':\n    raise SystemError('a rank that failed')\n")
+    for how, destroyed in (("clean", True), ("fail", False)):
+        r = subprocess.run([sys.executable, "-c", code, how], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        assert f"initialized at exit: {not destroyed}" in r.stdout, (how, r.stdout, r.stderr)
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
@@ -358,7 +492,7 @@ def _raw_collectives(main, argv):
     def recording(name, f):
         def call(*args, **kwargs):
             caller = inspect.stack()[1]
-            if collectives.position.step >= 0 and not caller.filename.endswith("collectives.py"):
+            if hangs.position.step >= 0 and not caller.filename.endswith("collectives.py"):
                 raw.append(f"{os.path.relpath(caller.filename, ROOT)}:{caller.lineno} {name}")
             return f(*args, **kwargs)
         return call

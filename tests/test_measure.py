@@ -63,7 +63,7 @@ def real_step(rank, world_size, fake):
         with tracker:
             model, zero, scaler = train.build(tc, VOCAB, torch.device("cpu"), torch.bfloat16,
                                               rank, world_size, 2)
-        zero.traffic = type(zero.traffic)(node_size=zero.traffic.node_size)
+        measure.count_afresh(zero, tc.node_size or world_size)
 
         def batch():
             x = torch.randint(0, VOCAB, (tc.batch_size, tc.block_size))
@@ -152,7 +152,7 @@ def test_offload_host_bytes_at_405b_widths():
     assert m.host == {"master": 4 * owned, "optimizer": 8 * (owned - own), "grads": 4 * owned,
                       "staging": 2 * owned, "total": 18 * owned - 8 * own}
     assert m.host == for_run(tc, train.model_config(tc, VOCAB), 1024, 1023)["host"]
-    assert (m.traffic.d2h, m.traffic.h2d) == (2 * owned, 2 * owned)
+    assert (m.copies.d2h, m.copies.h2d) == (2 * owned, 2 * owned)
     assert m.state["master"] == m.state["optimizer"] == 0  # on the host
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from beyond.offload_optimizer import HostCopies
 from conftest import run_distributed, run_train, zero_step
-from collectives import Traffic
 from data.loader import get_batch
 from model import GPT, GPTConfig
 from precision import GradScaler
@@ -51,12 +51,12 @@ def train(rank, world_size, stage, dtype, accum, offload, fp32_accum=False, opti
     scaler = GradScaler(init_scale=1.0, dynamic=False)
     norms, moved = [], []
     for step in range(STEPS):
-        zero.traffic = Traffic()
+        zero.host_copies = HostCopies()
         for micro in range(accum):
             x, y = get_batch(DATA, SEED, step, micro, rank, world_size, B, T, accum)
             zero.backward(scaler.scale(model(x, y)[1] / accum), sync=micro == accum - 1)
         norms.append(zero_step(zero, scaler, LR, CLIP))
-        moved.append((zero.traffic.d2h, zero.traffic.h2d))
+        moved.append((zero.host_copies.d2h, zero.host_copies.h2d))
     return zero, norms, moved
 
 
@@ -263,13 +263,13 @@ def test_overlap_copies_gradients_down_during_backward(stage):
         zero = engine(model, stage, mode)
         launches = []
         reduce = zero._reduce
-        zero._reduce = lambda b: (launches.append(zero.traffic.d2h), reduce(b))
+        zero._reduce = lambda b: (launches.append(zero.host_copies.d2h), reduce(b))
         x, y = get_batch(DATA, SEED, 0, 0, 0, 1, B, T, 1)
         zero.backward(model(x, y)[1])
         assert len(launches) > 3, "too few buckets to see the overlap"  # 2 are in flight
-        after_backward = zero.traffic.d2h
+        after_backward = zero.host_copies.d2h
         zero.master_grads()
-        seen[mode] = (launches[-1], after_backward, zero.traffic.d2h)
+        seen[mode] = (launches[-1], after_backward, zero.host_copies.d2h)
     assert seen["overlap"][0] > 0 and seen["plain"][:2] == (0, 0)
     assert seen["overlap"][1] == seen["overlap"][2] == seen["plain"][2] > 0
 

@@ -1,19 +1,20 @@
-"""The lecture's order, read from the collective log (collectives.Recorder) on gloo: ZeRO-2's
+"""The lecture's order, read from the collective log (hangs.Recorder) on gloo: ZeRO-2's
 reduce-scatters launched during backward, at most two in flight; ZeRO-3's next block gathered
 while this one runs, and its weights freed after; stage 1's new weights waited for bucket by
 bucket in the next forward. gloo checks the order, not the speed: it runs a reduce-scatter as
 an all-reduce. Each test runs once on the engine and once on a deliberately serialized one,
 and asserts that the serialized one breaks the order."""
 import json
+import os
+import re
 
 import pytest
 import torch
 
-import collectives
 import zero as zero_module
 from conftest import make_zero, run_distributed, run_train
 from data.loader import get_batch
-from machinery import timeline
+from machinery import hangs, timeline
 from precision import GradScaler
 from test_train import TINY, run
 from test_zero import B, DATA, LR, SEED, T, make_model
@@ -23,7 +24,8 @@ from train import update
 def traced_step(rank, world_size, stage, **kw):
     """One traced micro-step; the recorder's events, with a mark at the end of each block's
     forward (after the engine's own hook) and of each block's backward."""
-    rec = collectives.recorder = collectives.Recorder()
+    hangs.install()  # its launch logs each collective while a recorder is set
+    rec = hangs.recorder = hangs.Recorder()
     model = make_model()
     zero = make_zero(model, stage, lr=LR, bucket_mb=0.002, rank=rank, world_size=world_size, **kw)
     freed = []
@@ -35,7 +37,7 @@ def traced_step(rank, world_size, stage, **kw):
         block.register_full_backward_hook(lambda m, gi, go, i=i: rec.mark("backward_end", block=i))
     x, y = get_batch(DATA, SEED, 0, 0, rank, world_size, B, T, 1)
     zero.backward(model(x, y)[1])
-    collectives.recorder = None
+    hangs.recorder = None
     return rec.events, freed, zero
 
 
@@ -95,7 +97,8 @@ def _stage1_publish(rank, world_size, serialized):
     if serialized:
         publish = zero_module.ZeRO.publish
         mp.setattr(zero_module.ZeRO, "publish", lambda self, wait=True: publish(self, True))
-    rec = collectives.recorder = collectives.Recorder()
+    hangs.install()
+    rec = hangs.recorder = hangs.Recorder()
     model = make_model()
     zero = make_zero(model, 1, lr=LR, bucket_mb=0.002, rank=rank, world_size=world_size)
     blocks = list(model.transformer.h)
@@ -107,7 +110,7 @@ def _stage1_publish(rank, world_size, serialized):
         if step == 0:
             zero.backward(loss)
             update(zero, GradScaler(init_scale=1.0, dynamic=False), LR, 1.0)
-    collectives.recorder = None
+    hangs.recorder = None
     mp.undo()
     block_of = {id(p): i for i, blk in enumerate(blocks) for p in blk.parameters()}
     first = {f"{b.label} (publish)": min(block_of.get(id(p), -1) for p in b.params)
@@ -159,7 +162,7 @@ def test_train_trace_writes_the_log_the_profile_and_the_overlap(data_root, tmp_p
         mine = timeline.per_step(log)[r["iter"]]
         assert abs(r["exposed_comm_ms"] - 1e3 * mine["exposed_s"]) < 1e-6
         assert 0 <= r["overlap"] <= 1
-    assert collectives.recorder is None
+    assert hangs.recorder is None
 
 
 class _Noted:
@@ -179,7 +182,7 @@ class _Noted:
 def _profiler_stops_with_nothing_in_flight(main, argv):
     """main(argv) with each traced collective's work noted, and torch.profiler's stop refused
     while one of them was never waited for."""
-    noted, launched = [], collectives.Recorder.launched
+    noted, launched = [], hangs.Recorder.launched
 
     def noting(self, handle, tensor):
         handle.work = _Noted(handle.work)
@@ -191,7 +194,7 @@ def _profiler_stops_with_nothing_in_flight(main, argv):
         return profile_exit(self, *exc)
 
     profile_exit = torch.profiler.profile.__exit__
-    collectives.Recorder.launched = noting
+    hangs.Recorder.launched = noting
     torch.profiler.profile.__exit__ = stop
     main(argv)
 
@@ -206,3 +209,42 @@ def test_the_profiler_stops_with_no_collective_in_flight(data_root, tmp_path):
                    "--trace", str(tmp_path / "trace"), "--trace-steps", "1",
                    "--out-dir", str(tmp_path)]
     run_train(args, 2, wrap=_profiler_stops_with_nothing_in_flight)
+
+
+def _refused(main, argv):
+    """main(argv) in a forked rank; the line it was refused with, to OUT/refused{rank}."""
+    from configurator import UserError
+    try:
+        main(argv)
+        line = None
+    except UserError as e:
+        line = str(e)
+    out = argv[argv.index("--out-dir") + 1]
+    with open(os.path.join(out, f"refused{os.environ['RANK']}"), "w") as f:
+        json.dump(line, f)
+
+
+def test_a_trace_target_that_cannot_be_a_folder_of_files_is_one_line(data_root, tmp_path):
+    """--trace at a file, at a FIFO, under a file (a folder that cannot be made), or into a
+    folder where a rank's file is a folder: one line before any work, on every rank. Before,
+    the first three were a FileExistsError (NotADirectoryError) traceback on every rank once
+    the model was built; in the last, rank 1's trace was never written, and nothing said so."""
+    from configurator import UserError
+    from train import main
+    args = TINY + ["--data-root", data_root, "--dataset", "tiny", "--max-iters", "4",
+                   "--eval-interval", "100", "--trace-steps", "1"]
+    (tmp_path / "file").write_text("")
+    os.mkfifo(tmp_path / "fifo")
+    for target, line in ((tmp_path / "file", "is not a folder"),
+                         (tmp_path / "fifo", "is not a folder"),
+                         (tmp_path / "file" / "trace", "cannot make this folder")):
+        with pytest.raises(UserError, match=re.escape(f"--trace {target}") + f":? {line}"):
+            main(args + ["--trace", str(target), "--out-dir", str(tmp_path / f"out-{target.name}")])
+    trace = tmp_path / "trace"
+    (trace / "trace_rank1.json").mkdir(parents=True)  # rank 1's, checked by rank 0 for all
+    out = tmp_path / "run"
+    out.mkdir()
+    run_train(args + ["--trace", str(trace), "--out-dir", str(out)], 2, wrap=_refused)
+    want = f"--trace: {trace / 'trace_rank1.json'} is not a regular file: move it away, or " \
+           "give another folder"
+    assert [json.load(open(out / f"refused{r}")) for r in (0, 1)] == [want] * 2

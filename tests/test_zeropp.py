@@ -35,8 +35,10 @@ WIDE = dict(CFG, n_embd=64, bias=False)  # blocks of ~49k: quantization blocks p
 def engine(model, parts, rank, world_size, node_size, bits=4):
     kwargs = dict(lr=LR, betas=(0.9, 0.95), weight_decay=0.1, bucket_mb=0.002, rank=rank,
                   world_size=world_size)
-    if parts is None:
-        return ZeRO3(model, 3, **kwargs)
+    if parts is None:  # plain ZeRO-3, its bytes by link as train.py counts them
+        zero = ZeRO3(model, 3, **kwargs)
+        zero.traffic = zeropp.LinkTraffic(node_size=node_size)
+        return zero
     return ZeROpp(model, 3, zeropp=parts, node_size=node_size, qgz_bits=bits, **kwargs)
 
 
@@ -152,7 +154,7 @@ def check_bytes_by_link(rank, world_size):
         torch.manual_seed(0)
         model = GPT(GPTConfig(**WIDE)).to(torch.bfloat16)
         zero = engine(model, parts, rank, world_size, 2, bits)
-        zero.traffic = Traffic(node_size=2)
+        zero.traffic = zeropp.LinkTraffic(node_size=2)
         x, y = get_batch(DATA, SEED, 0, 0, rank, world_size, B, T, 1)
         zero.backward(model(x, y)[1])
         t = zero.traffic
@@ -209,7 +211,7 @@ def check_lora_and_fp16(rank, world_size):
         quantize_base(model, "nf4")
         zero = engine(model, parts, rank, world_size, 2)
         scaler, out = GradScaler(init_scale=1.0, dynamic=False), []
-        zero.traffic = Traffic(node_size=2)
+        zero.traffic = zeropp.LinkTraffic(node_size=2)
         for step in range(3):
             x, y = get_batch(DATA, SEED, step, 0, rank, world_size, B, T, 1)
             loss = model(x, y)[1]
