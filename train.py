@@ -33,7 +33,7 @@ from configurator import grad_accum_for, parse_args
 from data.loader import Batches, estimate_loss
 from lora import apply_lora
 from machinery import engines  # which engine the flags ask for (guarded: any loop may drive it)
-from machinery.run import Run, releasing_locks, run_main  # the run's side work
+from machinery.run import Run, command, releasing_locks  # the run's side work
 from model import GPT, GPTConfig
 from precision import GradScaler, resolve_dtype, set_tf32
 from quant import quantize_base
@@ -216,4 +216,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_main(main)
+    command(main)

@@ -18,7 +18,7 @@ import torch
 from collectives import all_gather_object, all_reduce_sum
 from configurator import UserError
 from data.prepare import DATASETS, load_meta, prepare, rebuild_command
-from machinery.lifecycle import agreed_error
+from machinery.validate import agreed_error
 from machinery.validate import file_kind, vocab_id
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -32,7 +32,7 @@ import checkpoint
 from checkpoint import HEADER, extra_keys, list_checkpoints, opt_state_keys
 from collectives import all_gather_object
 from configurator import UserError
-from machinery import lifecycle, rundir, validate
+from machinery import rundir, validate
 
 SEAL = "header_crc"  # the header's own checksum, kept in it
 
@@ -96,7 +96,7 @@ def save(out_dir, it, zero, model, scaler=None, header=None, fmt="consolidated",
     write error on any rank: every rank raises UserError and nothing changes in out_dir."""
     rank, world_size = zero.rank, zero.world_size
     final = os.path.join(out_dir, f"ckpt-{it:07d}")
-    any_rank = lambda failed: lifecycle.agree(failed, zero.device, world_size)
+    any_rank = lambda failed: validate.agree(failed, zero.device, world_size)
     # a diverged run (inf / NaN master weights) is never saved over the last good checkpoint
     if any_rank(not all(s.flat.isfinite().all() for s in zero.segments)):
         previous = list_checkpoints(out_dir)
@@ -167,7 +167,7 @@ def newest_checkpoint(out_dir, world_size):
     errors = [missing] * world_size
     if world_size > 1:
         dist.all_gather_object(errors, missing)
-    error = lifecycle.agreed_error(errors, SHARE_OUT_DIR)
+    error = validate.agreed_error(errors, SHARE_OUT_DIR)
     if error:
         raise UserError(error)
     return path

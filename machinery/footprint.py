@@ -1,7 +1,7 @@
 """
 The bytes one rank holds, counted on the model itself: the one memory estimator. memory.py
 prints it, the start-up table prints it beside the measurement (report.py), and a run that
-cannot fit is refused by it before any work (lifecycle.check_memory): all through for_run().
+cannot fit is refused by it before any work (run.check_memory): all through for_run().
 Held to measurement by the tests.
 
   - Rajbhandari et al. 2019, "ZeRO", Sec. 5: model-state bytes per stage (zero.py implements
@@ -370,3 +370,16 @@ def reduce_in_flight_bytes(buckets, stage, world_size, dtype):
         return 0  # stages 0-1 reduce their persistent gradient buffers in place
     padded = sorted((math.ceil(n / world_size) * world_size for n in buckets), reverse=True)
     return BYTES[dtype] * (sum(padded[:MAX_IN_FLIGHT]) + max(buckets))
+
+
+def free_bytes(device):
+    """Memory free for this process's device: the GPU's, or the host's MemAvailable; None where
+    it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None

@@ -134,7 +134,7 @@ def _bound(group):
 # and its engine's hooks are a reference cycle, with buffers that collectives wrote) and while
 # gloo's worker threads may still release a collective's tensors: now and then a rank that has
 # finished aborts ("terminate called without an active exception") and torchrun reports the job
-# failed. train.py leaves as lifecycle.finish does; a loop of one's own gets the same at exit.
+# failed. train.py leaves as run.finish does; a loop of one's own gets the same at exit.
 
 def leave_at_exit():
     """At a clean exit (no uncaught exception), while the interpreter is whole: the garbage

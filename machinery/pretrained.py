@@ -295,7 +295,7 @@ def check_sample_size(model, prompt_tokens, args, device):
     """The samples' memory against what the device has free, before any is allocated: each
     sample's token ids (twice: torch.cat copies them each step), one forward's activations
     over the context and the logits of its last position."""
-    from machinery.lifecycle import free_bytes
+    from machinery.footprint import free_bytes
     e = next(model.parameters()).element_size()
     # GPT's sizes; a fork's config may lack some (no bound on its context: all of it)
     c = {k: getattr(model.config, k, 0) for k in ("block_size", "n_embd", "n_head", "vocab_size")}

@@ -22,9 +22,8 @@ import torch.distributed as dist
 
 from collectives import all_gather_object, all_reduce_sum
 from machinery import meter
-# the model's count and MFU, or the defaults for a fork that declares neither (declared.py);
-# train.py prints num_params from here
-from machinery.declared import estimate_mfu, num_params
+# MFU, or the default for a fork that declares none (declared.py)
+from machinery.declared import estimate_mfu
 from zero import traffic_formula, zero_formula
 
 # ----------------------------------------------------------------------------------------------

@@ -11,17 +11,23 @@ training, so that train.py reads as the lecture.
   run.evaluate(...) the loss on both splits, printed and logged
   run.begin_step / run.end_step   around each train_step: the step's numbers on logged steps,
                     a signal agreed by every rank, the scaler's give-up, the saving cadence
-  run.finish(it)    the last checkpoint, the replica check, the adapter, a clean teardown
+  run.finish()      the last checkpoint, the replica check, the adapter, a clean teardown
 """
+import gc
 import os
+import signal
+import sys
 import time
 from dataclasses import asdict
 
 import torch
+import torch.distributed as dist
 
 import checkpoint
+import collectives
 from configurator import SCHEDULE, TrainConfig, UserError
-from machinery import checked_ckpt, hangs, lifecycle, quirks, report
+from machinery import checked_ckpt, declared, hangs, quirks, report, rundir, timeline, validate
+from machinery.footprint import free_bytes
 from machinery.rundir import releasing_locks  # noqa: F401 (train.py's, through this module)
 
 
@@ -54,9 +60,9 @@ def keep_schedule(cfg, saved):
                "flag changes it)"))
 
 
-def run_main(main, name="train.py"):
-    """main() as a command: an error a user can fix is one line (machinery/lifecycle.py)."""
-    lifecycle.run_main(main, name, (UserError, ValueError))
+def command(main, name="train.py"):
+    """main() as a command: an error a user can fix is one line (run_main)."""
+    run_main(main, name, (UserError, ValueError))
 
 
 class Run:
@@ -82,7 +88,7 @@ class Run:
         cfg, GPT = self.cfg, self.GPT
         self.rank, self.world_size, self.device = rank, world_size, device
         self.print0 = print if rank == 0 else (lambda *a, **k: None)
-        lifecycle.start(cfg, GPT, rank, world_size, device, self.print0)
+        claim(cfg, rank, world_size, device, self.print0)
         quirks.apply(cfg, device)  # what a torch version or a GPU needs
         if cfg.fp8:  # where FP8 matmuls run (on a CPU: emulated), or one line
             from beyond import fp8
@@ -158,7 +164,7 @@ class Run:
         print0(f"world size {self.world_size} on {self.device.type}, {cfg.dtype}, ZeRO stage "
                f"{cfg.zero}; {tokens:,} tokens per step ({cfg.batch_size} seq x {grad_accum} "
                f"micro-steps x {self.world_size} ranks x {cfg.block_size} tokens)")
-        print0(f"model: {report.num_params(model):,} parameters, {zero.psi:,} trainable")
+        print0(f"model: {declared.num_params(model):,} parameters, {zero.psi:,} trainable")
         start_it, ckpt, note, new_data = self._restore()
         self.header = {"config": asdict(cfg), "model_args": checkpoint.model_args(model),
                        "meta": self.meta, "base_id": self.base_id,  # an adapter's base
@@ -169,17 +175,17 @@ class Run:
                    "nothing to train; raise --max-iters to go on")
             self.stopped = "done"
             return start_it
-        self.metrics = lifecycle.Metrics(cfg.out_dir, self.rank == 0, print0)  # appended to
+        self.metrics = rundir.Metrics(cfg.out_dir, self.rank == 0, print0)  # appended to
         if ckpt:
             self.metrics.log({"event": "resume", "from": ckpt, "iter": start_it, "note": note})
         if new_data:  # --accept-new-data: a person can tell this run apart later
             self.metrics.log(new_data)
         report.start(cfg, model, zero, self.metrics, print0)  # model state vs the paper's
         if cfg.nan_at >= 0:  # the lesson in skipped steps: one rank's loss goes NaN
-            lifecycle.inject_nan(model, cfg.nan_at, self.rank, self.world_size, grad_accum,
+            inject_nan(model, cfg.nan_at, self.rank, self.world_size, grad_accum,
                                  start_it)
         hangs.watch(model, cfg, self.rank, self.world_size, grad_accum, start_it)  # --hang-at
-        self.signal = lifecycle.stop_on_signals()  # SIGTERM / Ctrl-C: finish, save, exit
+        self.signal = stop_on_signals()  # SIGTERM / Ctrl-C: finish, save, exit
         self.log = report.StepLog(cfg, model, zero, scaler, self.metrics, print0, grad_accum,
                                   start_it)
         self.tracer = None
@@ -257,12 +263,12 @@ class Run:
             self.tracer.end(it - 1)
         if self.logging:
             self.log.log(it - 1, lr, loss_sum, found_inf, grad_norm, measured)
-            if lifecycle.agree(self.signal["signal"] is not None, zero.device, self.world_size):
+            if validate.agree(self.signal["signal"] is not None, zero.device, self.world_size):
                 self.stopped = "signal"
         self.it = it
         saving = cfg.save_interval and it % cfg.save_interval == 0 and it < cfg.max_iters
         if (self.logging or saving) and self.scaler.exhausted.item():
-            raise UserError(lifecycle.exhausted(cfg, self.scaler, it))
+            raise UserError(exhausted(cfg, self.scaler, it))
         if saving or self.stopped:
             self.save(it)
         if self.stopped:
@@ -291,7 +297,7 @@ class Run:
                 self.model.base_id = self.base_id
                 adapters.save_run_adapter(self.cfg.out_dir, self.zero, self.model, self.meta,
                                           self.print0)
-        lifecycle.finish(self.model, self.zero, self.world_size)
+        leave(self.model, self.zero, self.world_size)
         self.model = self.zero = None
 
 
@@ -307,3 +313,159 @@ def check_device(cfg):
                         f"{torch.cuda.device_count()} GPU(s) are visible: one process per GPU, "
                         "or --device cpu", rank_local=True)
 
+
+# ----------------------------------------------------------------------------------------------
+# how a run starts and ends: signals, agreed stops, one-line errors, a clean teardown
+#
+#   - SIGTERM (a preemption) or Ctrl-C asks every rank to finish its step, save and exit 0
+#   - a run whose every step overflows stops, with the reason, before it saves NaN weights
+#   - --nan-at makes one rank's loss NaN at one step: the lesson in skipped steps
+#   - a collective that times out (--collective-timeout) is one line on each rank that waited in
+#     it, naming the collective, the step and the ranks that never arrived (exit 3;
+#     machinery/hangs.py)
+#   - an error a user can fix is one line on stderr (exit 2), printed by one rank for all,
+#     agreed on by every rank where only some can see it (a node without the data)
+#   - a run that cannot fit in the memory it has is refused before any work (check_memory), and
+#     an out-of-memory error is one line that says what to lower
+#   - the process group is torn down together, after every rank has written its last byte
+
+def stop_on_signals():
+    """A dict whose "signal" becomes the number of a SIGTERM / SIGINT once one arrives."""
+    stop = {"signal": None}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.update(signal=signum))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit: an OSError, not death
+    return stop
+
+
+def exhausted(cfg, scaler, it):
+    """Why a run whose steps all overflow stops (without saving)."""
+    if scaler.dynamic:
+        return (f"by step {it - 1} the loss is non-finite at any scale, even the minimum "
+                f"{cfg.min_loss_scale:g} (a NaN, not an overflow): stopped without saving; "
+                "lower --learning-rate or find the NaN and resume")
+    return (f"{scaler.FIXED_GIVE_UP} steps in a row, up to step {it - 1}, overflowed at the "
+            f"fixed loss scale {scaler.get_scale():g}, which cannot back off: stopped without "
+            "saving; use --loss-scale dynamic (or a smaller value), or find the NaN")
+
+
+def inject_nan(model, step, rank, world_size, grad_accum, start_it):
+    """--nan-at STEP: the last rank's loss is NaN on every micro-step of that step, so only
+    its gradients go bad; every rank must still skip the step together. A forward hook on
+    the model: the training loop stays the lecture's."""
+    forwards = [start_it * grad_accum]  # training forwards so far, counted as micro-steps
+
+    def hook(module, args, output):
+        if not (module.training and torch.is_grad_enabled()):
+            return None  # evaluation
+        it = forwards[0] // grad_accum
+        forwards[0] += 1
+        logits, loss = output
+        if it == step and rank == world_size - 1 and loss is not None:
+            return logits, loss * float("nan")
+        return None
+
+    model.register_forward_hook(hook)
+
+
+def claim(cfg, rank, world_size, device, print0):
+    """Before any work: the memory the run needs and --trace's folder, then out_dir's lock and
+    history (one run a folder): a UserError, one line, the same on every rank."""
+    def checks():  # on rank 0, its line for every rank
+        check_memory(cfg, device)
+        if cfg.trace:
+            timeline.check_target(cfg.trace, world_size)
+    rundir.claim(cfg, rank, world_size, print0, checks)
+
+
+def leave(model, zero, world_size):
+    """The run has written its last byte: out_dir's lock released (before the barrier: a
+    rank that waits there holds nothing). Then free the model, ZeRO's buffers and their
+    finished collectives while the process group exists (freed at interpreter exit instead,
+    gloo can abort the process), then leave together: a gloo rank that tears down while a
+    peer still saves can abort ("terminate called without an active exception")."""
+    rundir.release_locks()
+    del model, zero
+    gc.collect()
+    if world_size > 1:
+        collectives.barrier(world_size, label="finish")
+        dist.destroy_process_group()
+
+
+def check_memory(cfg, device):
+    """A UserError, before any work, when this run cannot fit in the memory it has: half of
+    memory.py's estimate of one rank's peak (footprint.for_run, the one estimator) times the
+    ranks sharing a host, so that a refusal is never a close call. The data set, and with it
+    the vocabulary, is not read yet: the estimate takes the smallest, a need at least. On NCCL
+    the default group's communicator is made already (init_process_group's device_id= makes it
+    at once): its memory is gone from `free` and in the estimate's NCCL allowance too, at half
+    weight, an error on the side of a refusal."""
+    from dataclasses import asdict
+    from machinery.footprint import for_run
+    from machinery.validate import check_model_args
+    from model import GPT, GPTConfig
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if device.type == "cpu" else 1
+    free = free_bytes(device)
+    if free is None:
+        return
+    try:
+        shape = GPTConfig(arch=GPT.ARCH, block_size=cfg.block_size, vocab_size=1, bias=cfg.bias,
+                          n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd)
+        check_model_args(asdict(shape))  # validate.BOUNDS: no model of 10^5 layers to walk
+        need = for_run(cfg, shape, world_size, device=device.type)["peak"] / 2 * ranks
+    except ValueError:  # flags the model cannot be built from: check_run's one line follows
+        return
+    if need > free:
+        where = f"{ranks} ranks on this host" if ranks > 1 else f"this {device.type}"
+        raise UserError(f"--batch-size {cfg.batch_size} x --block-size {cfg.block_size} on "
+                        f"{cfg.n_layer} x {cfg.n_embd}: {where} needs over {need / 1e9:.3g} GB, "
+                        f"{free / 1e9:.3g} GB is free: lower --batch-size (--grad-accum keeps "
+                        "the batch), or add --grad-ckpt; `python memory.py` with these flags "
+                        "estimates it")
+
+
+def out_of_memory(e):
+    """An allocator's refusal (CUDA's OutOfMemoryError, the CPU allocator's RuntimeError) as
+    the line to print, or None for any other error. On several GPUs it names what torch's
+    allocator never sees: NCCL's communicators (footprint.NCCL_BYTES, an estimate)."""
+    text = str(e)
+    if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in text
+            or "not enough memory" in text):
+        return None
+    nccl = ""
+    if isinstance(e, torch.OutOfMemoryError) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        from machinery.footprint import NCCL_BYTES
+        nccl = (f", NCCL's communicators included (1 a rank at ZeRO-0, 2 at stages 1-3, 4 "
+                f"under ZeRO++ across nodes; ~{NCCL_BYTES / 1e9:.1f} GB each outside PyTorch's "
+                "allocator: an estimate; docs/gpus.md)")
+    return (f"out of memory ({text.strip().splitlines()[0][:160]}): lower --batch-size "
+            "(--grad-accum keeps the batch), or add --grad-ckpt or --zero 3; `python memory.py` "
+            "with these flags estimates the need" + nccl)
+
+
+def run_main(main, name, errors):
+    """Run main(); an error in `errors` is one line on stderr (exit 2), as is running out of
+    memory (each rank that does). Under torchrun rank 0 speaks for all, unless the error is
+    rank_local (only this rank can see it). A collective that lost a peer is one line on each
+    rank that waited in it (name_hang; exit 3)."""
+    try:
+        main()
+    except errors as e:
+        if int(os.environ.get("RANK", 0)) == 0 or getattr(e, "rank_local", False):
+            print(f"{name}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except RuntimeError as e:
+        if dist.is_initialized() and (isinstance(e, hangs.CollectiveTimeout) or hangs.lost(e)):
+            if not isinstance(e, hangs.CollectiveTimeout):  # torch.distributed's own
+                e = hangs.CollectiveTimeout(None, e)
+            print(f"{name}: error: {hangs.name_hang(e)}", file=sys.stderr, flush=True)
+            sys.exit(3)  # a hang, named by every rank that waited
+        line = out_of_memory(e)
+        if line is None:
+            raise
+        print(f"{name}: error: {line}", file=sys.stderr)
+        sys.exit(2)
+    finally:  # an error after init: leave no communicator behind (NCCL warns, may hang)
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -27,6 +27,7 @@ from dataclasses import fields
 import numpy as np
 import torch
 
+import collectives
 import optim
 from configurator import SCHEDULE, UserError
 import model as model_py  # model.GPT when called: a fork's edit of model.py is read
@@ -485,3 +486,23 @@ def parse_targets(spec, linears=None):
         raise ValueError(f"unknown LoRA target(s) {bad or spec!r}: "
                          f"use 'all' or a comma list of {', '.join(TARGETS)}")
     return tuple(t for t in TARGETS if t in names)
+
+
+# ----------------------------------------------------------------------------------------------
+# what every rank must agree on
+
+def agree(flag, device, world_size):
+    """True on every rank when it is True on any (one tiny all-reduce)."""
+    t = torch.tensor([float(flag)], device=device)
+    return bool(collectives.all_reduce_max(t, world_size, label="agree").item())
+
+
+def agreed_error(errors, hint):
+    """The one line every rank raises, from each rank's error or None (all_gather_object's
+    list); None when no rank failed. When some failed and others did not (nodes that share
+    no disk), it names the first that failed and adds hint: what every node must have."""
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if not failed:
+        return None
+    r, e = failed[0]
+    return e if len(failed) == len(errors) else f"rank {r} of {len(errors)}: {e}; {hint}"

@@ -323,7 +323,7 @@ def test_the_memory_check_calls_memory_pys_estimate(flags, monkeypatch):
     byte; check_memory refuses, in one line, the run whose half peak by that same estimate
     exceeds the free memory, and lets pass the one a byte under it."""
     from configurator import UserError
-    from machinery import lifecycle
+    from machinery import run
     from machinery.footprint import for_run
     from train import build
     cfg = parse_args(["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
@@ -333,12 +333,12 @@ def test_the_memory_check_calls_memory_pys_estimate(flags, monkeypatch):
     shape = GPTConfig(block_size=16, vocab_size=1, n_layer=2, n_head=2, n_embd=32,
                       bias=cfg.bias)  # before the data: the smallest vocabulary
     half = for_run(cfg, shape, 1, device="cpu")["peak"] / 2
-    monkeypatch.setattr(lifecycle, "free_bytes", lambda device: half)
-    lifecycle.check_memory(cfg, torch.device("cpu"))  # fits, just
-    monkeypatch.setattr(lifecycle, "free_bytes", lambda device: half - 1)
+    monkeypatch.setattr(run, "free_bytes", lambda device: half)
+    run.check_memory(cfg, torch.device("cpu"))  # fits, just
+    monkeypatch.setattr(run, "free_bytes", lambda device: half - 1)
     with pytest.raises(UserError, match="--batch-size 3 x --block-size 16 on 2 x 32: this cpu "
                        "needs over"):
-        lifecycle.check_memory(cfg, torch.device("cpu"))
+        run.check_memory(cfg, torch.device("cpu"))
 
 
 def test_nccl_communicators_are_counted_where_they_are(monkeypatch, capsys):
@@ -380,7 +380,7 @@ def test_nccl_communicators_are_counted_where_they_are(monkeypatch, capsys):
 def test_out_of_memory_on_several_gpus_names_nccl(monkeypatch):
     """A CUDA out-of-memory error on several ranks says memory.py counts NCCL's communicators,
     which PyTorch's allocator (and so its message) never sees; one GPU or a CPU: not a word."""
-    from machinery.lifecycle import out_of_memory
+    from machinery.run import out_of_memory
     cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     cpu = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9")
     assert "NCCL" not in out_of_memory(cuda)

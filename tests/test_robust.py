@@ -24,7 +24,8 @@ import memory
 import train
 from checkpoint import list_checkpoints
 from configurator import UserError
-from machinery import adapters, checked_ckpt, hf, lifecycle, rundir
+from machinery import adapters, checked_ckpt, hf, rundir
+from machinery import run as run_py
 from machinery.checked_ckpt import Reader
 from configurator import parse_args
 from model import GPT, GPTConfig
@@ -379,13 +380,13 @@ def test_the_lock_comes_before_any_work(data_root, tmp_path):
 
 
 def _cli(argv, err, command="train"):
-    """A command as its __main__ runs it (train.py: lifecycle.run_main; export.py, sample.py:
+    """A command as its __main__ runs it (train.py: run.run_main; export.py, sample.py:
     their main's exit status), its stderr into the file err."""
     sys.stderr = open(err, "w", buffering=1)
     sys.stdout = open(os.devnull, "w")
     torch.set_num_threads(1)
     if command == "train":
-        return lifecycle.run_main(lambda: train.main(argv), "train.py", UserError)
+        return run_py.run_main(lambda: train.main(argv), "train.py", UserError)
     sys.exit(importlib.import_module(command).main(argv))
 
 
@@ -441,7 +442,7 @@ def test_sizes_are_checked_before_any_work(data_root, tmp_path, monkeypatch, cap
     with pytest.raises(UserError, match="--min-loss-scale 1e-300: must be in"):
         parse_args(["--min-loss-scale", "1e-300"])
     # a batch the memory cannot hold: one line before anything exists (the free memory faked)
-    monkeypatch.setattr(lifecycle, "free_bytes", lambda device: 10**6)
+    monkeypatch.setattr(run_py, "free_bytes", lambda device: 10**6)
     with pytest.raises(UserError, match="--batch-size 64 .* is free: lower --batch-size"):
         run(data_root, tmp_path / "big", "--batch-size", "64")
     assert not os.path.exists(tmp_path / "big")
@@ -455,7 +456,7 @@ def test_sizes_are_checked_before_any_work(data_root, tmp_path, monkeypatch, cap
     monkeypatch.setattr(train, "estimate_loss", no_memory)
     argv = TINY + ["--data-root", data_root, "--out-dir", str(tmp_path / "oom")]
     with pytest.raises(SystemExit) as e:
-        lifecycle.run_main(lambda: train.main(argv), "train.py", (UserError,))
+        run_py.run_main(lambda: train.main(argv), "train.py", (UserError,))
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "out of memory" in err \
         and "lower --batch-size" in err
