@@ -26,16 +26,6 @@ def read(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def max_in_flight(events):
-    """The most collectives launched and not yet waited for at any launch."""
-    most = 0
-    for e in events:
-        alive = [o for o in events if o["launch"] <= e["launch"] and
-                 (o["wait"] is None or o["wait"] > e["launch"])]
-        most = max(most, len(alive))
-    return most
-
-
 def per_step(events):
     """{step: dict(exposed_s, comm_s, overlap)} over the collectives that were waited for."""
     out = {}
