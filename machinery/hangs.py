@@ -371,8 +371,8 @@ def exchange(mine, rank, world_size, seconds):
             time.sleep(0.05)
         read = store.add(KEY + "read", 1)
         while rank == 0 and read < len(heard) and time.monotonic() < deadline + seconds:
-            time.sleep(0.05)
-            _listen(store, heard, gone, here, world_size)
+            time.sleep(0.05)  # late reports still count; a process that ends now does not:
+            _listen(store, heard, gone, {}, world_size)  # it may be a rank that was named, leaving
             read = store.add(KEY + "read", 0)
     except RuntimeError:  # the store is gone (its host left first): what was heard so far
         pass
