@@ -265,12 +265,6 @@ class Reader(checkpoint.Reader):
 # ----------------------------------------------------------------------------------------------
 # resume
 
-def check_compatible(*args):
-    """validate.check_compatible's refusal as a UserError: this run cannot continue it."""
-    try:
-        validate.check_compatible(*args)
-    except ValueError as e:
-        raise UserError(str(e))
 
 
 def restore(path, zero, model, scaler=None, config=None, model_args=None, vocab_meta=None):
@@ -287,7 +281,7 @@ def restore(path, zero, model, scaler=None, config=None, model_args=None, vocab_
     try:
         reader = Reader(path)
         h = reader.header
-        check_compatible(h, model_args, vocab_meta, path, config, shapes)
+        validate.check_compatible(h, model_args, vocab_meta, path, config, shapes)
         for s in zero.segments:
             saved, mine = validate.keys_of(h, s.name), opt_state_keys(zero.opt, s.master)
             if tuple(mine) != saved:

@@ -16,8 +16,9 @@ from lora import apply_lora, merge_lora
 from safetensors.torch import save_file
 
 from machinery import adapters, declared, hf
-from machinery.checked_ckpt import Reader, check_compatible
-from machinery.validate import check_adapter, file_kind, parse_targets, targets_of, vocab_id
+from machinery.checked_ckpt import Reader
+from machinery.validate import (check_adapter, check_compatible, file_kind, parse_targets,
+                                 targets_of, vocab_id)
 import model as model_py
 from precision import DTYPES
 from quant import QuantizedWeight, quantize_base

@@ -21,7 +21,7 @@ import torch
 from checkpoint import HEADER, list_checkpoints, model_args, stored, stored_shapes
 from configurator import UserError
 from machinery import adapters, declared, hf, validate
-from machinery.checked_ckpt import Reader, check_compatible
+from machinery.checked_ckpt import Reader
 import model as model_py
 from model import GPT
 
@@ -77,7 +77,7 @@ def init_weights(reader, cfg, model_args, meta, print0):
     """The weights --init-from CKPT gives train.build (checked against the model and data): a
     state dict in model.py's names, or None for a LoRA run's checkpoint taken as it trained
     (the same LoRA and quantization flags): init_trained loads it once the run is built."""
-    check_compatible(reader.header, model_args, meta, cfg.init_from)
+    validate.check_compatible(reader.header, model_args, meta, cfg.init_from)
     saved = reader.header["config"]
     if not saved.get("lora"):
         return reader.weights()
@@ -98,7 +98,7 @@ def init_trained(reader, cfg, zero, model):
     """The LoRA run's tensors init_weights left for after the build, into this run's ZeRO on
     any stage and world size: the adapters (fp32 masters) and the frozen base as stored. Not
     its optimizer, scaler, RNG or iteration: a new run. The adapter file names its base."""
-    check_compatible(reader.header, model_args(model), None, cfg.init_from,
+    validate.check_compatible(reader.header, model_args(model), None, cfg.init_from,
                      {k: getattr(cfg, k) for k in validate.SETTINGS}, stored_shapes(model))
     shapes = reader.header["shapes"]
     for s in zero.segments:

@@ -379,7 +379,7 @@ def test_empty_values_are_spelled_out():
     header = {"model_args": {}, "shapes": {}, "config": {"lora": True, "quantize": "",
                                                           "lora_targets": "q,v"}}
     config = {"lora": True, "quantize": "nf4", "lora_targets": "q,v"}
-    with pytest.raises(ValueError, match="saved with no --quantize, this run has --quantize "
+    with pytest.raises(UserError, match="saved with no --quantize, this run has --quantize "
                                          "nf4: drop --quantize to resume"):
         validate.check_compatible(header, {}, None, "ckpt", config)
 
