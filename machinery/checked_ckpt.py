@@ -265,8 +265,6 @@ class Reader(checkpoint.Reader):
 # ----------------------------------------------------------------------------------------------
 # resume
 
-
-
 def restore(path, zero, model, scaler=None, config=None, model_args=None, vocab_meta=None):
     """checkpoint.restore, checked: into a freshly built run (any stage, any world size), each
     rank reading only what it owns. Returns (iteration to continue from, a note to print or

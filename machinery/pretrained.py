@@ -99,7 +99,8 @@ def init_trained(reader, cfg, zero, model):
     any stage and world size: the adapters (fp32 masters) and the frozen base as stored. Not
     its optimizer, scaler, RNG or iteration: a new run. The adapter file names its base."""
     validate.check_compatible(reader.header, model_args(model), None, cfg.init_from,
-                     {k: getattr(cfg, k) for k in validate.SETTINGS}, stored_shapes(model))
+                              {k: getattr(cfg, k) for k in validate.SETTINGS},
+                              stored_shapes(model))
     shapes = reader.header["shapes"]
     for s in zero.segments:
         lo, hi = stored(shapes, s.name, s.lo, s.hi)

@@ -364,21 +364,21 @@ def check_compatible(header, model_args, vocab_meta, path, config=None, shapes=N
         diff += [f"{k} {theirs[k]} vs none" for k in theirs if k not in model_args]
     if diff:
         raise UserError(f"{path} is for another model ({', '.join(diff)} here): build the "
-                         "model it was saved from (train.py: the same model flags), or start "
-                         "afresh elsewhere (train.py: another --out-dir)")
+                        "model it was saved from (train.py: the same model flags), or start "
+                        "afresh elsewhere (train.py: another --out-dir)")
     old_vocab, new_vocab = vocab_id(header.get("meta")), vocab_id(vocab_meta)
     if vocab_meta is not None and old_vocab != new_vocab:
         raise UserError(f"{path} was trained on another vocabulary ({old_vocab}, the data is "
-                         f"{new_vocab}): the same ids would mean other tokens; use its data set")
+                        f"{new_vocab}): the same ids would mean other tokens; use its data set")
     saved = header.get("config", {})
     # the optimizer as named to this run: --optimizer adamw, or torch.optim.AdamW's "AdamW"
     mine = (config or {}).get("optimizer")
     if mine is not None and str(header.get("optimizer")).lower() != str(mine).lower():
         trained = header.get("optimizer")
         raise UserError(f"{path} was trained with optimizer {trained}, this run's is "
-                         f"{config.get('optimizer')}: its state would not carry over; build the "
-                         f"engine with {trained} (train.py: --optimizer {trained}) to resume it, "
-                         "or start afresh elsewhere (train.py: another --out-dir)")
+                        f"{config.get('optimizer')}: its state would not carry over; build the "
+                        f"engine with {trained} (train.py: --optimizer {trained}) to resume it, "
+                        "or start afresh elsewhere (train.py: another --out-dir)")
     for key, flag in SETTINGS.items() if config is not None else ():
         mine, old = config.get(key), saved.get(key)
         if key == "lora_targets" and config.get("lora") and saved.get("lora"):
@@ -389,11 +389,11 @@ def check_compatible(header, model_args, vocab_meta, path, config=None, shapes=N
             old, mine = as_flag(flag, old), as_flag(flag, mine)
             fix = f"drop {flag}" if old.startswith("no ") else f"pass {old}"
             raise UserError(f"{path} was saved with {old}, this run has {mine}: {fix} to "
-                             "resume it, or use another --out-dir")
+                            "resume it, or use another --out-dir")
     for name, shape in (shapes or {}).items():
         if header["shapes"].get(name) != shape:
             raise UserError(f"{path}: {name} is {header['shapes'].get(name)} there and "
-                             f"{shape} here: another model or LoRA setting")
+                            f"{shape} here: another model or LoRA setting")
     extra = set(header.get("shapes", {})) - set(shapes or header.get("shapes", {}))
     if extra:
         raise UserError(f"{path} holds {sorted(extra)[0]}, which this model lacks")
