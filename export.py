@@ -11,9 +11,9 @@ PEFT's format. Every check comes before the first byte is written (machinery/exp
 """
 import sys
 
-from configurator import UserError
-from configurator import OneLineParser
+from configurator import OneLineParser, UserError
 from machinery.exporter import export
+from machinery.run import run_main
 from precision import DTYPES
 
 
@@ -28,17 +28,15 @@ def main(argv=None):
     p.add_argument("--dtype", choices=list(DTYPES), help="--to hf: the weights' dtype (fp32)")
     p.add_argument("--merge", action="store_true",
                    help="fold a LoRA adapter into the weights (a quantized base dequantized)")
-    try:
+
+    def body():
         args = p.parse_args(argv)
-        lines = export(args.ckpt, args.to, args.out, args.dtype, args.merge)
-    except UserError as e:
-        print(f"export.py: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a full disk, a vanished folder: the temporary files are gone
-        print(f"export.py: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
-        return 2
-    print("\n".join(lines))
-    return 0
+        try:
+            lines = export(args.ckpt, args.to, args.out, args.dtype, args.merge)
+        except OSError as e:  # a full disk, a vanished folder: the temporary files are gone
+            raise UserError(f"cannot write {args.out}: {e.strerror or e}")
+        print("\n".join(lines))
+    return run_main(body, "export.py")
 
 
 if __name__ == "__main__":

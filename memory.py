@@ -199,8 +199,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:  # one line, never a traceback
-        print(f"memory.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from machinery import run
+    run.command(main, "memory.py")  # an error is one line (run_main), never a traceback

@@ -21,18 +21,15 @@ import sys
 
 import torch
 
-from configurator import UserError
-
-from configurator import OneLineParser
+from configurator import OneLineParser, UserError
 from data.prepare import get_codec
 from lora import merge_lora
 from machinery import pretrained
 from machinery.adapters import load_adapter
 from machinery.declared import generate
+from machinery.run import run_main
 from machinery.validate import vocab_id
 from precision import resolve_dtype
-
-
 
 
 def parse_args(argv=None):
@@ -71,10 +68,7 @@ def sample(args):
     if use_cuda and not torch.cuda.is_available():
         raise UserError("--device cuda but no CUDA device is visible: use --device cpu")
     device = torch.device("cuda" if use_cuda else "cpu")
-    try:
-        dtype = resolve_dtype(args.dtype, device)
-    except ValueError as e:
-        raise UserError(str(e))
+    dtype = resolve_dtype(args.dtype, device)
     # the weights: a run's newest checkpoint, a given one, or a Hugging Face GPT-2
     what, ckpt = pretrained.weights_to_sample(args.ckpt, args.init_from, args.out_dir)
     model = pretrained.model_of(ckpt)  # its sizes checked before it is built
@@ -116,13 +110,8 @@ def sample(args):
 
 
 def main(argv=None):
-    """Returns the exit status: 0, or 2 after a one-line error."""
-    try:
-        sample(parse_args(argv))
-    except UserError as e:
-        print(f"sample.py: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    """Returns the exit status: 0, or 2 after a one-line error (machinery/run.py's run_main)."""
+    return run_main(lambda: sample(parse_args(argv)), "sample.py")
 
 
 if __name__ == "__main__":

@@ -134,10 +134,7 @@ def check_model(model, flags):
             raise UserError(f"{name} has no self.{attr}: {why} (docs/forking.md)")
     if flags.lora or flags.fp8:  # each path of its LINEARS, in every block
         from machinery.validate import declared_linears  # it imports model.py: when called
-        try:
-            declared_linears(model)
-        except ValueError as e:
-            raise UserError(str(e))
+        declared_linears(model)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -61,8 +61,13 @@ def keep_schedule(cfg, saved):
 
 
 def command(main, name="train.py"):
-    """main() as a command: an error a user can fix is one line (run_main)."""
-    run_main(main, name, (UserError, ValueError))
+    """main() as this process's command: its exit status (run_main), the process group left."""
+    try:
+        status = run_main(main, name)
+    finally:  # an error after init: leave no communicator behind (NCCL warns, may hang)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.exit(status)
 
 
 class Run:
@@ -94,7 +99,7 @@ class Run:
             from beyond import fp8
             try:
                 eager = fp8.check_available(device, cfg.compile)  # a warning on a GPU, or None
-            except (RuntimeError, ValueError) as e:
+            except RuntimeError as e:  # no FP8 on this torch or GPU (a ValueError: run_main's)
                 raise UserError(str(e))
             if eager:
                 self.print0(eager)
@@ -444,28 +449,28 @@ def out_of_memory(e):
             "with these flags estimates the need" + nccl)
 
 
-def run_main(main, name, errors):
-    """Run main(); an error in `errors` is one line on stderr (exit 2), as is running out of
-    memory (each rank that does). Under torchrun rank 0 speaks for all, unless the error is
-    rank_local (only this rank can see it). A collective that lost a peer is one line on each
-    rank that waited in it (name_hang; exit 3)."""
+def run_main(main, name, errors=(UserError, ValueError)):
+    """The one place an error becomes one line, for every command: main()'s exit status, 0; or
+    2 after an error a user can fix (a UserError, or the ValueError of any check, the lesson's
+    own included) or running out of memory (each rank that does), one line on stderr. Under
+    torchrun rank 0 speaks for all, unless the error is rank_local (only this rank can see
+    it). 3 after a collective that lost a peer: one line on each rank that waited in it
+    (name_hang)."""
     try:
         main()
+        return 0
     except errors as e:
         if int(os.environ.get("RANK", 0)) == 0 or getattr(e, "rank_local", False):
             print(f"{name}: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
     except RuntimeError as e:
         if dist.is_initialized() and (isinstance(e, hangs.CollectiveTimeout) or hangs.lost(e)):
             if not isinstance(e, hangs.CollectiveTimeout):  # torch.distributed's own
                 e = hangs.CollectiveTimeout(None, e)
             print(f"{name}: error: {hangs.name_hang(e)}", file=sys.stderr, flush=True)
-            sys.exit(3)  # a hang, named by every rank that waited
+            return 3  # a hang, named by every rank that waited
         line = out_of_memory(e)
         if line is None:
             raise
         print(f"{name}: error: {line}", file=sys.stderr)
-        sys.exit(2)
-    finally:  # an error after init: leave no communicator behind (NCCL warns, may hang)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        return 2

@@ -431,14 +431,11 @@ def check_optimizer(name):
 
 def check_run(cfg, model_class):
     """What a run's flags ask of the optimizer and the model class, checked before any work: a
-    UserError, one line."""
-    try:
-        check_declarations(model_class, cfg)  # a fork's model: what the flags read off it
-        check_optimizer(cfg.optimizer)
-        if cfg.lora:  # names of the model's declared LINEARS
-            parse_targets(cfg.lora_targets, model_class.LINEARS)
-    except ValueError as e:
-        raise UserError(str(e))
+    ValueError, one line."""
+    check_declarations(model_class, cfg)  # a fork's model: what the flags read off it
+    check_optimizer(cfg.optimizer)
+    if cfg.lora:  # names of the model's declared LINEARS
+        parse_targets(cfg.lora_targets, model_class.LINEARS)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -160,6 +160,21 @@ def test_the_lecture_names_no_product():
     assert not raising, raising
 
 
+COMMANDS = ("train.py", "sample.py", "memory.py", "export.py")
+# a ValueError caught only to be raised again as a UserError of the same words
+REWRAP = re.compile(r"except \(?[\w, ]*ValueError[\w, ]*\)? as (\w+):\s*\n\s*raise UserError\("
+                    r"str\(\1\)\)")
+
+
+def test_one_place_turns_a_value_error_into_the_one_line():
+    """machinery/run.py's run_main is every command's one place where an error a user can fix
+    (a UserError, or the ValueError of any check) becomes one line: each command runs through
+    it, and no module catches a ValueError only to raise its words again as a UserError."""
+    assert all(re.search(r"\b(run_main|command)\(", read(c)) for c in COMMANDS)
+    rewrapped = [f for f in tracked() if not f.startswith("tests/") and REWRAP.search(read(f))]
+    assert not rewrapped, rewrapped
+
+
 def test_a_default_run_loads_nothing_from_beyond(data_root, tmp_path):
     """train.py at the default flags, from its start-up table to its last checkpoint, and
     train.build at --zero 2 --bf16: every module loaded is the lecture's or the machinery's.

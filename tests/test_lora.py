@@ -80,7 +80,7 @@ def test_a_path_the_blocks_lack_is_one_line_before_lora():
     model = make_model()
     model.LINEARS = (("attn.c_attn", ("q", "k", "v")), ("mlp.fc", ("fc",)))
     for flags in (TrainConfig(lora=True), TrainConfig(fp8=True)):
-        with pytest.raises(UserError, match="names 'mlp.fc', which block 0 does not have"):
+        with pytest.raises(ValueError, match="names 'mlp.fc', which block 0 does not have"):
             declared.check_model(model, flags)
     declared.check_model(make_model(), TrainConfig(lora=True))  # GPT's own: every path there
 

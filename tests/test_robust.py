@@ -383,13 +383,13 @@ def test_the_lock_comes_before_any_work(data_root, tmp_path):
 
 
 def _cli(argv, err, command="train"):
-    """A command as its __main__ runs it (train.py: run.run_main; export.py, sample.py:
+    """A command as its __main__ runs it (train.py: run.command; export.py, sample.py:
     their main's exit status), its stderr into the file err."""
     sys.stderr = open(err, "w", buffering=1)
     sys.stdout = open(os.devnull, "w")
     torch.set_num_threads(1)
     if command == "train":
-        return run_py.run_main(lambda: train.main(argv), "train.py", UserError)
+        run_py.command(lambda: train.main(argv))
     sys.exit(importlib.import_module(command).main(argv))
 
 
@@ -458,10 +458,9 @@ def test_sizes_are_checked_before_any_work(data_root, tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(train, "estimate_loss", no_memory)
     argv = TINY + ["--data-root", data_root, "--out-dir", str(tmp_path / "oom")]
-    with pytest.raises(SystemExit) as e:
-        run_py.run_main(lambda: train.main(argv), "train.py", (UserError,))
+    status = run_py.run_main(lambda: train.main(argv), "train.py", (UserError,))
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and "out of memory" in err \
+    assert status == 2 and err.count("\n") == 1 and "out of memory" in err \
         and "lower --batch-size" in err
     assert not os.path.exists(tmp_path / "oom")
 
