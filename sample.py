@@ -8,13 +8,11 @@ Generate text from a checkpoint that train.py wrote, or from a Hugging Face GPT-
                                                         # --to hf wrote (also as --ckpt FOLDER)
     python sample.py --init-from ./gpt2 --adapter out/adapter   # + a LoRA adapter (PEFT's)
 
-The checkpoint (a folder of checkpoint.py's, JSON and safetensors, or one file holding model,
-model_args and meta) carries everything needed: the weights (fp32, model.py's names), the
-GPTConfig arguments and the data's meta.json (hence the tokenizer). A single file is read with
-weights_only=True: tensors and plain data only, so a checkpoint from elsewhere can never run
-code when loaded (nanoGPT's pickled ckpt.pt and meta.pkl could). A Hugging Face GPT-2
-(config.json beside safetensors) carries its shape in config.json and speaks GPT-2 BPE
-(tiktoken).
+The checkpoint (a folder of checkpoint.py's, JSON and safetensors) carries everything needed:
+the weights (fp32, model.py's names), the GPTConfig arguments and the data's meta.json (hence
+the tokenizer). Nothing is unpickled, so a checkpoint from elsewhere can never run code when
+loaded (nanoGPT's pickled ckpt.pt and meta.pkl could). A Hugging Face GPT-2 (config.json beside
+safetensors) carries its shape in config.json and speaks GPT-2 BPE (tiktoken).
 """
 import argparse
 import sys

@@ -195,51 +195,32 @@ def load_hf(source, config, device, dtype, lora=False):
 # ----------------------------------------------------------------------------------------------
 # In: sample.py's weights
 
-
-
 def find_checkpoint(out_dir):
-    """The newest ckpt-NNNNNNN folder train.py wrote in out_dir (or an out_dir/ckpt.pt file)."""
+    """The newest ckpt-NNNNNNN folder train.py wrote in out_dir."""
     ckpts = list_checkpoints(out_dir)
-    if not ckpts and os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
-        return os.path.join(out_dir, "ckpt.pt")  # a single-file checkpoint (nanoGPT's layout)
     if not ckpts:
         raise UserError(f"no checkpoint in {out_dir} (train.py writes ckpt-NNNNNNN folders "
-                          f"there): train one first, e.g. `python train.py --out-dir {out_dir}`,"
-                          " or pass --ckpt PATH")
+                        f"there): train one first, e.g. `python train.py --out-dir {out_dir}`,"
+                        " or pass --ckpt PATH")
     return ckpts[-1]
 
 
 def load_checkpoint(path):
-    """A checkpoint of ours (a folder in either format, or one file holding model,
-    model_args and meta), read with weights_only=True: {model, model_args, meta[, iter]}."""
-    if os.path.isdir(path):
-        reader = Reader(path)
-        lora = bool(reader.header["config"].get("lora"))
-        if lora:  # a LoRA run's: what it trained, as `export.py --merge` writes it
-            from machinery import exporter
-        weights = exporter.merged_weights(reader) if lora else reader.weights()
-        return {"model_args": reader.model_args(), "model": weights, "lora": lora,
-                "meta": reader.header["meta"], "iter": reader.header["iter"]}
-    kind = validate.file_kind(path)  # before torch.load opens it: a FIFO would wait for ever
-    if kind != "a file":
-        raise UserError(f"{path} is {kind}, not a checkpoint" if kind else
-                        f"no checkpoint at {path}: train one first, e.g. "
-                        f"`python train.py --out-dir {os.path.dirname(path) or '.'}`")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        # torch's messages run over many lines: keep the one that names the cause. weights_only
-        # refuses any global outside its allow-list ("Trying to load unsupported GLOBAL ...")
-        why = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), None)
-        if why:
-            raise UserError(f"refused {path}: it holds Python objects, "
-                              f"which could run code ({why})")
-        raise UserError(f"cannot read {path}: truncated, corrupt or not a checkpoint "
-                          f"({type(e).__name__})")
-    if not isinstance(ckpt, dict) or not {"model", "model_args", "meta"} <= ckpt.keys():
-        raise UserError(f"{path} is not a checkpoint of train.py "
-                          "(it needs model, model_args and meta)")
-    return ckpt
+    """A checkpoint folder of ours, in either format: {model, model_args, meta, iter, lora}.
+    Nothing else is read: a file is one line, never unpickled."""
+    kind = validate.file_kind(path)
+    if kind != "a folder":
+        raise UserError(f"{path} is {kind}, not a checkpoint: sample.py reads the ckpt-NNNNNNN "
+                        "folders train.py writes, or a Hugging Face GPT-2's (--init-from)"
+                        if kind else f"no checkpoint at {path}: train one first, e.g. `python "
+                        f"train.py --out-dir {os.path.dirname(path) or '.'}`")
+    reader = Reader(path)
+    lora = bool(reader.header["config"].get("lora"))
+    if lora:  # a LoRA run's: what it trained, as `export.py --merge` writes it
+        from machinery import exporter
+    weights = exporter.merged_weights(reader) if lora else reader.weights()
+    return {"model_args": reader.model_args(), "model": weights, "lora": lora,
+            "meta": reader.header["meta"], "iter": reader.header["iter"]}
 
 
 def load_hf_for_sampling(source):

@@ -1,22 +1,25 @@
-"""Tests for sample.py on a tiny checkpoint written in train.py's format (fp32 state dict with
-model.py's names, GPTConfig kwargs, the TrainConfig dict, iter_num, and meta.json's dict from
+"""Tests for sample.py on a tiny checkpoint saved as train.py saves it (machinery/checked_ckpt.py:
+the model's fp32 masters, its GPTConfig kwargs, the TrainConfig dict and meta.json's dict from
 data/prepare.py), so no training run is needed. Errors must be one line on stderr, exit status 2,
-no traceback; a checkpoint whose pickle carries code must be refused without running it."""
+no traceback; a pickle that carries code is never opened."""
+import json
 import os
 import subprocess
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
+import model as model_py
 import sample
 from data.prepare import load_meta, prepare
+from machinery import checked_ckpt, hf
 from model import GPT, GPTConfig
 from configurator import TrainConfig
-from conftest import ROOT
+from conftest import ROOT, make_zero
 
 TEXT = "abc cab bac\nbad dab cad\n" * 10  # vocabulary: "\n", " ", a, b, c, d
 SEP = "\n" + "-" * 40 + "\n"  # what sample.py prints between samples
@@ -24,19 +27,16 @@ SEP = "\n" + "-" * 40 + "\n"  # what sample.py prints between samples
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    """Path of a ckpt.pt laid out as train.py saves it, with meta.json exactly as prepare.py writes it."""
+    """Path of a checkpoint folder saved as train.py saves it, with meta.json exactly as
+    prepare.py writes it."""
     tmp = tmp_path_factory.mktemp("ckpt")
     (tmp / "tiny.txt").write_text(TEXT, encoding="utf-8")
     meta = load_meta(prepare(input_path=str(tmp / "tiny.txt"), out_root=str(tmp / "data")))
     torch.manual_seed(0)
     cfg = GPTConfig(block_size=16, vocab_size=meta["vocab_size"], n_layer=2, n_head=2, n_embd=16, bias=False)
     model = GPT(cfg)
-    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-    path = tmp / "out" / "ckpt.pt"
-    path.parent.mkdir()
-    torch.save({"model": state, "model_args": asdict(cfg), "config": asdict(TrainConfig()),
-                "iter_num": 0, "meta": meta}, path)
-    return str(path)
+    header = {"config": asdict(TrainConfig()), "model_args": asdict(cfg), "meta": meta}
+    return checked_ckpt.save(str(tmp / "out"), 0, make_zero(model, 0), model, header=header)
 
 
 def split_samples(stdout):
@@ -84,7 +84,7 @@ def test_main_in_process(ckpt, tmp_path, capsys):
     greedy = run_main(args + ["--temperature", "0"], capsys)[1]
     assert len(set(split_samples(greedy))) == 1
     assert run_main(args + ["--top-k", "1", "--seed", "5"], capsys)[1] == greedy
-    # --out-dir finds ckpt.pt in it; FILE: reads the prompt from a file
+    # --out-dir finds the newest checkpoint in it; FILE: reads the prompt from a file
     (tmp_path / "prompt.txt").write_text("d a\n", encoding="utf-8")
     rc, out, _ = run_main(["--out-dir", os.path.dirname(ckpt), "--start", f"FILE:{tmp_path / 'prompt.txt'}",
                            "--max-new-tokens", "5", "--num-samples", "1"], capsys)
@@ -105,24 +105,28 @@ def test_missing_checkpoint_cli(tmp_path):
 def test_errors_in_process(ckpt, tmp_path, capsys):
     assert_one_line_error(*run_main(["--ckpt", str(tmp_path / "none.pt")], capsys),
                           "no checkpoint at", "train")
-    data = Path(ckpt).read_bytes()
-    (tmp_path / "half.pt").write_bytes(data[:len(data) // 2])
-    assert_one_line_error(*run_main(["--ckpt", str(tmp_path / "half.pt")], capsys), "truncated")
-    (tmp_path / "empty.pt").write_bytes(b"")
-    assert_one_line_error(*run_main(["--ckpt", str(tmp_path / "empty.pt")], capsys), "cannot read")
-    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
-    assert_one_line_error(*run_main(["--ckpt", str(tmp_path / "other.pt")], capsys), "not a checkpoint")
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")  # a file is no checkpoint
+    assert_one_line_error(*run_main(["--ckpt", str(tmp_path / "other.pt")], capsys),
+                          "is a file, not a checkpoint", "ckpt-NNNNNNN folders")
+    (tmp_path / "folder").mkdir()  # nor is a folder without checkpoint.json
+    assert_one_line_error(*run_main(["--ckpt", str(tmp_path / "folder")], capsys), "folder")
     assert_one_line_error(*run_main(["--ckpt", ckpt, "--start", "abz"], capsys),
                           "not in the vocabulary", "'z'")
     assert_one_line_error(*run_main(["--ckpt", ckpt, "--start", ""], capsys), "prompt is empty")
     assert_one_line_error(*run_main(["--ckpt", ckpt, "--start", "FILE:" + str(tmp_path / "no.txt")], capsys),
                           "cannot read the prompt")
     assert_one_line_error(*run_main(["--ckpt", ckpt, "--dtype", "fp8"], capsys), "unknown dtype 'fp8'")
-    # weights for another model: load_state_dict's many-line message, flattened
-    state = torch.load(ckpt, weights_only=True)
-    state["model_args"]["n_embd"] = 32
-    torch.save(state, tmp_path / "wrong.pt")
-    assert_one_line_error(*run_main(["--ckpt", str(tmp_path / "wrong.pt")], capsys), "does not fit model.py")
+
+def test_weights_that_do_not_fit_an_edited_model_py_are_one_line(ckpt, capsys, monkeypatch):
+    """model.py edited since the save (a parameter added): load_state_dict's many-line message,
+    flattened into one."""
+    class Grown(GPT):
+        def __init__(self, config):
+            super().__init__(config)
+            self.extra = torch.nn.Parameter(torch.zeros(3))
+
+    monkeypatch.setattr(model_py, "GPT", Grown)
+    assert_one_line_error(*run_main(["--ckpt", ckpt], capsys), "does not fit model.py", "extra")
 
 
 class Payload:
@@ -135,13 +139,17 @@ class Payload:
         return (open, (self.marker, "w"))
 
 
-def test_pickle_with_code_is_refused(ckpt, tmp_path, capsys):
+def test_pickle_with_code_is_never_opened(tmp_path, capsys):
     marker = tmp_path / "pwned"
-    ok = torch.load(ckpt, weights_only=True)
-    path = tmp_path / "ckpt.pt"
-    torch.save({**ok, "model": Payload(str(marker))}, path)
-    assert_one_line_error(*run_main(["--ckpt", str(path)], capsys), "refused", "could run code")
+    path = tmp_path / "ckpt.pt"  # nanoGPT's name
+    torch.save({"model": Payload(str(marker)), "model_args": {}, "meta": {}}, path)
+    assert_one_line_error(*run_main(["--ckpt", str(path)], capsys), "not a checkpoint")
+    (tmp_path / "out").mkdir()
+    os.replace(path, tmp_path / "out" / "ckpt.pt")  # where an --out-dir once kept it
+    assert_one_line_error(*run_main(["--out-dir", str(tmp_path / "out")], capsys),
+                          "no checkpoint in")
     assert not marker.exists()
+    path = tmp_path / "out" / "ckpt.pt"
     # the payload is live: an unsafe load runs it (so the refusal above is what saved us)
     torch.load(path, weights_only=False)["model"].close()
     assert marker.exists()
@@ -166,8 +174,16 @@ def test_numbers_and_sizes_are_checked_before_any_work(ckpt, tmp_path, capsys):
     rc, out, err = run_main(["--ckpt", ckpt, "--max-new-tokens", "4", "--temperature", "1e-4"],
                             capsys)  # the smallest temperature still samples
     assert rc == 0 and len(split_samples(out)) == 3
-    state = torch.load(ckpt, weights_only=True)
-    state["model"]["transformer.h.1.mlp.c_fc.weight"][3, 4] = float("nan")
-    torch.save(state, tmp_path / "nan.pt")
-    assert_one_line_error(*run_main(["--ckpt", str(tmp_path / "nan.pt")], capsys),
-                          "weights hold inf/NaN (transformer.h.1.mlp.c_fc.weight)")
+    # a Hugging Face GPT-2 holding a NaN (a checkpoint of ours refuses to save one), by hand
+    args = dict(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=16, bias=True)
+    sd = GPT(GPTConfig(**args)).state_dict()
+    tensors = {k: (t.t() if k.endswith(hf.CONV1D) else t[:50257]).contiguous()
+               for k, t in sd.items() if k != "lm_head.weight"}
+    tensors["transformer.h.0.mlp.c_fc.weight"][4, 3] = float("nan")
+    (tmp_path / "hf").mkdir()
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 16, "n_positions": 16,
+         "vocab_size": 50257}))
+    assert_one_line_error(*run_main(["--ckpt", str(tmp_path / "hf")], capsys),
+                          "weights hold inf/NaN (transformer.h.0.mlp.c_fc.weight)")
