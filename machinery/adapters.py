@@ -206,11 +206,8 @@ def read_adapter(path):
             meta = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
-        message = f"{path}: not a readable adapter folder ({type(e).__name__}: {e})"
-        if os.fspath(path).endswith("/adapter.safetensors"):  # before PEFT's was the one format
-            message = (f"{path} is an adapter file of an older nanoZeRO: `python export.py "
-                       "CKPT --to hf OUT` writes the run's adapter as PEFT's folder (OUT/adapter)")
-        raise UserError(message.splitlines()[0])
+        raise UserError(f"{path}: not a readable adapter folder ({type(e).__name__}: {e})"
+                        .splitlines()[0])
     try:
         ours = json.loads(meta[KEY])
         assert isinstance(ours, dict) and isinstance(config, dict)

@@ -215,11 +215,11 @@ def test_adapter_save_load_swap(tmp_path):
     with pytest.raises(UserError, match="not a readable adapter"):
         adapters.load_adapter(make_model(), paths["A"])
     from safetensors.torch import save_file
-    old = str(tmp_path / "old" / "adapter.safetensors")  # the format before PEFT's
-    os.makedirs(os.path.dirname(old))
-    save_file(adapters.adapter_state(model.state_dict()), old, {"base_fingerprint": "0" * 16})
-    with pytest.raises(UserError, match="older nanoZeRO: `python export.py CKPT --to hf OUT`"):
-        adapters.load_adapter(make_model(), old)
+    other = str(tmp_path / "other" / "adapter.safetensors")  # a file beside no PEFT config
+    os.makedirs(os.path.dirname(other))
+    save_file(adapters.adapter_state(model.state_dict()), other, {"base_fingerprint": "0" * 16})
+    with pytest.raises(UserError, match="not a readable adapter folder"):
+        adapters.load_adapter(make_model(), other)
 
 
 def edited(folder, config=None, tensors=None, meta=None):
