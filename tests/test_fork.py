@@ -183,7 +183,6 @@ def as_no_blocks(main, argv):
 def test_a_missing_declaration_is_one_line(data_root, tmp_path, monkeypatch):
     """A fork that declares no blocks() runs ZeRO 0-2; ZeRO-3 says what to declare."""
     import train
-    from configurator import UserError
     args = TINY + ["--data-root", data_root, "--max-iters", "1", "--batch-size", "2"]
     run_train(args + ["--out-dir", str(tmp_path / "z2"), "--zero", "2"], 1, as_no_blocks)
     monkeypatch.setattr(train, "GPT", NoBlocks)
