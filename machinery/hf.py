@@ -6,8 +6,8 @@ The HF layout of GPT-2 (transformers' GPT2LMHeadModel) differs from model.py's i
   - Conv1D, not nn.Linear: the four matmul weights of a block (attn.c_attn, attn.c_proj, mlp.c_fc,
     mlp.c_proj) are stored (in, out), the transpose of nn.Linear's (out, in). Biases and LayerNorm
     parameters are the same either way.
-  - The head is tied to the token embedding, so files hold wte once and no lm_head.weight (some
-    files hold both, equal). Some files also hold the causal mask as `attn.bias` and
+  - The head is tied to the token embedding, so files hold wte once and no lm_head.weight (old
+    .bin files may hold both, equal). Some files also hold the causal mask as `attn.bias` and
     `attn.masked_bias`: buffers, not weights; we skip them (`attn.c_attn.bias` is a weight).
   - Key prefixes: GPT2LMHeadModel writes `transformer.h.0.ln_1.weight`, but the hub's own `gpt2`
     files were saved from GPT2Model and say `h.0.ln_1.weight`. We accept both, write the former.
@@ -37,10 +37,7 @@ HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 SKIP = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older transformers versions
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a GPT-2 export may be in
-WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
-# a pickled pytorch_model.bin is not read (unpickling can run code): transformers converts it
-PICKLED = ("pickled: save it as safetensors once with transformers, GPT2LMHeadModel."
-           "from_pretrained(folder).save_pretrained(folder)")
+WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin")
 
 
 
@@ -159,10 +156,8 @@ def _folder_and_files(path):
     if os.path.isdir(path):
         found = [f for f in WEIGHT_FILES if os.path.exists(os.path.join(path, f))]
         if not found:
-            pickled = os.path.exists(os.path.join(path, "pytorch_model.bin"))
-            raise UserError(f"{path}: no {', '.join(WEIGHT_FILES)} in this folder"
-                            + (f"; its pytorch_model.bin is {PICKLED}" if pickled else ""))
-        path = os.path.join(path, found[0])  # the index before a single file
+            raise UserError(f"{path}: no {', '.join(WEIGHT_FILES)} in this folder")
+        path = os.path.join(path, found[0])  # index before single file, safetensors before .bin
     if path.endswith(".index.json"):
         try:
             with open(path) as f:
@@ -195,16 +190,20 @@ def read_config(source, cache_dir=None):
 
 
 def _open(path, stack):
-    """{name: (shape, reader)} of one safetensors file. Shapes come from its header; a tensor's
-    bytes are read when its reader is called."""
-    if not path.endswith(".safetensors"):
-        raise UserError(f"{path}: not a .safetensors file" + (
-            f"; a .bin is {PICKLED}" if path.endswith(".bin") else ""))
-    try:  # ours keep a crc32 per tensor: checked when read
-        f = stack.enter_context(safe_open(path, framework="pt"))
-        crcs = json.loads((f.metadata() or {}).get(KEY, "{}")).get("crc32")
-        return {k: (tuple(f.get_slice(k).get_shape()),
-                    lambda k=k: _checked(path, crcs, k, f.get_tensor(k))) for k in f.keys()}
+    """{name: (shape, reader)} of one weights file. Shapes come from the safetensors header; a
+    tensor's bytes are read when its reader is called. A .bin is memory-mapped instead (old
+    non-zip .bin files cannot be, and are read whole)."""
+    try:
+        if path.endswith(".safetensors"):  # ours keep a crc32 per tensor: checked when read
+            f = stack.enter_context(safe_open(path, framework="pt"))
+            crcs = json.loads((f.metadata() or {}).get(KEY, "{}")).get("crc32")
+            return {k: (tuple(f.get_slice(k).get_shape()),
+                        lambda k=k: _checked(path, crcs, k, f.get_tensor(k))) for k in f.keys()}
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+        return {k: (tuple(t.shape), lambda k=k: sd[k]) for k, t in sd.items()}
     except Exception as e:
         raise UserError(f"{path}: unreadable ({_one_line(e)})") from None
 
