@@ -26,7 +26,7 @@ import torch.distributed as dist
 import checkpoint
 import collectives
 from configurator import SCHEDULE, TrainConfig, UserError
-from machinery import checked_ckpt, declared, hangs, quirks, report, rundir, timeline, validate
+from machinery import checked_ckpt, declared, hangs, quirks, report, rundir, validate
 from machinery.footprint import free_bytes
 from machinery.rundir import releasing_locks  # noqa: F401 (train.py's, through this module)
 
@@ -378,7 +378,8 @@ def claim(cfg, rank, world_size, device, print0):
     history (one run a folder): a UserError, one line, the same on every rank."""
     def checks():  # on rank 0, its line for every rank
         check_memory(cfg, device)
-        if cfg.trace:
+        if cfg.trace:  # --trace's folder (its module loads only with the flag)
+            from machinery import timeline
             timeline.check_target(cfg.trace, world_size)
     rundir.claim(cfg, rank, world_size, print0, checks)
 
